@@ -1,0 +1,37 @@
+//! `oab-wire`: the wire protocol shared by the OAB relay and its connectors.
+//!
+//! No I/O lives here: only types, byte layouts and pure state machines, so
+//! both sides use the same code and every rule is testable in memory.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`limits`] | frame size limits and why each default is what it is |
+//! | [`code`] | error codes (`Error` frames) and WebSocket close codes |
+//! | [`ids`] | peer, key, request, relay, session, instance ids; delegation keys |
+//! | [`frame`] | the frame types and their fields |
+//! | [`codec`] | byte layout, encoder, and the decoder contract |
+//! | [`digest`] | SHA-256 digests of exact bytes |
+//! | [`identity`] | ed25519 identities, key files, public keys, key windows |
+//! | [`handshake`] | the session handshake transcript and state machine |
+//! | [`envelope`] | signed envelopes (DSSE-style) for requests and results |
+//!
+//! The protocol itself is specified in `docs/protocol.md`.
+
+#![deny(clippy::indexing_slicing, clippy::panic, clippy::unwrap_used)]
+
+pub mod code;
+pub mod codec;
+pub mod digest;
+pub mod envelope;
+pub mod frame;
+pub mod handshake;
+pub mod identity;
+pub mod ids;
+pub mod limits;
+
+pub use code::{CloseCode, ErrorCode};
+pub use codec::{FrameDecoder, FrameError, decode_message, encode};
+pub use digest::Digest;
+pub use frame::*;
+pub use ids::{DelegationKey, InstanceId, KeyId, PeerId, RelayId, RequestId, SessionId};
+pub use limits::Limits;
