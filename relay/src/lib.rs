@@ -1,1 +1,4 @@
-//! placeholder
+//! `oab-relay`: the public relay server of OAB Relay.
+
+pub mod store;
+pub mod testing;

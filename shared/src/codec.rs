@@ -414,6 +414,7 @@ fn decode_parts(ty: FrameType, header: Bytes, payload: Bytes) -> Result<Frame, F
         }
         FrameType::Welcome => Frame::Welcome(Welcome {
             session: SessionId(r.array("session")?),
+            epoch: r.u64("epoch")?,
             heartbeat_ms: r.u32("heartbeat")?,
             max_header: r.u16("max_header")?,
             max_payload: r.u32("max_payload")?,
@@ -609,6 +610,7 @@ fn write_header(frame: &Frame, buf: &mut BytesMut) -> Result<(), FrameError> {
         }
         Frame::Welcome(x) => {
             w.buf.put_slice(&x.session.0);
+            w.buf.put_u64(x.epoch);
             w.buf.put_u32(x.heartbeat_ms);
             w.buf.put_u16(x.max_header);
             w.buf.put_u32(x.max_payload);

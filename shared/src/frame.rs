@@ -301,6 +301,10 @@ pub struct Hello {
 pub struct Welcome {
     /// The session id, for logs on both sides.
     pub session: SessionId,
+    /// The store epoch: a random value fixed when the durable store was
+    /// initialised. A change between two welcomes means the store lost its
+    /// data; logs the connector knew about may be gone.
+    pub epoch: u64,
     /// How often the connector should ping when idle, ms.
     pub heartbeat_ms: u32,
     /// The frame limits the relay enforces.

@@ -1,0 +1,332 @@
+//! The in-memory store: one process, lost on restart, otherwise the same
+//! semantics as the Redis store (the shared conformance tests run both).
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
+
+use super::{
+    AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
+    ReadOutcome, Retention, StoreError,
+};
+
+#[derive(Debug, Default)]
+struct Log {
+    /// Sequence of the first entry in `entries`.
+    first: u64,
+    entries: VecDeque<Bytes>,
+}
+
+impl Log {
+    fn push(&mut self, seq: u64, frame: Bytes, cap: u64) {
+        if self.entries.is_empty() {
+            self.first = seq;
+        }
+        self.entries.push_back(frame);
+        while self.entries.len() as u64 > cap {
+            self.entries.pop_front();
+            self.first += 1;
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Delegation {
+    meta: DelegationMeta,
+    down: Log,
+    up: Log,
+}
+
+impl Delegation {
+    fn log_mut(&mut self, dir: Direction) -> &mut Log {
+        match dir {
+            Direction::Down => &mut self.down,
+            Direction::Up => &mut self.up,
+        }
+    }
+
+    fn log(&self, dir: Direction) -> &Log {
+        match dir {
+            Direction::Down => &self.down,
+            Direction::Up => &self.up,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    delegations: HashMap<DelegationKey, Delegation>,
+    by_peer: HashMap<PeerId, HashSet<DelegationKey>>,
+    deadlines: BTreeSet<(u64, DelegationKey)>,
+    finished: BTreeSet<(u64, DelegationKey)>,
+    descriptors: HashMap<PeerId, Bytes>,
+}
+
+/// The in-memory store.
+#[derive(Debug)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+    retention: Retention,
+    epoch: u64,
+}
+
+impl MemoryStore {
+    /// An empty store with a fresh random epoch.
+    pub fn new(retention: Retention) -> Self {
+        MemoryStore {
+            inner: Mutex::new(Inner::default()),
+            retention,
+            epoch: rand_epoch(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-applied append
+        // (every mutation is a few infallible steps), so poisoning is ignored.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A random non-zero epoch.
+pub(crate) fn rand_epoch() -> u64 {
+    let mut b = [0u8; 8];
+    rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
+    u64::from_be_bytes(b).max(1)
+}
+
+impl Inner {
+    fn append_one(&mut self, req: AppendRequest, retention: &Retention) -> AppendOutcome {
+        let Some(d) = self.delegations.get_mut(&req.key) else {
+            return AppendOutcome::Unknown;
+        };
+        let m = &mut d.meta;
+        let (tail, sender_tail) = match req.dir {
+            Direction::Down => (m.down_tail, m.down_sender_tail),
+            Direction::Up => (m.up_tail, m.up_sender_tail),
+        };
+        match req.origin {
+            Origin::Relay => {
+                if req.seq != tail + 1 {
+                    return AppendOutcome::Conflict { tail };
+                }
+                if req.terminal.is_some() {
+                    if let Some(outcome) = m.terminal {
+                        return AppendOutcome::AlreadyTerminal { outcome };
+                    }
+                }
+            }
+            Origin::Peer(instance) => {
+                if req.seq <= tail {
+                    return if req.seq <= sender_tail {
+                        AppendOutcome::Duplicate { tail: sender_tail }
+                    } else {
+                        // The slot holds a relay entry written after the terminal.
+                        AppendOutcome::AlreadyTerminal {
+                            outcome: m.terminal.unwrap_or(Outcome::Unknown),
+                        }
+                    };
+                }
+                if req.seq > tail + 1 {
+                    return AppendOutcome::Hole { tail };
+                }
+                if let Some(outcome) = m.terminal {
+                    return AppendOutcome::AlreadyTerminal { outcome };
+                }
+                match req.dir {
+                    Direction::Down => m.down_sender_tail = req.seq,
+                    Direction::Up => {
+                        m.up_sender_tail = req.seq;
+                        if m.accepted_by.is_none() {
+                            m.accepted_by = Some(instance);
+                        }
+                    }
+                }
+            }
+        }
+        match req.dir {
+            Direction::Down => m.down_tail = req.seq,
+            Direction::Up => m.up_tail = req.seq,
+        }
+        let mut finished = None;
+        if let Some(outcome) = req.terminal {
+            if m.terminal.is_none() {
+                m.terminal = Some(outcome);
+                m.terminal_ms = Some(req.now_ms);
+                finished = Some((m.deadline_ms, req.now_ms));
+            }
+        }
+        d.log_mut(req.dir)
+            .push(req.seq, req.frame, retention.max_log_entries);
+        if let Some((deadline, at)) = finished {
+            self.deadlines.remove(&(deadline, req.key.clone()));
+            self.finished.insert((at, req.key));
+        }
+        AppendOutcome::Appended { seq: req.seq }
+    }
+}
+
+impl EventStore for MemoryStore {
+    async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
+        let mut inner = self.lock();
+        if let Some(d) = inner.delegations.get(&req.key) {
+            return Ok(if d.meta.digest == req.digest {
+                OpenOutcome::Existing(d.meta.clone())
+            } else {
+                OpenOutcome::Mismatch(d.meta.clone())
+            });
+        }
+        let meta = DelegationMeta {
+            key: req.key.clone(),
+            callee: req.callee.clone(),
+            deadline_ms: req.deadline_ms,
+            digest: req.digest,
+            created_ms: req.now_ms,
+            down_tail: 1,
+            up_tail: 0,
+            down_sender_tail: 1,
+            up_sender_tail: 0,
+            terminal: None,
+            terminal_ms: None,
+            accepted_by: None,
+        };
+        let mut down = Log::default();
+        down.push(1, req.frame, self.retention.max_log_entries);
+        inner.delegations.insert(
+            req.key.clone(),
+            Delegation {
+                meta: meta.clone(),
+                down,
+                up: Log::default(),
+            },
+        );
+        for peer in [&req.key.caller, &req.callee] {
+            inner
+                .by_peer
+                .entry(peer.clone())
+                .or_default()
+                .insert(req.key.clone());
+        }
+        inner.deadlines.insert((req.deadline_ms, req.key));
+        Ok(OpenOutcome::Created(meta))
+    }
+
+    async fn append(&self, reqs: Vec<AppendRequest>) -> Result<Vec<AppendOutcome>, StoreError> {
+        let mut inner = self.lock();
+        Ok(reqs
+            .into_iter()
+            .map(|r| inner.append_one(r, &self.retention))
+            .collect())
+    }
+
+    async fn read(
+        &self,
+        key: &DelegationKey,
+        dir: Direction,
+        after: u64,
+        limit: usize,
+    ) -> Result<ReadOutcome, StoreError> {
+        let inner = self.lock();
+        let Some(d) = inner.delegations.get(key) else {
+            return Ok(ReadOutcome::Unknown);
+        };
+        let tail = d.meta.tail(dir);
+        let terminal = d.meta.terminal;
+        if after > tail {
+            return Ok(ReadOutcome::Lost { tail, terminal });
+        }
+        let log = d.log(dir);
+        if !log.entries.is_empty() && after + 1 < log.first {
+            return Ok(ReadOutcome::Trimmed {
+                first_available: log.first,
+                terminal,
+            });
+        }
+        let skip = usize::try_from((after + 1).saturating_sub(log.first)).unwrap_or(usize::MAX);
+        let entries = log
+            .entries
+            .iter()
+            .skip(skip)
+            .take(limit)
+            .enumerate()
+            .map(|(i, b)| (after + 1 + i as u64, b.clone()))
+            .collect();
+        Ok(ReadOutcome::Entries {
+            entries,
+            tail,
+            terminal,
+        })
+    }
+
+    async fn meta(&self, key: &DelegationKey) -> Result<Option<DelegationMeta>, StoreError> {
+        Ok(self.lock().delegations.get(key).map(|d| d.meta.clone()))
+    }
+
+    async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
+        let inner = self.lock();
+        let mut out: Vec<DelegationMeta> = inner
+            .by_peer
+            .get(peer)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| inner.delegations.get(k).map(|d| d.meta.clone()))
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {
+        let inner = self.lock();
+        Ok(inner
+            .deadlines
+            .iter()
+            .take_while(|(d, _)| *d <= now_ms)
+            .take(limit)
+            .map(|(_, k)| k.clone())
+            .collect())
+    }
+
+    async fn expire_finished(&self, now_ms: u64) -> Result<u64, StoreError> {
+        let mut inner = self.lock();
+        let cutoff = now_ms.saturating_sub(self.retention.finished_ttl_ms);
+        let expired: Vec<(u64, DelegationKey)> = inner
+            .finished
+            .iter()
+            .take_while(|(at, _)| *at <= cutoff)
+            .cloned()
+            .collect();
+        for entry in &expired {
+            inner.finished.remove(entry);
+            let key = &entry.1;
+            if let Some(d) = inner.delegations.remove(key) {
+                for peer in [&key.caller, &d.meta.callee] {
+                    if let Some(set) = inner.by_peer.get_mut(peer) {
+                        set.remove(key);
+                        if set.is_empty() {
+                            inner.by_peer.remove(peer);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(expired.len() as u64)
+    }
+
+    async fn put_descriptor(&self, peer: &PeerId, descriptor: Bytes) -> Result<(), StoreError> {
+        self.lock().descriptors.insert(peer.clone(), descriptor);
+        Ok(())
+    }
+
+    async fn descriptor(&self, peer: &PeerId) -> Result<Option<Bytes>, StoreError> {
+        Ok(self.lock().descriptors.get(peer).cloned())
+    }
+
+    async fn epoch(&self) -> Result<u64, StoreError> {
+        Ok(self.epoch)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}

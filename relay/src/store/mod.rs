@@ -1,0 +1,296 @@
+//! Durable per-delegation logs behind one interface, with two backends:
+//! [`memory`] (the default: one process, lost on restart, same semantics
+//! otherwise) and [`redis`] (production: streams, one Lua script per append).
+//!
+//! Per delegation the store keeps a meta record and two logs, **down**
+//! (caller -> callee) and **up** (callee -> caller). Entries are whole frames,
+//! stored as the exact bytes the sender sent (the relay forwards and replays
+//! those bytes). The rules every backend implements atomically:
+//!
+//! - `open` creates the delegation with the `Open` frame as down entry 1, or
+//!   returns the existing one for the same digest (idempotent retry), or
+//!   reports [`OpenOutcome::Mismatch`] for a different digest;
+//! - `append` accepts exactly `tail + 1`; a resend at or below the sender's
+//!   last entry is a [`AppendOutcome::Duplicate`] (acknowledged again, stored
+//!   once); a sequence beyond `tail + 1` is a [`AppendOutcome::Hole`];
+//! - the first terminal wins: after it, new entries get
+//!   [`AppendOutcome::AlreadyTerminal`];
+//! - relay-originated entries (the `expired`/`unknown` terminal, the cancel
+//!   sent down after expiry) are compare-and-set on the tail, so they never
+//!   take a sequence a peer already used;
+//! - the first up entry appended by a callee records its instance id
+//!   (`accepted_by`), which is how a restarted callee is detected;
+//! - logs are capped at `max_log_entries` (oldest trimmed; a reader asking
+//!   for trimmed entries gets a `Gap`), finished delegations are dropped
+//!   `finished_ttl_ms` after their terminal.
+
+pub mod memory;
+pub mod redis;
+
+use std::future::Future;
+
+use bytes::Bytes;
+use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId};
+use serde::{Deserialize, Serialize};
+
+pub use self::memory::MemoryStore;
+pub use self::redis::RedisStore;
+
+/// Errors of the store itself (not of the data in it).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend could not be reached or refused the command.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The backend returned something this version does not understand.
+    #[error("store returned unexpected data: {0}")]
+    Corrupt(String),
+}
+
+/// Retention bounds every backend applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retention {
+    /// Entries kept per log; older ones are trimmed (readers get a `Gap`).
+    pub max_log_entries: u64,
+    /// How long a finished delegation stays readable after its terminal, ms.
+    pub finished_ttl_ms: u64,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            max_log_entries: 10_000,
+            finished_ttl_ms: 24 * 3600 * 1000,
+        }
+    }
+}
+
+/// Everything the relay knows about a delegation, without its logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DelegationMeta {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// The callee.
+    pub callee: PeerId,
+    /// Absolute deadline, ms since the epoch.
+    pub deadline_ms: u64,
+    /// Digest of the open payload.
+    pub digest: Digest,
+    /// When it was opened, ms since the epoch.
+    pub created_ms: u64,
+    /// Last durable sequence of the down log.
+    pub down_tail: u64,
+    /// Last durable sequence of the up log.
+    pub up_tail: u64,
+    /// Last down sequence appended by the caller (not the relay).
+    pub down_sender_tail: u64,
+    /// Last up sequence appended by the callee (not the relay).
+    pub up_sender_tail: u64,
+    /// The terminal outcome, once there is one.
+    pub terminal: Option<Outcome>,
+    /// When the terminal was appended, ms since the epoch.
+    pub terminal_ms: Option<u64>,
+    /// The callee instance that appended the first up entry.
+    pub accepted_by: Option<InstanceId>,
+}
+
+impl DelegationMeta {
+    /// The last durable sequence of a log.
+    pub fn tail(&self, dir: Direction) -> u64 {
+        match dir {
+            Direction::Down => self.down_tail,
+            Direction::Up => self.up_tail,
+        }
+    }
+
+    /// Whether `peer` is the caller or the callee.
+    pub fn involves(&self, peer: &PeerId) -> bool {
+        &self.key.caller == peer || &self.callee == peer
+    }
+}
+
+/// A request to create a delegation.
+#[derive(Debug, Clone)]
+pub struct OpenRequest {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// The callee.
+    pub callee: PeerId,
+    /// Absolute deadline.
+    pub deadline_ms: u64,
+    /// Digest of the open payload.
+    pub digest: Digest,
+    /// The `Open` frame as stored and forwarded (down entry 1).
+    pub frame: Bytes,
+    /// Now, ms since the epoch.
+    pub now_ms: u64,
+}
+
+/// What `open` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpenOutcome {
+    /// A new delegation; down entry 1 is durable.
+    Created(DelegationMeta),
+    /// It existed with the same digest: an idempotent retry.
+    Existing(DelegationMeta),
+    /// It existed with another digest.
+    Mismatch(DelegationMeta),
+}
+
+/// Who originates an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The sending peer; for up entries its instance (recorded on acceptance).
+    Peer(InstanceId),
+    /// The relay itself: appended only if `seq == tail + 1` (compare-and-set).
+    Relay,
+}
+
+/// A request to append one entry.
+#[derive(Debug, Clone)]
+pub struct AppendRequest {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// Which log.
+    pub dir: Direction,
+    /// The entry's sequence.
+    pub seq: u64,
+    /// Set when the entry is the terminal (up log only).
+    pub terminal: Option<Outcome>,
+    /// Who originates it.
+    pub origin: Origin,
+    /// The exact frame bytes.
+    pub frame: Bytes,
+    /// Now, ms since the epoch.
+    pub now_ms: u64,
+}
+
+/// What `append` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppendOutcome {
+    /// Durable at this sequence.
+    Appended {
+        /// The sequence.
+        seq: u64,
+    },
+    /// Already stored (a resend): acknowledge `tail` again.
+    Duplicate {
+        /// The sender's last durable sequence.
+        tail: u64,
+    },
+    /// The sequence skips ahead of the log.
+    Hole {
+        /// The log's last durable sequence.
+        tail: u64,
+    },
+    /// The delegation already ended.
+    AlreadyTerminal {
+        /// Its outcome.
+        outcome: Outcome,
+    },
+    /// A relay-originated append lost its compare-and-set.
+    Conflict {
+        /// The log's tail now.
+        tail: u64,
+    },
+    /// No such delegation.
+    Unknown,
+}
+
+/// What a read found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// Entries after the cursor, in order, possibly none.
+    Entries {
+        /// `(seq, frame bytes)`, ascending and contiguous.
+        entries: Vec<(u64, Bytes)>,
+        /// The log's tail at read time.
+        tail: u64,
+        /// The terminal, if any.
+        terminal: Option<Outcome>,
+    },
+    /// Entries after the cursor were trimmed by retention.
+    Trimmed {
+        /// First sequence still stored.
+        first_available: u64,
+        /// The terminal, if any.
+        terminal: Option<Outcome>,
+    },
+    /// The reader has seen more than the store holds: the store lost data.
+    Lost {
+        /// The log's tail in the store.
+        tail: u64,
+        /// The terminal, if any.
+        terminal: Option<Outcome>,
+    },
+    /// No such delegation.
+    Unknown,
+}
+
+/// The durable log interface. Every method is atomic with respect to the
+/// others for the same delegation.
+pub trait EventStore: Send + Sync + 'static {
+    /// Creates a delegation (or finds the existing one).
+    fn open(&self, req: OpenRequest)
+    -> impl Future<Output = Result<OpenOutcome, StoreError>> + Send;
+
+    /// Appends entries in order; one outcome per request. Backends pipeline
+    /// the batch; each entry is still checked on its own.
+    fn append(
+        &self,
+        reqs: Vec<AppendRequest>,
+    ) -> impl Future<Output = Result<Vec<AppendOutcome>, StoreError>> + Send;
+
+    /// Reads up to `limit` entries after `after`.
+    fn read(
+        &self,
+        key: &DelegationKey,
+        dir: Direction,
+        after: u64,
+        limit: usize,
+    ) -> impl Future<Output = Result<ReadOutcome, StoreError>> + Send;
+
+    /// The delegation's meta record.
+    fn meta(
+        &self,
+        key: &DelegationKey,
+    ) -> impl Future<Output = Result<Option<DelegationMeta>, StoreError>> + Send;
+
+    /// Delegations where `peer` is caller or callee that still exist (open, or
+    /// finished and not yet expired).
+    fn delegations_of(
+        &self,
+        peer: &PeerId,
+    ) -> impl Future<Output = Result<Vec<DelegationMeta>, StoreError>> + Send;
+
+    /// Open delegations whose deadline is at or before `now_ms` (at most `limit`).
+    fn due(
+        &self,
+        now_ms: u64,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<DelegationKey>, StoreError>> + Send;
+
+    /// Drops finished delegations whose retention passed; returns how many.
+    fn expire_finished(&self, now_ms: u64)
+    -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Stores a peer's descriptor (opaque bytes).
+    fn put_descriptor(
+        &self,
+        peer: &PeerId,
+        descriptor: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// A peer's descriptor.
+    fn descriptor(
+        &self,
+        peer: &PeerId,
+    ) -> impl Future<Output = Result<Option<Bytes>, StoreError>> + Send;
+
+    /// The store epoch: random, fixed when the store was initialised. A
+    /// different value than before means the store lost its data.
+    fn epoch(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Checks the backend answers (for `/readyz`).
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+}

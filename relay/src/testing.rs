@@ -1,0 +1,1 @@
+//! Test harness pieces shared by this crate's tests and other crates' tests.
