@@ -1,1 +1,31 @@
-//! placeholder
+//! `oab-connector`: what an OAB host runs to delegate through the relay.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`trust`] | how the relay's TLS certificate is trusted (WebPKI, CA, pin) |
+//! | [`link`] | the one task that owns the relay connection: reconnect, resend, resume |
+//! | [`caller`] | delegate, events, get, wait, cancel, list peers, verify |
+//! | [`callee`] | the executor trait and the verify -> authorize -> reserve -> run pipeline |
+//! | [`connector`] | starting a connector: link, caller, callee runtime |
+//! | [`profile`] | the OAB Delegation Profile payloads, signing and verification |
+//! | [`authority`] | capabilities, policies, the fail-closed intersection, budgets, depth |
+//! | [`nonce`] | request nonces and the callee's replay cache |
+//! | [`events`] | the event payloads on the relay's logs |
+//! | [`audit`] | the audit trail |
+//! | [`config`] | the `oab-connector` configuration file |
+
+pub mod audit;
+pub mod authority;
+pub mod callee;
+pub mod caller;
+pub mod config;
+pub mod connector;
+pub mod events;
+pub mod link;
+pub mod nonce;
+pub mod profile;
+pub mod trust;
+
+pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};
+pub use caller::{Caller, DelegationEvent, DelegationHandle, EventKind, NewDelegation, Terminal};
+pub use connector::{Connector, ConnectorOptions};

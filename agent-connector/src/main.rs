@@ -1,1 +1,178 @@
-fn main() {}
+//! `oab-connector`: make an identity, check a configuration, or run the
+//! connector beside an OAB host.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use oab_connector::authority::{CapabilitySet, Grant, Policy};
+use oab_connector::config::ConnectorConfig;
+use oab_connector::link::LinkSettings;
+use oab_connector::profile::{Budgets, RiskLevel};
+use oab_connector::trust::RelayTrust;
+use oab_connector::{Connector, ConnectorOptions};
+use oab_wire::identity::Identity;
+use oab_wire::{Digest, KeyId, PeerId};
+
+/// The OAB connector: dials out to an OAB relay, keeps the session alive,
+/// and delegates tasks to (and serves tasks from) other OAB hosts.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Make a new identity file (mode 0600) and print the public key line
+    /// to put in the relay's and the other peers' configuration.
+    Keygen {
+        /// The peer id, `namespace/name` (lower case).
+        #[arg(long)]
+        peer: String,
+        /// The key id (e.g. the month it was made: `2026-11`).
+        #[arg(long)]
+        key_id: String,
+        /// Where to write the identity (refuses to overwrite).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Validate a configuration file; names every bad field.
+    CheckConfig {
+        /// The TOML file.
+        file: PathBuf,
+    },
+    /// Run the connector with a configuration file until SIGTERM/SIGINT.
+    Run {
+        /// The TOML file.
+        #[arg(long, short, env = "OAB_CONNECTOR_CONFIG")]
+        config: PathBuf,
+    },
+}
+
+#[allow(clippy::print_stdout)]
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match cli.command {
+        Cmd::Keygen { peer, key_id, out } => {
+            let peer = PeerId::new(&peer)?;
+            let key_id = KeyId::new(&key_id)?;
+            let id = Identity::generate(peer, key_id);
+            id.save(&out)?;
+            println!("wrote {} (keep it private)", out.display());
+            println!("[[peers]]");
+            println!("id = \"{}\"", id.peer);
+            println!(
+                "keys = [{{ key_id = \"{}\", public_key = \"{}\" }}]",
+                id.key_id,
+                id.public_key()
+            );
+            Ok(())
+        }
+        Cmd::CheckConfig { file } => match ConnectorConfig::load(&file) {
+            Ok(c) => {
+                println!("{}: ok ({} peers)", file.display(), c.peers.len());
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        },
+        Cmd::Run { config } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(run(config))
+        }
+    }
+}
+
+async fn run(path: PathBuf) -> anyhow::Result<()> {
+    let config = ConnectorConfig::load(&path)?;
+    let c = &config.connector;
+    let identity = Identity::load(&c.identity)?;
+    let trust = match (&c.relay_ca, &c.relay_pin_sha256) {
+        (Some(ca), _) => RelayTrust::Ca(load_ca_certs(ca)?),
+        (None, Some(pin)) => RelayTrust::Pin(Digest::parse(pin).context("relay_pin_sha256")?),
+        (None, None) => RelayTrust::WebPki,
+    };
+    let mut link = LinkSettings::new(c.relay_url.clone(), trust, identity);
+    link.relay_id = c.relay_id.clone();
+    link.challenge_only = c.challenge_only_binding;
+    let p = &config.policy;
+    let policy = Policy {
+        allowed_capabilities: CapabilitySet::parse(&p.allowed_capabilities)?,
+        allow_writes: p.allow_writes,
+        max_depth: 1,
+        budgets: Budgets {
+            tokens: u64::MAX,
+            cost_micros: u64::MAX,
+            risk: RiskLevel::High,
+            output_bytes: u64::MAX,
+        },
+        max_deadline_ms: p.max_deadline_ms,
+    };
+    let connector = Connector::start(ConnectorOptions {
+        link,
+        trust: config.trust(),
+        grant: Grant {
+            capabilities: policy.allowed_capabilities.clone(),
+            remaining: policy.budgets,
+        },
+        caller_policy: policy,
+        // The A2A driver (or an in-process executor) plugs in here; without
+        // one, incoming delegations are refused with a signed `rejected`.
+        callee: None,
+        audit: None,
+    })?;
+    tokio::select! {
+        r = connector.connected() => { r?; tracing::info!("connected to the relay"); }
+        () = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("still connecting to the relay"),
+    }
+    wait_for_signal().await;
+    connector.shutdown().await;
+    Ok(())
+}
+
+fn load_ca_certs(
+    path: &std::path::Path,
+) -> anyhow::Result<Vec<rustls::pki_types::CertificateDer<'static>>> {
+    use rustls::pki_types::pem::PemObject as _;
+    let certs: Result<Vec<_>, _> = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .collect();
+    let certs = certs.with_context(|| format!("parsing {}", path.display()))?;
+    anyhow::ensure!(
+        !certs.is_empty(),
+        "{}: no CERTIFICATE block",
+        path.display()
+    );
+    Ok(certs)
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

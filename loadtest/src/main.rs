@@ -1,1 +1,439 @@
-fn main() {}
+//! `oab-loadtest`: parses flags, sets up tracing and the runtime, runs one
+//! scenario from the library, prints its tables and writes its JSON.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind, find_relay_bin};
+use oab_loadtest::report::Report;
+use oab_loadtest::scenario::latency::LatencyOptions;
+use oab_loadtest::scenario::sessions::SessionsOptions;
+use oab_loadtest::scenario::throughput::ThroughputOptions;
+use oab_loadtest::scenario::{self, Common};
+use oab_loadtest::setup::Tuning;
+
+const ABOUT: &str = "Benchmarks for OAB Relay, on this machine's loopback.";
+
+const LONG_ABOUT: &str = "\
+Benchmarks for OAB Relay, on this machine's loopback.
+
+Each scenario starts what it needs (the relay, a redis-server for the Redis
+store, a direct WSS baseline), runs bounded in time and count, prints a table,
+writes every figure and parameter as JSON (--out, default
+loadtest-results/<scenario>.json), and stops everything it started, also on
+Ctrl-C.
+
+The relay runs as a child process (the oab-relay binary next to this one, or
+--relay-bin): its memory and CPU are its own, and its pid is logged so that
+`perf record -g -p <pid>` can profile it during a run. --relay in-process runs
+it inside this process instead.
+
+The generated relay config differs from the defaults only where a load test
+would otherwise measure a limiter: peer frame rate and connection rate limits
+raised, max_log_entries 4096 and finished_ttl_ms 1000 (bounded memory per
+benchmark delegation), idle and handshake timeouts raised. The JSON records
+them under relay.tuning.
+
+Scenarios:
+  throughput  frames/s and MB/s per payload size, relay (memory and/or Redis
+              store) against a direct WSS connection, with ratios
+  latency     round-trip p50/p90/p99/p99.9 at several offered loads,
+              relay against direct
+  sessions    relay memory per idle authenticated session, handshakes/s
+
+Exit status: 0 done; 1 a correctness invariant failed and --check was given
+(frames lost, duplicated, reordered or corrupt; sessions lost; never a
+timing); 2 the run could not be carried out; 130 interrupted.";
+
+#[derive(Debug, Parser)]
+#[command(name = "oab-loadtest", version, about = ABOUT, long_about = LONG_ABOUT)]
+struct Cli {
+    /// Exit with status 1 if a correctness invariant fails: a frame lost,
+    /// duplicated, reordered or corrupt, or a session lost. Timings never fail
+    /// a run.
+    #[arg(long, global = true)]
+    check: bool,
+    /// Where to write the JSON results [default: loadtest-results/<scenario>.json].
+    #[arg(long, global = true, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// How to run the relay: `process` (the oab-relay binary as a child),
+    /// `in-process`, or `auto` (process if the binary is found, else in-process).
+    #[arg(long, global = true, value_enum, default_value_t = RelayArg::Auto)]
+    relay: RelayArg,
+    /// The oab-relay binary [default: next to this executable].
+    #[arg(long, global = true, value_name = "PATH")]
+    relay_bin: Option<PathBuf>,
+    /// Persistence of the redis-server behind the Redis store: `none`, or
+    /// `aof` (append-only file, fsync every second, as production should run).
+    #[arg(long, global = true, value_enum, default_value_t = PersistenceArg::None)]
+    redis_persistence: PersistenceArg,
+    /// After a case stops sending, seconds to wait for outstanding frames
+    /// before counting them as lost.
+    #[arg(long, global = true, default_value_t = 30.0, value_name = "SECONDS")]
+    drain_seconds: f64,
+    /// The relay's store.max_log_entries for the run (at least the window).
+    #[arg(long, global = true, default_value_t = 4096, value_name = "N")]
+    max_log_entries: u64,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum RelayArg {
+    Auto,
+    Process,
+    InProcess,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PersistenceArg {
+    None,
+    Aof,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum StoreArg {
+    Memory,
+    Redis,
+    Both,
+}
+
+impl StoreArg {
+    fn stores(self) -> Vec<StoreKind> {
+        match self {
+            StoreArg::Memory => vec![StoreKind::Memory],
+            StoreArg::Redis => vec![StoreKind::Redis],
+            StoreArg::Both => vec![StoreKind::Memory, StoreKind::Redis],
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Frames/s and MB/s through the relay per payload size, against a direct
+    /// WSS connection between the same two endpoints measured in the same run.
+    ///
+    /// Per payload size and path (direct, relay on each store), a fresh
+    /// delegation: the caller pipelines Data frames on its down log for
+    /// --seconds (or --max-frames), keeping at most --window frames beyond the
+    /// highest sequence both acknowledged (by the relay; directly by the
+    /// callee) and received; the callee checks and counts every frame.
+    /// Reports frames/s, payload MB/s, relay/direct ratio, one-way delay under
+    /// that load, relay CPU per frame, and lost/duplicated/reordered frames.
+    Throughput(ThroughputArgs),
+    /// Round-trip latency percentiles at several offered loads, relay against
+    /// direct.
+    ///
+    /// The caller sends down Data frame n stamped with its send time, on a
+    /// fixed schedule (open loop: frame i at start + i/rate); the callee echoes
+    /// it as up Data n-1 with the same payload; the caller records receipt -
+    /// send on the same clock (both endpoints are in this process). Through
+    /// the relay that is 4 WebSocket hops and 2 durable appends, directly 2
+    /// hops. Loads: --rates plus --max-fraction of the maximum pipelined
+    /// throughput of the first relay store (a --probe-seconds probe, or
+    /// --max-rate). p99 (sched) measures from the scheduled send time, so a
+    /// saturated sender shows instead of hiding (coordinated omission).
+    Latency(LatencyArgs),
+    /// Relay memory per idle authenticated session, and handshakes per second.
+    ///
+    /// Generates --sessions peers (each its own identity in the relay
+    /// config), reads the relay's VmRSS from /proc/<pid>/status, opens every
+    /// session (--concurrency handshakes at a time: TCP, TLS 1.3, upgrade,
+    /// challenge, signed hello, welcome), reads VmRSS again, checks each
+    /// session answers a Ping, closes them and reads VmRSS once more.
+    Sessions(SessionsArgs),
+}
+
+#[derive(Debug, Args)]
+struct ThroughputArgs {
+    /// Payload sizes, comma-separated; a k suffix means KiB (at least 24 B,
+    /// at most 1 MiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size,
+          default_value = "64,256,1k,16k,64k")]
+    sizes: Vec<usize>,
+    /// Relay store(s) to measure; the direct baseline always runs.
+    #[arg(long, value_enum, default_value_t = StoreArg::Both)]
+    store: StoreArg,
+    /// Sending time per case, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Frames per case at most.
+    #[arg(long, default_value_t = 5_000_000)]
+    max_frames: u64,
+    /// Unconfirmed frames in flight at most (the relay announces 1,024).
+    #[arg(long, default_value_t = 1024)]
+    window: u64,
+}
+
+#[derive(Debug, Args)]
+struct LatencyArgs {
+    /// Payload size (a k suffix means KiB).
+    #[arg(long, value_parser = parse_size, default_value = "256")]
+    size: usize,
+    /// Fixed offered loads, frames per second, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    rates: Vec<f64>,
+    /// Also offer this fraction of the measured maximum (0 disables).
+    #[arg(long, default_value_t = 0.5)]
+    max_fraction: f64,
+    /// Take the fraction of this rate instead of probing the maximum.
+    #[arg(long)]
+    max_rate: Option<f64>,
+    /// Seconds of the probe that measures the maximum.
+    #[arg(long, default_value_t = 3.0)]
+    probe_seconds: f64,
+    /// Sending time per load level, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Relay store(s) to measure; the direct baseline always runs.
+    #[arg(long, value_enum, default_value_t = StoreArg::Both)]
+    store: StoreArg,
+    /// Frames sent and not yet echoed at most.
+    #[arg(long, default_value_t = 1024)]
+    window: u64,
+}
+
+#[derive(Debug, Args)]
+struct SessionsArgs {
+    /// Idle authenticated sessions to open (each its own peer).
+    #[arg(long, default_value_t = 2000)]
+    sessions: usize,
+    /// Handshakes in progress at once (the relay admits 512 by default).
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// The relay's store.
+    #[arg(long, value_enum, default_value_t = StoreArg::Memory)]
+    store: StoreArg,
+}
+
+/// `64`, `16k`, `16KiB`, `1m`: bytes.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mult) = if let Some(n) = t.strip_suffix("kib").or_else(|| t.strip_suffix('k')) {
+        (n, 1024)
+    } else if let Some(n) = t.strip_suffix("mib").or_else(|| t.strip_suffix('m')) {
+        (n, 1024 * 1024)
+    } else {
+        (t.strip_suffix('b').unwrap_or(&t), 1)
+    };
+    let n: usize = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 256, 16k, 1m)"))?;
+    let bytes = n * mult;
+    let min = oab_loadtest::traffic::STAMP_LEN;
+    let max = oab_wire::limits::DEFAULT_MAX_PAYLOAD as usize;
+    if !(min..=max).contains(&bytes) {
+        return Err(format!("{s}: payloads are {min} B to {max} B"));
+    }
+    Ok(bytes)
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("oab_loadtest=info,warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+}
+
+fn common(cli: &Cli) -> Result<Common, String> {
+    let relay = match cli.relay {
+        RelayArg::InProcess => RelayMode::InProcess,
+        RelayArg::Process => match find_relay_bin(cli.relay_bin.as_deref()) {
+            Some(bin) => RelayMode::Process(bin),
+            None => {
+                return Err("the oab-relay binary is not next to this executable: build it \
+                     (cargo build --release -p oab-relay), pass --relay-bin, or use --relay in-process"
+                    .into());
+            }
+        },
+        RelayArg::Auto => match find_relay_bin(cli.relay_bin.as_deref()) {
+            Some(bin) => RelayMode::Process(bin),
+            None => {
+                tracing::warn!(
+                    "oab-relay binary not found next to this executable: running the relay in-process"
+                );
+                RelayMode::InProcess
+            }
+        },
+    };
+    if !(cli.drain_seconds > 0.0 && cli.drain_seconds.is_finite()) {
+        return Err("--drain-seconds must be positive".into());
+    }
+    let tuning = Tuning {
+        max_log_entries: cli.max_log_entries.max(1),
+        ..Tuning::default()
+    };
+    Ok(Common {
+        relay,
+        redis_persistence: match cli.redis_persistence {
+            PersistenceArg::None => RedisPersistence::None,
+            PersistenceArg::Aof => RedisPersistence::Aof,
+        },
+        drain: Duration::from_secs_f64(cli.drain_seconds),
+        tuning,
+    })
+}
+
+fn positive(name: &str, v: f64) -> Result<(), String> {
+    if v > 0.0 && v.is_finite() {
+        Ok(())
+    } else {
+        Err(format!("{name} must be positive"))
+    }
+}
+
+async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
+    match &cli.command {
+        Command::Throughput(a) => {
+            positive("--seconds", a.seconds).map_err(anyhow::Error::msg)?;
+            let opts = ThroughputOptions {
+                sizes: a.sizes.clone(),
+                stores: a.store.stores(),
+                seconds: a.seconds,
+                max_frames: a.max_frames.max(1),
+                window: a.window.max(1),
+            };
+            scenario::throughput::run(&opts, common).await
+        }
+        Command::Latency(a) => {
+            positive("--seconds", a.seconds).map_err(anyhow::Error::msg)?;
+            positive("--probe-seconds", a.probe_seconds).map_err(anyhow::Error::msg)?;
+            let opts = LatencyOptions {
+                size: a.size,
+                rates: a.rates.clone(),
+                max_fraction: (a.max_fraction > 0.0).then_some(a.max_fraction),
+                max_rate: a.max_rate,
+                probe_seconds: a.probe_seconds,
+                seconds: a.seconds,
+                stores: a.store.stores(),
+                window: a.window.max(1),
+            };
+            scenario::latency::run(&opts, common).await
+        }
+        Command::Sessions(a) => {
+            let store = match a.store {
+                StoreArg::Memory => StoreKind::Memory,
+                StoreArg::Redis => StoreKind::Redis,
+                StoreArg::Both => anyhow::bail!("sessions runs on one store: memory or redis"),
+            };
+            let opts = SessionsOptions {
+                sessions: a.sessions.max(1),
+                concurrency: a.concurrency.max(1),
+                store,
+            };
+            scenario::sessions::run(&opts, common).await
+        }
+    }
+}
+
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[allow(clippy::print_stdout, clippy::print_stderr)]
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    oab_relay::tls::install_crypto_provider();
+    let common = match common(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("oab-loadtest: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("oab-loadtest: starting the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // Dropping the scenario's future on a signal drops the relay, the
+    // redis-server and every connection: their Drop kills the children.
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            r = run(&cli, &common) => Some(r),
+            () = interrupted() => None,
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    let report = match outcome {
+        None => {
+            eprintln!("oab-loadtest: interrupted; stopped everything it started");
+            return ExitCode::from(130);
+        }
+        Some(Err(e)) => {
+            eprintln!("oab-loadtest: {e:#}");
+            return ExitCode::from(2);
+        }
+        Some(Ok(r)) => r,
+    };
+    println!("{report}");
+    let out = cli
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("loadtest-results/{}.json", report.scenario)));
+    match report.write_json(&out) {
+        Ok(()) => println!("results: {}", out.display()),
+        Err(e) => {
+            eprintln!("oab-loadtest: {e:#}");
+            return ExitCode::from(2);
+        }
+    }
+    if cli.check && !report.violations.is_empty() {
+        eprintln!(
+            "oab-loadtest: --check: {} correctness violation(s)",
+            report.violations.len()
+        );
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes_and_bounds() {
+        assert_eq!(parse_size("64").unwrap(), 64);
+        assert_eq!(parse_size("16k").unwrap(), 16 * 1024);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 * 1024);
+        assert_eq!(parse_size("1m").unwrap(), 1024 * 1024);
+        assert!(parse_size("8").is_err());
+        assert!(parse_size("2m").is_err());
+        assert!(parse_size("lots").is_err());
+    }
+}

@@ -1,4 +1,32 @@
-//! `oab-relay`: the public relay server of OAB Relay.
+//! `oab-relay`: the public relay of OAB Relay. Connectors of two OAB hosts
+//! dial out to it over WSS; it authenticates each by its ed25519 identity,
+//! routes delegation frames between configured peers without reading their
+//! payloads, keeps every delegation's events in durable logs, replays them
+//! after reconnects, rate-limits, and exports metrics.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`config`] | the TOML configuration, validation, peer and route lookup |
+//! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
+//! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
+//! | [`session`] | one connection: handshake, frame loop, batching, acks |
+//! | [`hub`] | shared state: sessions, delegation live views, delivery and replay |
+//! | [`outbox`] | the bounded per-session queue and its overflow policy |
+//! | [`store`] | the durable log interface and its memory and Redis backends |
+//! | [`metrics`] | Prometheus metrics |
+//! | [`dev`] | the quick start: development certificate, identities, config |
+//! | [`testing`] | harness pieces for tests (a real redis-server) |
 
+pub mod config;
+pub mod dev;
+pub mod hub;
+pub mod metrics;
+pub mod outbox;
+pub mod raw_client;
+pub mod server;
+pub mod session;
 pub mod store;
 pub mod testing;
+pub mod tls;
+
+pub use server::run;

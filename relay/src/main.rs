@@ -1,1 +1,226 @@
-fn main() {}
+//! `oab-relay`: run the relay, or check a configuration.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use oab_relay::config::{Config, TlsMode, env_overrides};
+use oab_relay::store::{MemoryStore, RedisStore};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// The OAB relay: connectors of two OAB hosts dial out to it over WSS and
+/// delegate tasks to each other through it.
+///
+/// With no --config, runs a development relay: on first run it writes a
+/// self-signed certificate, two development identities (dev/alice, dev/bob)
+/// and a config into --dev-dir, prints where they are, and serves with the
+/// in-memory store. Any config value can be overridden with
+/// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a configuration file without starting; names every bad field.
+    CheckConfig {
+        /// The TOML file.
+        file: PathBuf,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Configuration file (TOML). Without it, a development relay runs.
+    #[arg(long, short, env = "OAB_RELAY_CONFIG")]
+    config: Option<PathBuf>,
+    /// Folder for the development setup (used without --config).
+    #[arg(long, env = "OAB_RELAY_DEV_DIR", default_value = ".oab-dev")]
+    dev_dir: PathBuf,
+    /// Override relay.listen.
+    #[arg(long, env = "OAB_RELAY_LISTEN")]
+    listen: Option<String>,
+    /// Override relay.admin_listen.
+    #[arg(long, env = "OAB_RELAY_ADMIN_LISTEN")]
+    admin_listen: Option<String>,
+    /// Override store.url: `memory` or `redis://host:port/`.
+    #[arg(long, env = "OAB_RELAY_STORE")]
+    store: Option<String>,
+    /// Override any value: `section.field=value` (repeatable).
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    set: Vec<String>,
+    /// Log format.
+    #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = env_overrides();
+    for (path, v) in [
+        ("relay.listen", &args.listen),
+        ("relay.admin_listen", &args.admin_listen),
+        ("store.url", &args.store),
+    ] {
+        if let Some(v) = v {
+            out.push((path.to_string(), v.clone()));
+        }
+    }
+    for s in &args.set {
+        let (k, v) = s
+            .split_once('=')
+            .with_context(|| format!("--set {s:?}: expected PATH=VALUE"))?;
+        out.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Ok(out)
+}
+
+fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    oab_relay::tls::install_crypto_provider();
+    if let Some(Command::CheckConfig { file }) = &cli.command {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        let shown = file.display().to_string();
+        match Config::from_toml_with_overrides(&text, &shown, &overrides(&cli.run)?) {
+            Ok(c) => {
+                println!(
+                    "{shown}: ok ({} peers, {} routes, store {})",
+                    c.peers.len(),
+                    c.routes.len(),
+                    if c.store.url == "memory" {
+                        "memory"
+                    } else {
+                        "redis"
+                    }
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    init_tracing(&cli.run.log_format);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(cli.run))
+}
+
+#[allow(clippy::print_stdout)]
+async fn serve(args: RunArgs) -> anyhow::Result<()> {
+    let path = match &args.config {
+        Some(p) => p.clone(),
+        None => {
+            let dev = oab_relay::dev::prepare(&args.dev_dir)
+                .context("preparing the development setup")?;
+            println!(
+                "development relay ({}) in {}",
+                if dev.created { "created" } else { "reused" },
+                dev.dir.display()
+            );
+            println!("  config:      {}", dev.config.display());
+            println!(
+                "  certificate: {} (self-signed; trust it in connectors)",
+                dev.cert.display()
+            );
+            for (peer, file) in &dev.identities {
+                println!("  identity:    {peer} -> {}", file.display());
+            }
+            dev.config
+        }
+    };
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {shown}"))?;
+    let config = Arc::new(Config::from_toml_with_overrides(
+        &text,
+        &shown,
+        &overrides(&args)?,
+    )?);
+    let tls = match config.relay.tls_mode {
+        TlsMode::Terminate => {
+            let (Some(cert), Some(key)) = (&config.relay.tls_cert, &config.relay.tls_key) else {
+                anyhow::bail!("relay.tls_cert and relay.tls_key are required");
+            };
+            let certs = oab_relay::tls::load_certs(cert)?;
+            let key = oab_relay::tls::load_key(key)?;
+            Some(oab_relay::tls::server_config(certs, key)?)
+        }
+        TlsMode::BehindLoadBalancer => None,
+    };
+    let listener = TcpListener::bind(config.relay.listen)
+        .await
+        .with_context(|| format!("binding relay.listen {}", config.relay.listen))?;
+    let admin = TcpListener::bind(config.relay.admin_listen)
+        .await
+        .with_context(|| format!("binding relay.admin_listen {}", config.relay.admin_listen))?;
+    let scheme = if tls.is_some() { "wss" } else { "ws" };
+    println!(
+        "relay {} listening on {scheme}://{}",
+        config.relay.id,
+        listener.local_addr()?
+    );
+    println!(
+        "admin (metrics, health) on http://{}/metrics",
+        admin.local_addr()?
+    );
+    let shutdown = CancellationToken::new();
+    let trigger = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutdown signal received");
+        trigger.cancel();
+    });
+    let retention = config.retention();
+    if config.store.url == "memory" {
+        println!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
+        let store = Arc::new(MemoryStore::new(retention));
+        oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
+    } else {
+        let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
+        println!("store: redis");
+        oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
+    }
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -155,7 +155,8 @@ pub enum Outcome {
     Failed = 2,
     /// The callee stopped the work after a cancel; sent only once the worker stopped.
     Cancelled = 3,
-    /// The deadline passed with no terminal; appended by the relay.
+    /// The deadline passed with no terminal: appended by the relay's sweeper,
+    /// or by the callee when the deadline stopped its worker.
     Expired = 4,
     /// The callee accepted the work and its process went away: side effects are
     /// unprovable, so the caller must reconcile, never blindly retry.

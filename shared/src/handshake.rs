@@ -384,9 +384,9 @@ impl ServerHandshake {
             });
         }
         match (hello.binding, binding) {
-            (Binding::ChallengeOnly, ChannelBinding::TlsExporter(_))
-                if policy.require_tls_binding =>
-            {
+            // Whatever the relay observes: a policy that requires binding
+            // never accepts an unbound hello (fail closed on a misconfiguration).
+            (Binding::ChallengeOnly, _) if policy.require_tls_binding => {
                 return Err(HandshakeError::BindingRequired);
             }
             (Binding::TlsExporter, ChannelBinding::ChallengeOnly) => {

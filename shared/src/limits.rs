@@ -30,9 +30,14 @@ pub const DEFAULT_MAX_PAYLOAD: u32 = 1024 * 1024;
 /// Redis stream entry size; split such data into several events instead.
 pub const MAX_PAYLOAD_CEILING: u32 = 16 * 1024 * 1024;
 
-/// The smallest header limit a configuration may set: a `Welcome` or an `Open`
-/// with maximal ids must still fit.
-pub const MIN_HEADER_LIMIT: u16 = 512;
+/// The smallest header limit a configuration may set: every frame with
+/// maximal ids must still fit. The largest fixed-size header is an `Error`
+/// with a delegation key and a 255-byte message (525 bytes); an `Open` with
+/// maximal ids takes 428 bytes plus its capability ceiling.
+pub const MIN_HEADER_LIMIT: u16 = 640;
+
+/// Header bytes of an `Open` with maximal ids, not counting the ceiling text.
+pub const OPEN_HEADER_WITHOUT_CEILING: usize = 428;
 
 /// The frame size limits one side enforces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +96,7 @@ mod tests {
     #[test]
     fn out_of_range_limits_are_refused() {
         let small = Limits {
-            max_header: 100,
+            max_header: 639,
             ..Limits::default()
         };
         assert!(small.validate().unwrap_err().contains("max_header"));

@@ -111,10 +111,10 @@ impl Inner {
                 if req.seq != tail + 1 {
                     return AppendOutcome::Conflict { tail };
                 }
-                if req.terminal.is_some() {
-                    if let Some(outcome) = m.terminal {
-                        return AppendOutcome::AlreadyTerminal { outcome };
-                    }
+                if req.terminal.is_some()
+                    && let Some(outcome) = m.terminal
+                {
+                    return AppendOutcome::AlreadyTerminal { outcome };
                 }
             }
             Origin::Peer(instance) => {
@@ -150,12 +150,12 @@ impl Inner {
             Direction::Up => m.up_tail = req.seq,
         }
         let mut finished = None;
-        if let Some(outcome) = req.terminal {
-            if m.terminal.is_none() {
-                m.terminal = Some(outcome);
-                m.terminal_ms = Some(req.now_ms);
-                finished = Some((m.deadline_ms, req.now_ms));
-            }
+        if let Some(outcome) = req.terminal
+            && m.terminal.is_none()
+        {
+            m.terminal = Some(outcome);
+            m.terminal_ms = Some(req.now_ms);
+            finished = Some((m.deadline_ms, req.now_ms));
         }
         d.log_mut(req.dir)
             .push(req.seq, req.frame, retention.max_log_entries);

@@ -231,8 +231,10 @@ pub enum ReadOutcome {
 /// others for the same delegation.
 pub trait EventStore: Send + Sync + 'static {
     /// Creates a delegation (or finds the existing one).
-    fn open(&self, req: OpenRequest)
-    -> impl Future<Output = Result<OpenOutcome, StoreError>> + Send;
+    fn open(
+        &self,
+        req: OpenRequest,
+    ) -> impl Future<Output = Result<OpenOutcome, StoreError>> + Send;
 
     /// Appends entries in order; one outcome per request. Backends pipeline
     /// the batch; each entry is still checked on its own.
@@ -271,8 +273,7 @@ pub trait EventStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<DelegationKey>, StoreError>> + Send;
 
     /// Drops finished delegations whose retention passed; returns how many.
-    fn expire_finished(&self, now_ms: u64)
-    -> impl Future<Output = Result<u64, StoreError>> + Send;
+    fn expire_finished(&self, now_ms: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Stores a peer's descriptor (opaque bytes).
     fn put_descriptor(

@@ -1,0 +1,625 @@
+//! The callee side: verifies, authorizes, reserves and runs delegations.
+//!
+//! For each `Open` the runtime owns this order, and nothing runs unless every
+//! step passed:
+//!
+//! 1. **authenticate**: the request envelope verifies against the caller's
+//!    configured key, and its signed fields match the `Open` header;
+//! 2. **validate**: version, depth, no credential fields, deadline ahead;
+//! 3. **intersect authority**: callee policy ∩ route ceiling ∩ requested,
+//!    refusing (never narrowing) anything wider;
+//! 4. **reserve**: the request nonce is fresh (a replay, even under a new
+//!    request id, is refused), and a concurrency slot is free (else
+//!    `saturated`, never an unbounded queue);
+//! 5. **audit** the acceptance, then append `accepted` to the up log and wait
+//!    until the relay acknowledged it (from then on a restart of this
+//!    process ends the delegation `unknown` instead of running it twice);
+//! 6. **execute** with an event sink, the caller's follow-up messages, a
+//!    cancel token and the deadline;
+//! 7. sign the result and append it as the terminal.
+//!
+//! A refusal at steps 1-4 is answered with a signed `rejected` result.
+//! Stop reasons map to outcomes: end of turn -> `completed`; refusal, limits
+//! or error -> `failed`; deadline -> `expired`; cancel -> `cancelled`, sent
+//! only after the executor returned (the worker stopped).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use oab_wire::identity::{Identity, PeerKey, now_ms};
+use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerId};
+use serde_json::Value;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument as _, info, warn};
+
+use crate::audit::{AuditEvent, AuditRecord, AuditSink, Side};
+use crate::authority::{
+    DelegationContext, EffectiveAuthority, Policy, RouteCeiling, authorize_incoming,
+};
+use crate::events::{DownPayload, UpPayload};
+use crate::link::{Command, Incoming, LinkError, LinkHandle, SendKind};
+use crate::nonce::{NonceCache, NonceCheck};
+use crate::profile::{
+    Artifact, DelegationRequest, DelegationResult, Executor, PROFILE_VERSION, SideEffect, Usage,
+    sign_result, verify_open_request,
+};
+
+tokio::task_local! {
+    static SERVING: DelegationKey;
+}
+
+/// The delegation the current task is serving, if any (depth one: such a
+/// task cannot delegate further). Set for the executor's future; tasks it
+/// spawns must not delegate either (the connector cannot see them).
+pub fn serving() -> Option<DelegationKey> {
+    SERVING.try_with(Clone::clone).ok()
+}
+
+/// Why an executor stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The agent finished its turn: `completed`.
+    EndTurn,
+    /// The agent refused the task: `failed`.
+    Refusal(String),
+    /// A budget or limit ran out: `failed`.
+    LimitExceeded(String),
+    /// The work failed: `failed`.
+    Error(String),
+    /// The deadline stopped the work: `expired`.
+    Deadline,
+    /// The cancel token stopped the work: `cancelled`.
+    Cancelled,
+}
+
+impl StopReason {
+    /// The outcome this stop reason maps to.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            StopReason::EndTurn => Outcome::Completed,
+            StopReason::Refusal(_) | StopReason::LimitExceeded(_) | StopReason::Error(_) => {
+                Outcome::Failed
+            }
+            StopReason::Deadline => Outcome::Expired,
+            StopReason::Cancelled => Outcome::Cancelled,
+        }
+    }
+
+    fn error(&self) -> Option<String> {
+        match self {
+            StopReason::Refusal(m) => Some(format!("refused: {m}")),
+            StopReason::LimitExceeded(m) => Some(format!("limit exceeded: {m}")),
+            StopReason::Error(m) => Some(m.clone()),
+            StopReason::Deadline => Some("deadline passed".into()),
+            StopReason::Cancelled => Some("cancelled".into()),
+            StopReason::EndTurn => None,
+        }
+    }
+}
+
+/// What an executor returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Execution {
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// Structured output.
+    pub output: Option<Value>,
+    /// Artifacts of the result.
+    pub artifacts: Vec<Artifact>,
+    /// Side effects caused (provenance).
+    pub side_effects: Vec<SideEffect>,
+    /// What it consumed.
+    pub usage: Usage,
+}
+
+impl Execution {
+    /// A bare execution that stopped for `stop`.
+    pub fn stopped(stop: StopReason) -> Self {
+        Execution {
+            stop,
+            output: None,
+            artifacts: Vec::new(),
+            side_effects: Vec::new(),
+            usage: Usage::default(),
+        }
+    }
+}
+
+/// Sends events of one running delegation to the caller.
+#[derive(Debug, Clone)]
+pub struct EventSink {
+    link: LinkHandle,
+    key: DelegationKey,
+}
+
+impl EventSink {
+    async fn send(
+        &self,
+        payload: UpPayload,
+        acked: Option<oneshot::Sender<Result<u64, LinkError>>>,
+    ) -> Result<(), LinkError> {
+        self.link
+            .command(Command::Send {
+                key: self.key.clone(),
+                kind: SendKind::Data,
+                payload: payload.to_bytes(),
+                acked,
+            })
+            .await
+    }
+
+    /// Reports progress (an A2A state name such as `TASK_STATE_WORKING`).
+    pub async fn status(
+        &self,
+        state: &str,
+        message: Option<Value>,
+        data: Option<Value>,
+    ) -> Result<(), LinkError> {
+        self.send(
+            UpPayload::Status {
+                state: state.to_string(),
+                message,
+                data,
+            },
+            None,
+        )
+        .await
+    }
+
+    /// Sends an artifact or a chunk of one.
+    pub async fn artifact(
+        &self,
+        artifact: Artifact,
+        append: bool,
+        last_chunk: bool,
+    ) -> Result<(), LinkError> {
+        self.send(
+            UpPayload::Artifact {
+                artifact,
+                append,
+                last_chunk,
+            },
+            None,
+        )
+        .await
+    }
+}
+
+/// One delegation handed to an executor.
+#[derive(Debug)]
+pub struct TaskRun {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// The A2A task id minted for it.
+    pub task_id: String,
+    /// The verified request.
+    pub request: DelegationRequest,
+    /// What it may do (checked, fail closed).
+    pub authority: EffectiveAuthority,
+    /// Where progress goes.
+    pub sink: EventSink,
+    /// Cancelled on a cancel from the caller, the relay, or the deadline.
+    pub cancel: CancellationToken,
+    /// Follow-up messages from the caller.
+    pub messages: mpsc::Receiver<Value>,
+    /// The serving context (depth one).
+    pub context: DelegationContext,
+}
+
+/// Runs delegated tasks: OAB's prompt runner, or the A2A driver.
+pub trait TaskExecutor: Send + Sync + 'static {
+    /// Runs one task to its end. Must return soon after `run.cancel` fires.
+    fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>>;
+
+    /// The delegation ended elsewhere (the relay reports it finished or
+    /// gone); drop anything kept for it.
+    fn discard(&self, _key: &DelegationKey) {}
+}
+
+/// Which policy applies to delegations from a caller.
+pub trait PolicyProvider: Send + Sync + 'static {
+    /// The policy for `caller`, or `None` to refuse it outright.
+    fn policy_for(&self, caller: &PeerId) -> Option<Policy>;
+}
+
+impl PolicyProvider for Policy {
+    fn policy_for(&self, _caller: &PeerId) -> Option<Policy> {
+        Some(self.clone())
+    }
+}
+
+/// Callee-side settings.
+#[derive(Clone)]
+pub struct CalleeOptions {
+    /// The executor.
+    pub executor: Arc<dyn TaskExecutor>,
+    /// Policies per caller.
+    pub policy: Arc<dyn PolicyProvider>,
+    /// Delegations running at once.
+    pub max_concurrent: usize,
+    /// Delegations running at once per caller.
+    pub max_concurrent_per_peer: usize,
+}
+
+impl std::fmt::Debug for CalleeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CalleeOptions")
+            .field("max_concurrent", &self.max_concurrent)
+            .field("max_concurrent_per_peer", &self.max_concurrent_per_peer)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Running {
+    cancel: CancellationToken,
+    messages: mpsc::Sender<Value>,
+}
+
+/// The callee runtime: consumes what the link receives for this peer.
+pub(crate) struct CalleeRuntime {
+    pub(crate) link: LinkHandle,
+    pub(crate) identity: Arc<Identity>,
+    pub(crate) trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+    pub(crate) options: Option<CalleeOptions>,
+    pub(crate) audit: Arc<dyn AuditSink>,
+    running: Mutex<HashMap<DelegationKey, Running>>,
+    nonces: Mutex<NonceCache>,
+    global: Arc<Semaphore>,
+    per_peer: Mutex<HashMap<PeerId, Arc<Semaphore>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A refusal before acceptance: the code goes into the signed result.
+struct Refusal {
+    code: &'static str,
+    message: String,
+}
+
+impl CalleeRuntime {
+    pub(crate) fn new(
+        link: LinkHandle,
+        identity: Arc<Identity>,
+        trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+        options: Option<CalleeOptions>,
+        audit: Arc<dyn AuditSink>,
+    ) -> Arc<Self> {
+        let global = options.as_ref().map_or(1, |o| o.max_concurrent.max(1));
+        Arc::new(CalleeRuntime {
+            link,
+            identity,
+            trust,
+            options,
+            audit,
+            running: Mutex::new(HashMap::new()),
+            nonces: Mutex::new(NonceCache::default()),
+            global: Arc::new(Semaphore::new(global)),
+            per_peer: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Consumes the link's incoming channel until it closes.
+    pub(crate) async fn run(self: Arc<Self>, mut incoming: mpsc::Receiver<Incoming>) {
+        while let Some(item) = incoming.recv().await {
+            match item {
+                Incoming::Open(open) => {
+                    let rt = self.clone();
+                    let span = tracing::info_span!("delegation", key = %open.key);
+                    tokio::spawn(async move { rt.serve(open).await }.instrument(span));
+                }
+                Incoming::Cancel {
+                    key, relay_origin, ..
+                } => {
+                    if let Some(r) = lock(&self.running).get(&key) {
+                        info!(%key, relay_origin, "cancel requested");
+                        self.audit.record(&AuditRecord::new(
+                            now_ms(),
+                            Side::Callee,
+                            &key,
+                            AuditEvent::CancelRequested,
+                        ));
+                        r.cancel.cancel();
+                    }
+                }
+                Incoming::Message { key, payload, .. } => {
+                    let tx = lock(&self.running).get(&key).map(|r| r.messages.clone());
+                    if let (Some(tx), Ok(DownPayload::Message { message })) =
+                        (tx, serde_json::from_slice(&payload))
+                    {
+                        let _ = tx.send(message).await;
+                    }
+                }
+                Incoming::Ended { key, terminal } => {
+                    if let Some(r) = lock(&self.running).get(&key) {
+                        warn!(%key, ?terminal, "delegation ended at the relay; stopping");
+                        r.cancel.cancel();
+                    }
+                    if let Some(o) = &self.options {
+                        o.executor.discard(&key);
+                    }
+                }
+            }
+        }
+    }
+
+    fn audit(&self, key: &DelegationKey, event: AuditEvent) -> AuditRecord {
+        AuditRecord::new(now_ms(), Side::Callee, key, event)
+    }
+
+    async fn serve(self: Arc<Self>, open: Open) {
+        let key = open.key.clone();
+        let started_ms = now_ms();
+        let task_id = format!("task-{}", oab_wire::InstanceId::random().to_hex());
+        self.audit.record(&self.audit(&key, AuditEvent::Received));
+        let prepared = self.prepare(&open);
+        let (verified, authority, permits) = match prepared {
+            Ok(x) => x,
+            Err((refusal, request_digest, request)) => {
+                if refusal.code == "redelivery" {
+                    return;
+                }
+                warn!(code = refusal.code, message = %refusal.message, "delegation refused");
+                self.audit.record(
+                    &AuditRecord::refused(now_ms(), Side::Callee, &key, refusal.code)
+                        .with_request_digest(request_digest),
+                );
+                let mut result = self.result(
+                    &key,
+                    &task_id,
+                    request_digest,
+                    Outcome::Rejected,
+                    started_ms,
+                );
+                result.error = Some(format!("{}: {}", refusal.code, refusal.message));
+                result.read_only = request.as_ref().is_none_or(|r| r.read_only);
+                self.finish(&key, result).await;
+                return;
+            }
+        };
+        let digest = verified.request_digest;
+        self.audit.record(
+            &self
+                .audit(&key, AuditEvent::Reserved)
+                .with_request_digest(digest)
+                .with_capabilities(authority.capabilities.clone()),
+        );
+        // Accepted, and durable at the relay, before anything runs.
+        let sink = EventSink {
+            link: self.link.clone(),
+            key: key.clone(),
+        };
+        let (ack_tx, ack_rx) = oneshot::channel();
+        if sink
+            .send(
+                UpPayload::Accepted {
+                    task_id: task_id.clone(),
+                },
+                Some(ack_tx),
+            )
+            .await
+            .is_err()
+        {
+            return;
+        }
+        match ack_rx.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                warn!(error = %e, "acceptance not acknowledged; not executing");
+                return;
+            }
+            Err(_) => return,
+        }
+        self.audit.record(
+            &self
+                .audit(&key, AuditEvent::Accepted)
+                .with_task_id(task_id.clone()),
+        );
+        let Some(options) = self.options.clone() else {
+            return;
+        };
+        let cancel = CancellationToken::new();
+        let (msg_tx, msg_rx) = mpsc::channel(64);
+        lock(&self.running).insert(
+            key.clone(),
+            Running {
+                cancel: cancel.clone(),
+                messages: msg_tx,
+            },
+        );
+        let run = TaskRun {
+            key: key.clone(),
+            task_id: task_id.clone(),
+            request: verified.request.clone(),
+            authority: authority.clone(),
+            sink,
+            cancel: cancel.clone(),
+            messages: msg_rx,
+            context: DelegationContext::new(key.clone(), authority.clone()),
+        };
+        self.audit.record(
+            &self
+                .audit(&key, AuditEvent::Executing)
+                .with_task_id(task_id.clone()),
+        );
+        let deadline = verified.request.deadline_ms.min(authority.deadline_ms);
+        let until = tokio::time::Instant::now()
+            + std::time::Duration::from_millis(deadline.saturating_sub(now_ms()));
+        let fut = SERVING.scope(key.clone(), options.executor.execute(run));
+        tokio::pin!(fut);
+        let mut deadline_hit = false;
+        let execution = tokio::select! {
+            e = &mut fut => e,
+            () = tokio::time::sleep_until(until) => {
+                deadline_hit = true;
+                cancel.cancel();
+                // The worker must stop before the terminal is sent.
+                fut.await
+            }
+        };
+        drop(permits);
+        lock(&self.running).remove(&key);
+        let stop = if deadline_hit {
+            StopReason::Deadline
+        } else {
+            execution.stop.clone()
+        };
+        let mut result = self.result(&key, &task_id, digest, stop.outcome(), started_ms);
+        result.effective_capabilities = authority.capabilities.clone();
+        result.read_only = authority.read_only;
+        result.artifacts = execution.artifacts;
+        result.side_effects = execution.side_effects;
+        result.usage = execution.usage;
+        result.output = execution.output;
+        result.error = stop.error();
+        self.finish(&key, result).await;
+    }
+
+    // Internal: the refusal carries the request for the signed rejection.
+    #[allow(clippy::type_complexity, clippy::result_large_err)]
+    fn prepare(
+        &self,
+        open: &Open,
+    ) -> Result<
+        (
+            crate::profile::VerifiedRequest,
+            EffectiveAuthority,
+            (
+                tokio::sync::OwnedSemaphorePermit,
+                tokio::sync::OwnedSemaphorePermit,
+            ),
+        ),
+        (Refusal, Digest, Option<DelegationRequest>),
+    > {
+        let now = now_ms();
+        let payload_digest = Digest::of(&open.payload);
+        let verified = verify_open_request(open, &self.identity.peer, self.trust.as_ref(), now)
+            .map_err(|e| {
+                (
+                    Refusal {
+                        code: e.code(),
+                        message: e.to_string(),
+                    },
+                    payload_digest,
+                    None,
+                )
+            })?;
+        let digest = verified.request_digest;
+        let req = Some(verified.request.clone());
+        let refuse =
+            |code: &'static str, message: String| (Refusal { code, message }, digest, req.clone());
+        let Some(options) = &self.options else {
+            return Err(refuse("no_executor", "this host runs no executor".into()));
+        };
+        let Some(policy) = options.policy.policy_for(&open.key.caller) else {
+            return Err(refuse(
+                "capability_denied",
+                "this caller may not delegate here".into(),
+            ));
+        };
+        let ceiling =
+            RouteCeiling::parse(&open.ceiling).map_err(|e| refuse(e.code(), e.to_string()))?;
+        let authority = authorize_incoming(&policy, &ceiling, &verified.request, now)
+            .map_err(|e| refuse(e.code(), e.to_string()))?;
+        match lock(&self.nonces).check(&open.key, &verified.request, &digest, now) {
+            Ok(NonceCheck::Fresh) => {}
+            Ok(NonceCheck::Redelivery) => {
+                return Err(refuse("redelivery", "already running".into()));
+            }
+            Err(e) => return Err(refuse(e.code(), e.to_string())),
+        }
+        let per_peer = lock(&self.per_peer)
+            .entry(open.key.caller.clone())
+            .or_insert_with(|| Arc::new(Semaphore::new(options.max_concurrent_per_peer.max(1))))
+            .clone();
+        let saturated = || {
+            refuse(
+                "saturated",
+                "too many delegations running; retry later".into(),
+            )
+        };
+        let a = self
+            .global
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| saturated())?;
+        let b = per_peer.try_acquire_owned().map_err(|_| saturated())?;
+        Ok((verified, authority, (a, b)))
+    }
+
+    fn result(
+        &self,
+        key: &DelegationKey,
+        task_id: &str,
+        request_digest: Digest,
+        outcome: Outcome,
+        started_ms: u64,
+    ) -> DelegationResult {
+        DelegationResult {
+            v: PROFILE_VERSION,
+            request_id: key.request_id.clone(),
+            task_id: task_id.to_string(),
+            outcome,
+            request_digest,
+            result_digest: Digest::default(),
+            executor: Executor {
+                peer: self.identity.peer.clone(),
+                key_id: self.identity.key_id.clone(),
+            },
+            effective_capabilities: Vec::new(),
+            read_only: true,
+            artifacts: Vec::new(),
+            side_effects: Vec::new(),
+            usage: Usage::default(),
+            started_ms,
+            finished_ms: now_ms(),
+            output: None,
+            error: None,
+        }
+    }
+
+    /// Signs the result and appends it as the terminal.
+    async fn finish(&self, key: &DelegationKey, mut result: DelegationResult) {
+        result.finished_ms = now_ms();
+        result.bind(&self.identity);
+        let outcome = result.outcome;
+        let envelope = sign_result(&self.identity, &result);
+        let env_json: Value = serde_json::from_slice(&envelope.to_json()).unwrap_or(Value::Null);
+        let payload: Bytes = UpPayload::Result { envelope: env_json }.to_bytes();
+        let (tx, rx) = oneshot::channel();
+        let sent = self
+            .link
+            .command(Command::Send {
+                key: key.clone(),
+                kind: SendKind::Terminal(outcome),
+                payload,
+                acked: Some(tx),
+            })
+            .await;
+        let event = AuditEvent::terminal(outcome);
+        let record = self
+            .audit(key, event)
+            .with_task_id(result.task_id.clone())
+            .with_outcome(outcome)
+            .with_request_digest(result.request_digest)
+            .with_result_digest(result.result_digest)
+            .with_capabilities(result.effective_capabilities.clone());
+        if sent.is_ok() {
+            match rx.await {
+                Ok(Ok(_)) => self.audit.record(&record),
+                Ok(Err(LinkError::AlreadyTerminal(winner))) => {
+                    info!(%key, ?winner, ours = ?outcome, "another terminal won");
+                    self.audit
+                        .record(&record.with_code(format!("lost_to_{}", winner.name())));
+                }
+                Ok(Err(e)) => warn!(%key, error = %e, "terminal not acknowledged"),
+                Err(_) => {}
+            }
+        }
+    }
+}

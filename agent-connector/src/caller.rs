@@ -1,0 +1,499 @@
+//! The caller API: delegate a task to a peer, follow its events (replay,
+//! then live), get, wait, cancel, list peers, verify the signed result.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::Stream;
+use oab_wire::envelope::Envelope;
+use oab_wire::identity::{Identity, PeerKey, now_ms};
+use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestId};
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::authority::{AuthorityError, Grant, Policy, authorize_outgoing};
+use crate::events::{CancelPayload, DownPayload, UpPayload};
+use crate::link::{Command, EventError, LinkError, LinkHandle, SendKind, Snapshot, UpEvent};
+use crate::nonce::Nonce;
+use crate::profile::{
+    Budgets, DelegationRequest, DelegationResult, PROFILE_VERSION, ParentContext, ProfileError,
+    Task, check_result_within_request, sign_request, verify_result,
+};
+
+/// What the caller asks for. The connector adds the nonce, times, depth and
+/// signature.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewDelegation {
+    /// Idempotency key; a fresh one is made when `None`.
+    pub request_id: Option<RequestId>,
+    /// The task.
+    pub task: Task,
+    /// Capabilities requested (exact names).
+    pub capabilities: Vec<String>,
+    /// Whether the callee must not change anything (the default).
+    pub read_only: bool,
+    /// Time from now until the deadline.
+    pub deadline: Duration,
+    /// Budgets, all explicit (zero is zero).
+    pub budgets: Budgets,
+    /// Caller-side provenance.
+    pub parent: ParentContext,
+}
+
+/// A delegation this connector started.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DelegationHandle {
+    /// The delegation key (this peer + request id).
+    pub key: DelegationKey,
+    /// The callee.
+    pub callee: PeerId,
+}
+
+/// One event of a delegation, as the caller sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DelegationEvent {
+    /// Position in the up log.
+    pub seq: u64,
+    /// What happened.
+    pub kind: EventKind,
+}
+
+/// The kinds of caller-visible events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventKind {
+    /// The callee took the work under this A2A task id.
+    Accepted {
+        /// The task id.
+        task_id: String,
+    },
+    /// Progress.
+    Status {
+        /// A2A state name.
+        state: String,
+        /// Optional message.
+        message: Option<Value>,
+        /// Optional data.
+        data: Option<Value>,
+    },
+    /// An artifact (or chunk).
+    Artifact {
+        /// The artifact.
+        artifact: crate::profile::Artifact,
+        /// Extends an earlier artifact.
+        append: bool,
+        /// Last chunk.
+        last_chunk: bool,
+    },
+    /// The one terminal.
+    Terminal(Terminal),
+    /// A payload this version does not understand (kept, not dropped).
+    Unrecognised(Bytes),
+}
+
+/// The terminal of a delegation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Terminal {
+    /// The outcome.
+    pub outcome: Outcome,
+    /// Appended by the relay (`expired`, `unknown`): no signed result exists.
+    pub relay_origin: bool,
+    /// The callee's signed result (unverified until [`Connector::verify`]).
+    pub envelope: Option<Envelope>,
+    /// The relay's reason, for relay-originated terminals.
+    pub reason: Option<String>,
+}
+
+/// Errors of the caller API.
+#[derive(Debug, thiserror::Error)]
+pub enum CallerError {
+    /// A refusal by the authority rules (fail closed), before anything was sent.
+    #[error("{0}")]
+    Authority(#[from] crate::authority::AuthorityError),
+    /// The request is not valid (e.g. it carries credentials).
+    #[error("{0}")]
+    Profile(#[from] ProfileError),
+    /// The link refused or stopped.
+    #[error("{0}")]
+    Link(#[from] LinkError),
+    /// The request id is in use with a different request.
+    #[error("idempotency_mismatch: request id {0} was used with a different request")]
+    IdempotencyMismatch(String),
+    /// Not a delegation of this connector.
+    #[error("unknown delegation {0}")]
+    UnknownDelegation(String),
+    /// `wait` timed out (the delegation goes on).
+    #[error("no terminal within the wait timeout")]
+    Timeout,
+    /// The event stream failed.
+    #[error("{0}")]
+    Events(#[from] EventError),
+}
+
+impl CallerError {
+    /// A stable snake_case code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            CallerError::Authority(e) => e.code(),
+            CallerError::Profile(e) => e.code(),
+            CallerError::Link(_) => "link",
+            CallerError::IdempotencyMismatch(_) => "idempotency_mismatch",
+            CallerError::UnknownDelegation(_) => "unknown_delegation",
+            CallerError::Timeout => "timeout",
+            CallerError::Events(_) => "events",
+        }
+    }
+}
+
+/// A verified result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifiedResult {
+    /// The signed result, checked against the request.
+    pub result: DelegationResult,
+    /// The key that signed it.
+    pub key_id: oab_wire::KeyId,
+}
+
+#[derive(Debug, Clone)]
+struct CallerRecord {
+    callee: PeerId,
+    spec: NewDelegation,
+    request: DelegationRequest,
+    request_digest: Digest,
+}
+
+/// A stream of events.
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<DelegationEvent, EventError>> + Send>>;
+
+/// The caller side of a connector.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    link: LinkHandle,
+    identity: Arc<Identity>,
+    trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+    grant: Arc<Grant>,
+    policy: Arc<Policy>,
+    records: Arc<Mutex<HashMap<DelegationKey, CallerRecord>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Parses an up-log event into what the caller sees.
+pub fn parse_event(ev: &UpEvent) -> DelegationEvent {
+    let kind = if let Some(outcome) = ev.terminal {
+        if ev.relay_origin {
+            let reason = serde_json::from_slice::<Value>(&ev.payload)
+                .ok()
+                .and_then(|v| v.get("reason").and_then(Value::as_str).map(str::to_string));
+            EventKind::Terminal(Terminal {
+                outcome,
+                relay_origin: true,
+                envelope: None,
+                reason,
+            })
+        } else {
+            let envelope = match serde_json::from_slice::<UpPayload>(&ev.payload) {
+                Ok(UpPayload::Result { envelope }) => serde_json::to_vec(&envelope)
+                    .ok()
+                    .and_then(|b| Envelope::from_json(&b).ok()),
+                _ => None,
+            };
+            EventKind::Terminal(Terminal {
+                outcome,
+                relay_origin: false,
+                envelope,
+                reason: None,
+            })
+        }
+    } else {
+        match serde_json::from_slice::<UpPayload>(&ev.payload) {
+            Ok(UpPayload::Accepted { task_id }) => EventKind::Accepted { task_id },
+            Ok(UpPayload::Status {
+                state,
+                message,
+                data,
+            }) => EventKind::Status {
+                state,
+                message,
+                data,
+            },
+            Ok(UpPayload::Artifact {
+                artifact,
+                append,
+                last_chunk,
+            }) => EventKind::Artifact {
+                artifact,
+                append,
+                last_chunk,
+            },
+            _ => EventKind::Unrecognised(ev.payload.clone()),
+        }
+    };
+    DelegationEvent { seq: ev.seq, kind }
+}
+
+impl Caller {
+    pub(crate) fn new(
+        link: LinkHandle,
+        identity: Arc<Identity>,
+        trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+        grant: Grant,
+        policy: Policy,
+    ) -> Self {
+        Caller {
+            link,
+            identity,
+            trust,
+            grant: Arc::new(grant),
+            policy: Arc::new(policy),
+            records: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Delegates a task to `peer`. Returns as soon as the open is queued: the
+    /// relay may be unreachable right now; the link delivers it when it can.
+    /// A refusal by the relay arrives as an error on [`Caller::events`].
+    pub async fn delegate(
+        &self,
+        peer: &PeerId,
+        spec: NewDelegation,
+    ) -> Result<DelegationHandle, CallerError> {
+        // Depth one: an executor serving a delegation cannot delegate further.
+        if crate::callee::serving().is_some() {
+            return Err(AuthorityError::NestedDelegation.into());
+        }
+        let request_id = match &spec.request_id {
+            Some(r) => r.clone(),
+            None => RequestId::new(&format!("req-{}", oab_wire::InstanceId::random().to_hex()))
+                .map_err(|e| ProfileError::Malformed(e.to_string()))?,
+        };
+        let key = DelegationKey::new(self.identity.peer.clone(), request_id.clone());
+        if let Some(rec) = lock(&self.records).get(&key) {
+            return if rec.spec == spec && &rec.callee == peer {
+                Ok(DelegationHandle {
+                    key,
+                    callee: rec.callee.clone(),
+                })
+            } else {
+                Err(CallerError::IdempotencyMismatch(request_id.to_string()))
+            };
+        }
+        let now = now_ms();
+        let deadline_ms =
+            now.saturating_add(u64::try_from(spec.deadline.as_millis()).unwrap_or(u64::MAX));
+        let request = DelegationRequest {
+            v: PROFILE_VERSION,
+            request_id: request_id.clone(),
+            caller: self.identity.peer.clone(),
+            callee: peer.clone(),
+            nonce: Nonce::random(),
+            issued_ms: now,
+            task: spec.task.clone(),
+            capabilities: spec.capabilities.clone(),
+            depth: 1,
+            read_only: spec.read_only,
+            deadline_ms,
+            budgets: spec.budgets,
+            parent: spec.parent.clone(),
+        };
+        // Fail closed before anything leaves this host.
+        authorize_outgoing(&self.grant, &self.policy, &request, None, now)?;
+        let envelope = sign_request(&self.identity, &request);
+        let payload = Bytes::from(envelope.to_json());
+        let request_digest = envelope.payload_digest();
+        let open = Open {
+            key: key.clone(),
+            target: peer.clone(),
+            deadline_ms,
+            depth: 1,
+            digest: Digest::of(&payload),
+            ceiling: String::new(),
+            payload,
+        };
+        {
+            let mut records = lock(&self.records);
+            if let Some(rec) = records.get(&key) {
+                // A concurrent call with the same request id won the race.
+                return if rec.spec == spec && &rec.callee == peer {
+                    Ok(DelegationHandle {
+                        key,
+                        callee: rec.callee.clone(),
+                    })
+                } else {
+                    Err(CallerError::IdempotencyMismatch(request_id.to_string()))
+                };
+            }
+            records.insert(
+                key.clone(),
+                CallerRecord {
+                    callee: peer.clone(),
+                    spec,
+                    request,
+                    request_digest,
+                },
+            );
+        }
+        let (reply, _ignored) = oneshot::channel();
+        self.link.command(Command::Open { open, reply }).await?;
+        Ok(DelegationHandle {
+            key,
+            callee: peer.clone(),
+        })
+    }
+
+    /// Events after `after` (0 for all): first what this connector already
+    /// holds, then live. A gap is an error item, never a silent skip.
+    pub async fn events(
+        &self,
+        handle: &DelegationHandle,
+        after: u64,
+    ) -> Result<EventStream, CallerError> {
+        let (tx, rx) = mpsc::channel(1024);
+        self.link
+            .command(Command::Subscribe {
+                key: handle.key.clone(),
+                after,
+                tx,
+            })
+            .await?;
+        let stream = futures_util::stream::unfold((rx, false), |(mut rx, done)| async move {
+            if done {
+                return None;
+            }
+            let item = rx.recv().await?;
+            let item = item.map(|ev| parse_event(&ev));
+            let end = matches!(
+                &item,
+                Ok(DelegationEvent {
+                    kind: EventKind::Terminal(_),
+                    ..
+                }) | Err(_)
+            );
+            Some((item, (rx, end)))
+        });
+        Ok(Box::pin(stream))
+    }
+
+    /// Where a delegation stands.
+    pub async fn get(&self, handle: &DelegationHandle) -> Result<Snapshot, CallerError> {
+        self.link
+            .snapshot(&handle.key)
+            .await?
+            .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))
+    }
+
+    /// Waits for the terminal, up to `timeout`.
+    pub async fn wait(
+        &self,
+        handle: &DelegationHandle,
+        timeout: Duration,
+    ) -> Result<Terminal, CallerError> {
+        use futures_util::StreamExt as _;
+        let mut events = self.events(handle, 0).await?;
+        let wait = async {
+            while let Some(item) = events.next().await {
+                if let DelegationEvent {
+                    kind: EventKind::Terminal(t),
+                    ..
+                } = item?
+                {
+                    return Ok(t);
+                }
+            }
+            Err(CallerError::Events(EventError::Stopped(
+                "event stream ended".into(),
+            )))
+        };
+        tokio::time::timeout(timeout, wait)
+            .await
+            .map_err(|_| CallerError::Timeout)?
+    }
+
+    /// Asks the callee to stop. The terminal (`cancelled`, or whatever won
+    /// the race) arrives as an event; a cancel never guarantees `cancelled`.
+    pub async fn cancel(&self, handle: &DelegationHandle, reason: &str) -> Result<(), CallerError> {
+        let payload = Bytes::from(
+            serde_json::to_vec(&CancelPayload {
+                reason: reason.to_string(),
+            })
+            .unwrap_or_default(),
+        );
+        self.link
+            .command(Command::Send {
+                key: handle.key.clone(),
+                kind: SendKind::Cancel,
+                payload,
+                acked: None,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Sends a follow-up message (e.g. the answer to `input-required`).
+    pub async fn send_message(
+        &self,
+        handle: &DelegationHandle,
+        message: Value,
+    ) -> Result<(), CallerError> {
+        let payload =
+            Bytes::from(serde_json::to_vec(&DownPayload::Message { message }).unwrap_or_default());
+        self.link
+            .command(Command::Send {
+                key: handle.key.clone(),
+                kind: SendKind::Data,
+                payload,
+                acked: None,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// The peers this host may reach, their online state and agent cards.
+    pub async fn list_peers(&self) -> Result<Vec<PeerEntry>, CallerError> {
+        let (reply, rx) = oneshot::channel();
+        self.link.command(Command::Peers { reply }).await?;
+        rx.await
+            .map_err(|_| CallerError::Link(LinkError::Stopped("link task ended".into())))
+    }
+
+    /// Verifies a terminal's signed result against the callee's configured
+    /// key and the request this connector signed. The relay is not trusted:
+    /// a relay-originated terminal has no result and fails here.
+    pub fn verify(
+        &self,
+        handle: &DelegationHandle,
+        terminal: &Terminal,
+    ) -> Result<VerifiedResult, CallerError> {
+        let rec = lock(&self.records)
+            .get(&handle.key)
+            .cloned()
+            .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
+        let envelope = terminal.envelope.as_ref().ok_or_else(|| {
+            ProfileError::Malformed("no signed result (relay-originated terminal)".into())
+        })?;
+        let result = verify_result(
+            envelope,
+            &rec.callee,
+            &rec.request_digest,
+            &rec.request.request_id,
+            self.trust.as_ref(),
+            now_ms(),
+        )?;
+        check_result_within_request(&result, &rec.request)?;
+        if result.outcome != terminal.outcome {
+            return Err(ProfileError::InvalidField {
+                field: "outcome",
+                reason: "signed outcome differs from the terminal frame",
+            }
+            .into());
+        }
+        Ok(VerifiedResult {
+            key_id: envelope.claimed_key_id().clone(),
+            result,
+        })
+    }
+}

@@ -1,0 +1,215 @@
+//! The `oab-connector` configuration file (TOML), validated strictly.
+//!
+//! ```toml
+//! [connector]
+//! relay_url = "wss://relay.example.com:7443/"
+//! relay_id = "relay.example.com"          # optional pin of the relay's id
+//! identity = "/etc/oab/connector.identity.toml"
+//! relay_ca = "/etc/oab/relay-ca.pem"       # or relay_pin_sha256, or neither (WebPKI)
+//! challenge_only_binding = false           # true behind a TLS-terminating load balancer
+//! state_dir = "/var/lib/oab-connector"     # caller cursors (optional)
+//!
+//! [[peers]]
+//! id = "acme/build-bot"
+//! keys = [{ key_id = "2026-11", public_key = "ed25519:..." }]
+//!
+//! [policy]                                  # what this host lets callers do
+//! allowed_capabilities = ["read:*", "run:tests"]
+//! allow_writes = false
+//! max_concurrent = 16
+//! max_concurrent_per_peer = 4
+//! ```
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use oab_wire::identity::PeerKey;
+use oab_wire::{Digest, PeerId, RelayId};
+use serde::{Deserialize, Serialize};
+
+/// The whole file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorConfig {
+    /// Relay connection and identity.
+    pub connector: ConnectorSection,
+    /// Peers this host talks to, with their public keys.
+    #[serde(default)]
+    pub peers: Vec<PeerConfig>,
+    /// What this host allows delegations it serves to do.
+    #[serde(default)]
+    pub policy: PolicySection,
+}
+
+/// `[connector]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorSection {
+    /// `wss://host:port/`.
+    pub relay_url: String,
+    /// Expected relay id (refuse a relay that names itself otherwise).
+    #[serde(default)]
+    pub relay_id: Option<RelayId>,
+    /// This host's identity file (written by `oab-connector keygen`).
+    pub identity: PathBuf,
+    /// PEM CA (or self-signed certificate) that signs the relay's certificate.
+    #[serde(default)]
+    pub relay_ca: Option<PathBuf>,
+    /// SHA-256 pin of the relay's certificate (`sha256:<hex>`).
+    #[serde(default)]
+    pub relay_pin_sha256: Option<String>,
+    /// Bind the handshake to the challenge only (relay behind a TLS-terminating LB).
+    #[serde(default)]
+    pub challenge_only_binding: bool,
+    /// Where caller-side delegation state is persisted (optional).
+    #[serde(default)]
+    pub state_dir: Option<PathBuf>,
+}
+
+/// `[[peers]]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// The peer id.
+    pub id: PeerId,
+    /// Its keys.
+    pub keys: Vec<PeerKey>,
+}
+
+/// `[policy]`: the callee side's limits.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySection {
+    /// Capabilities a caller may be granted here (`read:*` style wildcards).
+    #[serde(default)]
+    pub allowed_capabilities: Vec<String>,
+    /// Whether delegations served here may write at all.
+    #[serde(default)]
+    pub allow_writes: bool,
+    /// Delegations run at once; beyond it new ones are refused `saturated`.
+    #[serde(default = "default_max_concurrent")]
+    pub max_concurrent: usize,
+    /// Delegations run at once per calling peer.
+    #[serde(default = "default_max_concurrent_per_peer")]
+    pub max_concurrent_per_peer: usize,
+    /// Longest deadline accepted, ms.
+    #[serde(default = "default_max_deadline_ms")]
+    pub max_deadline_ms: u64,
+}
+
+fn default_max_concurrent() -> usize {
+    64
+}
+fn default_max_concurrent_per_peer() -> usize {
+    16
+}
+fn default_max_deadline_ms() -> u64 {
+    3_600_000
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        PolicySection {
+            allowed_capabilities: Vec::new(),
+            allow_writes: false,
+            max_concurrent: default_max_concurrent(),
+            max_concurrent_per_peer: default_max_concurrent_per_peer(),
+            max_deadline_ms: default_max_deadline_ms(),
+        }
+    }
+}
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Reading failed.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// File.
+        path: String,
+        /// Error.
+        source: std::io::Error,
+    },
+    /// Parsing failed (the message names line and field).
+    #[error("{path}: {message}")]
+    Parse {
+        /// File.
+        path: String,
+        /// Message.
+        message: String,
+    },
+    /// Values are inconsistent; every problem is listed.
+    #[error("{path}:\n{}", .errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// File.
+        path: String,
+        /// Problems, each naming its field.
+        errors: Vec<String>,
+    },
+}
+
+impl ConnectorConfig {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let c: ConnectorConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: shown.clone(),
+            message: e.to_string(),
+        })?;
+        c.validate().map_err(|errors| ConfigError::Invalid {
+            path: shown,
+            errors,
+        })?;
+        Ok(c)
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let c = &self.connector;
+        if !c.relay_url.starts_with("wss://") && !c.relay_url.starts_with("ws://") {
+            errors.push("connector.relay_url: must start with wss://".to_string());
+        }
+        if c.relay_ca.is_some() && c.relay_pin_sha256.is_some() {
+            errors
+                .push("connector.relay_pin_sha256: set either relay_ca or a pin, not both".into());
+        }
+        if let Some(pin) = &c.relay_pin_sha256
+            && Digest::parse(pin).is_none()
+        {
+            errors.push("connector.relay_pin_sha256: expected sha256:<64 hex digits>".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            if !seen.insert(&p.id) {
+                errors.push(format!("peers[{i}].id: {} is listed twice", p.id));
+            }
+            if p.keys.is_empty() {
+                errors.push(format!("peers[{i}].keys: at least one key is required"));
+            }
+        }
+        if self.policy.max_concurrent == 0 {
+            errors.push("policy.max_concurrent: must be greater than 0".into());
+        }
+        if self.policy.max_concurrent_per_peer == 0 {
+            errors.push("policy.max_concurrent_per_peer: must be greater than 0".into());
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// The peers' keys in lookup form.
+    pub fn trust(&self) -> HashMap<PeerId, Vec<PeerKey>> {
+        self.peers
+            .iter()
+            .map(|p| (p.id.clone(), p.keys.clone()))
+            .collect()
+    }
+}

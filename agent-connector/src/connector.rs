@@ -1,0 +1,116 @@
+//! Starting a connector: the link task, the caller API and the callee runtime.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use oab_wire::PeerId;
+use oab_wire::identity::PeerKey;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::{AuditSink, TracingAuditSink};
+use crate::authority::{Grant, Policy};
+use crate::callee::{CalleeOptions, CalleeRuntime};
+use crate::caller::Caller;
+use crate::link::{Command, LinkError, LinkHandle, LinkSettings, LinkState};
+
+/// Everything a connector needs.
+#[derive(Debug)]
+pub struct ConnectorOptions {
+    /// Relay, trust, identity, reconnect settings.
+    pub link: LinkSettings,
+    /// The peers' public keys (requests and results are verified against these, never against the relay).
+    pub trust: HashMap<PeerId, Vec<PeerKey>>,
+    /// What this host may delegate (caller side).
+    pub grant: Grant,
+    /// This host's policy for delegations it sends.
+    pub caller_policy: Policy,
+    /// The callee side; `None` refuses every incoming delegation (signed `rejected`).
+    pub callee: Option<CalleeOptions>,
+    /// Where audit records go (default: the `oab::audit` tracing target).
+    pub audit: Option<Arc<dyn AuditSink>>,
+}
+
+/// A running connector. Dropping it does not stop it; call [`Connector::shutdown`].
+#[derive(Debug)]
+pub struct Connector {
+    caller: Caller,
+    link: LinkHandle,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for dyn AuditSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuditSink")
+    }
+}
+
+/// Why a connector could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// TLS trust could not be set up.
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
+}
+
+impl Connector {
+    /// Starts the link and, with `callee` options, the callee runtime.
+    pub fn start(options: ConnectorOptions) -> Result<Connector, StartError> {
+        let shutdown = CancellationToken::new();
+        let identity = Arc::new(options.link.identity.clone());
+        let trust = Arc::new(options.trust);
+        let (incoming_tx, incoming_rx) = mpsc::channel(options.link.queue.max(1));
+        let (link, task) = crate::link::spawn(options.link, incoming_tx, shutdown.clone())?;
+        let audit: Arc<dyn AuditSink> = options.audit.unwrap_or_else(|| Arc::new(TracingAuditSink));
+        let runtime = CalleeRuntime::new(
+            link.clone(),
+            identity.clone(),
+            trust.clone(),
+            options.callee,
+            audit,
+        );
+        tokio::spawn(runtime.run(incoming_rx));
+        let caller = Caller::new(
+            link.clone(),
+            identity,
+            trust,
+            options.grant,
+            options.caller_policy,
+        );
+        Ok(Connector {
+            caller,
+            link,
+            shutdown,
+            task,
+        })
+    }
+
+    /// The caller API.
+    pub fn caller(&self) -> &Caller {
+        &self.caller
+    }
+
+    /// The link state.
+    pub fn state(&self) -> LinkState {
+        self.link.state()
+    }
+
+    /// Waits until connected; returns the relay's store epoch.
+    pub async fn connected(&self) -> Result<u64, LinkError> {
+        self.link.connected().await
+    }
+
+    /// Publishes this host's agent card to the relay's peer directory.
+    pub async fn publish(&self, card: &serde_json::Value) -> Result<(), LinkError> {
+        let descriptor = Bytes::from(serde_json::to_vec(card).unwrap_or_default());
+        self.link.command(Command::Publish { descriptor }).await
+    }
+
+    /// Stops the link (closing the connection) and waits for it.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+}

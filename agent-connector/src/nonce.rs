@@ -1,0 +1,383 @@
+//! Request nonces and the callee's replay cache.
+//!
+//! Every signed delegation request carries a random 16-byte [`Nonce`]. The
+//! callee remembers the nonces of requests it verified in a [`NonceCache`]
+//! and refuses one it has seen under another delegation key, so the same
+//! signed bytes cannot be replayed to start a second delegation (a relay can
+//! re-send an `Open`, and a hostile relay could re-stamp its header with a
+//! new request id).
+//!
+//! **Keyed by nonce alone.** The cache maps a nonce to the delegation key and
+//! request digest it first arrived with:
+//!
+//! | seen before? | same key | same digest | answer |
+//! |---|---|---|---|
+//! | no | - | - | [`NonceCheck::Fresh`] (remembered) |
+//! | yes | yes | yes | [`NonceCheck::Redelivery`]: the same request again; answer from the existing delegation, never run it twice |
+//! | yes | yes | no | [`NonceError::IdempotencyMismatch`] |
+//! | yes | no | - | [`NonceError::NonceReused`] |
+//!
+//! **Bounded by age and count.** A request is acceptable only while it is
+//! fresh: `issued_ms` no older than `max_age_ms` and no further in the future
+//! than `max_skew_ms`, and its deadline not passed. An entry is kept exactly
+//! as long as its request could still be accepted
+//! (`min(deadline_ms, issued_ms + max_age_ms)`), so dropping it afterwards
+//! opens no replay window. When the cache holds `capacity` live entries it
+//! refuses new requests with [`NonceError::Saturated`] (fail closed,
+//! retryable) instead of evicting a live entry, which would reopen the window.
+//!
+//! Configure `max_age_ms` at least as long as the longest deadline the callee
+//! accepts (its policy's `max_deadline_ms`): an `Open` that waited in the
+//! relay's log while the callee was offline is still delivered within its
+//! deadline and must not be refused as stale.
+//!
+//! Only verified requests go into the cache (verify first, see
+//! [`crate::profile::verify_open_request`]), so unauthenticated input cannot
+//! fill it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use oab_wire::{DelegationKey, Digest};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::profile::DelegationRequest;
+
+/// A request nonce: 16 random bytes, on the wire as unpadded base64url
+/// (22 characters).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Nonce(pub [u8; 16]);
+
+impl Nonce {
+    /// A fresh nonce from the operating system's random generator.
+    pub fn random() -> Self {
+        let mut b = [0u8; 16];
+        rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
+        Nonce(b)
+    }
+
+    /// Parses the unpadded base64url form; `None` unless it is exactly 16 bytes.
+    pub fn parse(s: &str) -> Option<Self> {
+        let raw = URL_SAFE_NO_PAD.decode(s).ok()?;
+        let arr: [u8; 16] = raw.try_into().ok()?;
+        Some(Nonce(arr))
+    }
+}
+
+impl fmt::Display for Nonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&URL_SAFE_NO_PAD.encode(self.0))
+    }
+}
+
+impl fmt::Debug for Nonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Nonce({self})")
+    }
+}
+
+impl Serialize for Nonce {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Nonce {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Nonce::parse(&s).ok_or_else(|| {
+            serde::de::Error::custom("nonce: expected 16 bytes in unpadded base64url")
+        })
+    }
+}
+
+/// Why the replay cache refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NonceError {
+    /// The nonce was already used by another delegation (a replay, possibly
+    /// under a new request id).
+    #[error("nonce already used by another delegation")]
+    NonceReused,
+    /// The nonce and delegation key are known, but the request bytes differ.
+    #[error("request id reused with a different request")]
+    IdempotencyMismatch,
+    /// The request is older than the replay window or its deadline passed.
+    #[error("request issued at {issued_ms} is stale at {now_ms}")]
+    StaleRequest {
+        /// When the caller says it issued the request.
+        issued_ms: u64,
+        /// Now.
+        now_ms: u64,
+    },
+    /// The request claims to be issued further in the future than the allowed skew.
+    #[error("request issued at {issued_ms} is in the future at {now_ms}")]
+    ClockSkew {
+        /// When the caller says it issued the request.
+        issued_ms: u64,
+        /// Now.
+        now_ms: u64,
+    },
+    /// The cache is full of live entries; retry later.
+    #[error("replay cache is full ({capacity} live requests)")]
+    Saturated {
+        /// The configured capacity.
+        capacity: usize,
+    },
+}
+
+impl NonceError {
+    /// Stable snake_case code for logs, audit records and refusals.
+    pub fn code(&self) -> &'static str {
+        match self {
+            NonceError::NonceReused => "nonce_reused",
+            NonceError::IdempotencyMismatch => "idempotency_mismatch",
+            NonceError::StaleRequest { .. } => "stale_request",
+            NonceError::ClockSkew { .. } => "clock_skew",
+            NonceError::Saturated { .. } => "saturated",
+        }
+    }
+
+    /// Whether presenting the same request again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, NonceError::Saturated { .. })
+    }
+}
+
+/// What the cache says about a verified request it accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NonceCheck {
+    /// First sighting; the nonce is now remembered.
+    Fresh,
+    /// The same request (same key, same bytes) again: answer from the
+    /// existing delegation, never start the work a second time.
+    Redelivery,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    key: DelegationKey,
+    digest: Digest,
+}
+
+/// The callee's bounded replay cache (see the module docs for the rules).
+#[derive(Debug)]
+pub struct NonceCache {
+    capacity: usize,
+    max_age_ms: u64,
+    max_skew_ms: u64,
+    entries: HashMap<Nonce, Entry>,
+    by_expiry: BTreeSet<(u64, Nonce)>,
+}
+
+impl NonceCache {
+    /// Default capacity. An entry costs roughly 250 bytes, so a full cache
+    /// is about 16 MiB; at that point new requests are refused (`saturated`).
+    pub const DEFAULT_CAPACITY: usize = 65_536;
+    /// Default replay window: 24 hours, at least the longest deadline a
+    /// default policy accepts, so a request that waited in the relay's log
+    /// is not refused as stale.
+    pub const DEFAULT_MAX_AGE_MS: u64 = 24 * 60 * 60 * 1000;
+    /// Default tolerance for a caller clock ahead of ours: one minute, the
+    /// same order as the handshake's clock skew bound.
+    pub const DEFAULT_MAX_SKEW_MS: u64 = 60_000;
+
+    /// A cache with explicit bounds. A `capacity` of zero refuses everything.
+    pub fn new(capacity: usize, max_age_ms: u64, max_skew_ms: u64) -> Self {
+        NonceCache {
+            capacity,
+            max_age_ms,
+            max_skew_ms,
+            entries: HashMap::new(),
+            by_expiry: BTreeSet::new(),
+        }
+    }
+
+    /// Live entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no entry is live.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Forgets entries whose request can no longer be accepted at `now_ms`.
+    pub fn purge(&mut self, now_ms: u64) {
+        while let Some(&(expires_ms, nonce)) = self.by_expiry.first() {
+            if expires_ms > now_ms {
+                break;
+            }
+            self.by_expiry.remove(&(expires_ms, nonce));
+            self.entries.remove(&nonce);
+        }
+    }
+
+    /// Checks a **verified** request that arrived under delegation `key`
+    /// (from the `Open` header), and remembers it when it is fresh.
+    pub fn check(
+        &mut self,
+        key: &DelegationKey,
+        request: &DelegationRequest,
+        request_digest: &Digest,
+        now_ms: u64,
+    ) -> Result<NonceCheck, NonceError> {
+        self.purge(now_ms);
+        if let Some(seen) = self.entries.get(&request.nonce) {
+            return if &seen.key != key {
+                Err(NonceError::NonceReused)
+            } else if &seen.digest != request_digest {
+                Err(NonceError::IdempotencyMismatch)
+            } else {
+                Ok(NonceCheck::Redelivery)
+            };
+        }
+        let issued_ms = request.issued_ms;
+        if issued_ms > now_ms.saturating_add(self.max_skew_ms) {
+            return Err(NonceError::ClockSkew { issued_ms, now_ms });
+        }
+        let expires_ms = request
+            .deadline_ms
+            .min(issued_ms.saturating_add(self.max_age_ms));
+        if expires_ms <= now_ms {
+            return Err(NonceError::StaleRequest { issued_ms, now_ms });
+        }
+        if self.entries.len() >= self.capacity {
+            return Err(NonceError::Saturated {
+                capacity: self.capacity,
+            });
+        }
+        self.entries.insert(
+            request.nonce,
+            Entry {
+                key: key.clone(),
+                digest: *request_digest,
+            },
+        );
+        self.by_expiry.insert((expires_ms, request.nonce));
+        Ok(NonceCheck::Fresh)
+    }
+}
+
+impl Default for NonceCache {
+    fn default() -> Self {
+        NonceCache::new(
+            Self::DEFAULT_CAPACITY,
+            Self::DEFAULT_MAX_AGE_MS,
+            Self::DEFAULT_MAX_SKEW_MS,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::tests::sample_request;
+    use oab_wire::{PeerId, RequestId};
+
+    fn key(req: &str) -> DelegationKey {
+        DelegationKey::new(PeerId::new("acme/a").unwrap(), RequestId::new(req).unwrap())
+    }
+
+    const NOW: u64 = 1_000_000;
+
+    #[test]
+    fn nonce_text_round_trips_and_is_strict() {
+        let n = Nonce::random();
+        let s = n.to_string();
+        assert_eq!(s.len(), 22);
+        assert_eq!(Nonce::parse(&s), Some(n));
+        let json = serde_json::to_string(&n).unwrap();
+        assert_eq!(serde_json::from_str::<Nonce>(&json).unwrap(), n);
+        for bad in [
+            "",
+            "AAAA",
+            "!!!!!!!!!!!!!!!!!!!!!!",
+            &format!("{s}=="),
+            &s[..21],
+        ] {
+            assert_eq!(Nonce::parse(bad), None, "{bad}");
+        }
+        assert_ne!(Nonce::random(), Nonce::random());
+    }
+
+    #[test]
+    fn nonce_cache_rules() {
+        let req = sample_request(NOW);
+        let d1 = Digest::of(b"one");
+        let d2 = Digest::of(b"two");
+        let mut cache = NonceCache::new(8, 60_000, 1_000);
+        assert_eq!(
+            cache.check(&key("r1"), &req, &d1, NOW),
+            Ok(NonceCheck::Fresh)
+        );
+        // Same key, same bytes: a redelivery (idempotent), not a refusal.
+        assert_eq!(
+            cache.check(&key("r1"), &req, &d1, NOW + 1),
+            Ok(NonceCheck::Redelivery)
+        );
+        // The same signed request under a NEW request id hits the cache.
+        let err = cache.check(&key("r2"), &req, &d1, NOW + 2).unwrap_err();
+        assert_eq!(err.code(), "nonce_reused");
+        // Same key, other bytes.
+        let err = cache.check(&key("r1"), &req, &d2, NOW + 3).unwrap_err();
+        assert_eq!(err.code(), "idempotency_mismatch");
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn nonce_cache_freshness_table() {
+        let d = Digest::of(b"x");
+        // (issued offset from NOW, deadline offset from NOW, expected code or None)
+        let cases: &[(i64, i64, Option<&str>)] = &[
+            (0, 10_000, None),
+            (-59_999, 10_000, None),
+            (-60_000, 10_000, Some("stale_request")),
+            (1_000, 10_000, None),
+            (1_001, 10_000, Some("clock_skew")),
+            (0, 0, Some("stale_request")),
+            (0, -1, Some("stale_request")),
+        ];
+        for &(issued, deadline, want) in cases {
+            let mut cache = NonceCache::new(8, 60_000, 1_000);
+            let mut req = sample_request(NOW);
+            req.issued_ms = NOW.saturating_add_signed(issued);
+            req.deadline_ms = NOW.saturating_add_signed(deadline);
+            let got = cache.check(&key("r"), &req, &d, NOW);
+            assert_eq!(got.err().map(|e| e.code()), want, "{issued} {deadline}");
+        }
+    }
+
+    #[test]
+    fn nonce_cache_is_bounded_and_frees_expired_entries() {
+        let d = Digest::of(b"x");
+        let mut cache = NonceCache::new(2, 60_000, 1_000);
+        let mut a = sample_request(NOW);
+        a.deadline_ms = NOW + 100;
+        let b = sample_request(NOW);
+        let c = sample_request(NOW);
+        assert!(cache.check(&key("a"), &a, &d, NOW).is_ok());
+        assert!(cache.check(&key("b"), &b, &d, NOW).is_ok());
+        let err = cache.check(&key("c"), &c, &d, NOW).unwrap_err();
+        assert_eq!(err.code(), "saturated");
+        assert!(err.is_retryable());
+        // Once `a` can no longer be accepted, its slot is free again...
+        assert_eq!(
+            cache.check(&key("c"), &c, &d, NOW + 100),
+            Ok(NonceCheck::Fresh)
+        );
+        assert_eq!(cache.len(), 2);
+        // ...and replaying `a` now fails as stale, not as fresh.
+        let err = cache.check(&key("a"), &a, &d, NOW + 100).unwrap_err();
+        assert_eq!(err.code(), "stale_request");
+        // Zero capacity refuses everything.
+        let mut none = NonceCache::new(0, 60_000, 1_000);
+        assert_eq!(
+            none.check(&key("a"), &b, &d, NOW).unwrap_err().code(),
+            "saturated"
+        );
+        assert!(NonceCache::default().is_empty());
+    }
+}

@@ -1,0 +1,222 @@
+//! Harness: a real relay over TLS on loopback (memory or a real redis-server),
+//! and connectors for a caller and a callee with keys made at test time.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use oab_connector::authority::{CapabilitySet, Grant, Policy};
+use oab_connector::callee::{CalleeOptions, TaskExecutor};
+use oab_connector::link::LinkSettings;
+use oab_connector::profile::{Budgets, ParentContext, RiskLevel, Task};
+use oab_connector::trust::RelayTrust;
+use oab_connector::{Connector, ConnectorOptions, NewDelegation};
+use oab_relay::config::Config;
+use oab_relay::store::EventStore;
+use oab_wire::identity::{Identity, PeerKey};
+use oab_wire::{InstanceId, KeyId, PeerId};
+use tokio_util::sync::CancellationToken;
+
+pub const CALLER: &str = "acme/caller";
+pub const CALLEE: &str = "acme/callee";
+
+pub fn peer(s: &str) -> PeerId {
+    PeerId::new(s).unwrap()
+}
+
+pub fn key_of(id: &Identity) -> PeerKey {
+    PeerKey {
+        key_id: id.key_id.clone(),
+        public_key: id.public_key(),
+        not_before_ms: None,
+        not_after_ms: None,
+    }
+}
+
+pub struct Env {
+    pub caller: Identity,
+    pub callee: Identity,
+    pub cert_der: Vec<u8>,
+    pub config: Config,
+    pub tls: Arc<rustls::ServerConfig>,
+}
+
+impl Env {
+    pub fn new(extra: &str) -> Env {
+        oab_relay::tls::install_crypto_provider();
+        let ss = oab_relay::tls::self_signed(&["localhost"]).unwrap();
+        let k = KeyId::new("k1").unwrap();
+        let caller = Identity::generate(peer(CALLER), k.clone());
+        let callee = Identity::generate(peer(CALLEE), k);
+        let mut text = String::from(
+            "[relay]\nid = \"localhost\"\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:1\"\n\
+             tls_cert = \"unused\"\ntls_key = \"unused\"\n",
+        );
+        text.push_str(extra);
+        text.push('\n');
+        for id in [&caller, &callee] {
+            text.push_str(&format!(
+                "[[peers]]\nid = \"{}\"\nkeys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n",
+                id.peer,
+                id.public_key()
+            ));
+        }
+        text.push_str(&format!(
+            "[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\nceiling = [\"read:*\", \"write:*\"]\n"
+        ));
+        let config = Config::from_toml_with_overrides(&text, "test", &[]).unwrap();
+        let certs = vec![rustls::pki_types::CertificateDer::from(ss.cert_der.clone())];
+        let key: rustls::pki_types::PrivateKeyDer<'static> =
+            rustls::pki_types::pem::PemObject::from_pem_slice(ss.key_pem.as_bytes()).unwrap();
+        let tls = oab_relay::tls::server_config(certs, key).unwrap();
+        Env {
+            caller,
+            callee,
+            cert_der: ss.cert_der,
+            config,
+            tls,
+        }
+    }
+
+    pub fn trust(&self) -> HashMap<PeerId, Vec<PeerKey>> {
+        [&self.caller, &self.callee]
+            .into_iter()
+            .map(|i| (i.peer.clone(), vec![key_of(i)]))
+            .collect()
+    }
+}
+
+pub struct Relay {
+    pub addr: std::net::SocketAddr,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    pub async fn start<S: EventStore>(env: &Env, store: Arc<S>) -> Relay {
+        Self::start_on(env, store, "127.0.0.1:0").await
+    }
+
+    pub async fn start_on<S: EventStore>(env: &Env, store: Arc<S>, addr: &str) -> Relay {
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let (config, tls, stop) = (
+            Arc::new(env.config.clone()),
+            Some(env.tls.clone()),
+            shutdown.clone(),
+        );
+        let task = tokio::spawn(async move {
+            oab_relay::run(listener, None, config, store, tls, stop)
+                .await
+                .unwrap();
+        });
+        Relay {
+            addr,
+            shutdown,
+            task,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+}
+
+pub fn budgets(n: u64) -> Budgets {
+    Budgets {
+        tokens: n,
+        cost_micros: n,
+        risk: RiskLevel::Medium,
+        output_bytes: n,
+    }
+}
+
+pub fn policy() -> Policy {
+    Policy {
+        allowed_capabilities: CapabilitySet::parse(["read:*", "run:tests"]).unwrap(),
+        allow_writes: false,
+        max_depth: 1,
+        budgets: budgets(1_000_000),
+        max_deadline_ms: 3_600_000,
+    }
+}
+
+pub fn settings(id: &Identity, relay: std::net::SocketAddr, cert_der: &[u8]) -> LinkSettings {
+    let mut s = LinkSettings::new(
+        format!("wss://localhost:{}/", relay.port()),
+        RelayTrust::Ca(vec![rustls::pki_types::CertificateDer::from(
+            cert_der.to_vec(),
+        )]),
+        id.clone(),
+    );
+    s.backoff_initial = Duration::from_millis(20);
+    s.backoff_max = Duration::from_millis(500);
+    s
+}
+
+/// A connector for `id`, optionally with a callee executor.
+pub fn connector(
+    env: &Env,
+    id: &Identity,
+    relay: std::net::SocketAddr,
+    executor: Option<Arc<dyn TaskExecutor>>,
+) -> Connector {
+    connector_with(env, settings(id, relay, &env.cert_der), executor)
+}
+
+pub fn connector_with(
+    env: &Env,
+    link: LinkSettings,
+    executor: Option<Arc<dyn TaskExecutor>>,
+) -> Connector {
+    Connector::start(ConnectorOptions {
+        link,
+        trust: env.trust(),
+        grant: Grant {
+            capabilities: CapabilitySet::parse(["read:*", "run:tests", "write:*"]).unwrap(),
+            remaining: budgets(10_000_000),
+        },
+        caller_policy: policy(),
+        callee: executor.map(|executor| CalleeOptions {
+            executor,
+            policy: Arc::new(policy()),
+            max_concurrent: 512,
+            max_concurrent_per_peer: 512,
+        }),
+        audit: None,
+    })
+    .unwrap()
+}
+
+pub fn spec(text: &str) -> NewDelegation {
+    NewDelegation {
+        request_id: None,
+        task: Task {
+            text: text.to_string(),
+            context: Default::default(),
+            a2a_message: None,
+        },
+        capabilities: vec!["read:repo".into()],
+        read_only: true,
+        deadline: Duration::from_secs(60),
+        budgets: budgets(1000),
+        parent: ParentContext {
+            agent: "agent-a".into(),
+            trace_id: "trace-1".into(),
+            execution_id: None,
+        },
+    }
+}
+
+pub fn instance() -> InstanceId {
+    InstanceId::random()
+}

@@ -1,0 +1,28 @@
+//! `oab-loadtest`: benchmarks and fault scenarios for OAB Relay.
+//!
+//! Everything runs on this machine's loopback, bounded in time and count,
+//! and stops by itself; the relay (a child process by default) and any
+//! `redis-server` it needs are started for the run and killed when it ends.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`proxy`] | a fault-injecting TCP proxy (latency, bandwidth, drop, stall, reset, blackhole), usable from any crate's tests |
+//! | [`setup`] | the generated certificate, identities and relay config of a run |
+//! | [`relay`] | the relay under test: child process or in-process, memory or Redis store |
+//! | [`direct`] | the physical baseline: a direct WSS connection between the two endpoints |
+//! | [`traffic`] | benchmark frames, their stamps, and the receivers' correctness checks |
+//! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
+//! | [`scenario`] | `throughput`, `latency`, `sessions` |
+//! | [`report`] | tables, JSON documents, violations |
+//!
+//! The binary `oab-loadtest` parses flags and calls [`scenario`]; `--help`
+//! explains each scenario.
+
+pub mod direct;
+pub mod endpoint;
+pub mod proxy;
+pub mod relay;
+pub mod report;
+pub mod scenario;
+pub mod setup;
+pub mod traffic;

@@ -1,0 +1,110 @@
+//! The scenarios, and what they share: the run's common options, the targets
+//! a case runs against (the relay on a store, or the direct baseline), and
+//! the header every JSON document starts with.
+//!
+//! | scenario | measures |
+//! |---|---|
+//! | [`throughput`] | frames/s and MB/s per payload size, relay vs direct |
+//! | [`latency`] | round-trip percentiles at several offered loads, relay vs direct |
+//! | [`sessions`] | relay memory per idle session, handshakes per second |
+
+pub mod latency;
+pub mod sessions;
+pub mod throughput;
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::relay::{RedisPersistence, RelayMode, StoreKind};
+use crate::setup::Tuning;
+
+/// Options every scenario takes.
+#[derive(Debug, Clone)]
+pub struct Common {
+    /// How the relay runs.
+    pub relay: RelayMode,
+    /// Persistence of the `redis-server` behind a Redis store.
+    pub redis_persistence: RedisPersistence,
+    /// After a case stops sending, how long it waits for the last frames
+    /// before it counts the missing ones as lost.
+    pub drain: Duration,
+    /// Relay settings changed from the defaults.
+    pub tuning: Tuning,
+}
+
+/// Where a case's frames go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Path {
+    /// Endpoint A to endpoint B over one direct WSS connection.
+    Direct,
+    /// Through the relay on this store.
+    Relay(StoreKind),
+}
+
+impl Path {
+    /// Stable name for tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Direct => "direct",
+            Path::Relay(StoreKind::Memory) => "relay-memory",
+            Path::Relay(StoreKind::Redis) => "relay-redis",
+        }
+    }
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`
+/// (`self` for this process). Linux counts in USER_HZ ticks, 100 per second
+/// on every mainstream architecture.
+pub fn cpu_seconds(pid: &str) -> Option<f64> {
+    const USER_HZ: f64 = 100.0;
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may contain spaces.
+    let rest = text.get(text.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / USER_HZ)
+}
+
+/// The header of every JSON document: what ran, where, when, with what.
+pub fn run_header(scenario: &str, common: &Common, relay_bin: Option<&str>) -> serde_json::Value {
+    serde_json::json!({
+        "scenario": scenario,
+        "tool": { "name": "oab-loadtest", "version": env!("CARGO_PKG_VERSION") },
+        "started_unix_ms": oab_wire::identity::now_ms(),
+        "machine": {
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "os": std::env::consts::OS,
+            "arch": std::env::consts::ARCH,
+        },
+        "relay": {
+            "mode": common.relay.name(),
+            "binary": relay_bin,
+            "redis_persistence": common.redis_persistence,
+            "tuning": common.tuning,
+        },
+        "drain_seconds": common.drain.as_secs_f64(),
+        "loopback_only": true,
+    })
+}
+
+/// The relay binary's path, for the JSON header.
+pub fn relay_bin(common: &Common) -> Option<String> {
+    match &common.relay {
+        RelayMode::Process(p) => Some(p.display().to_string()),
+        RelayMode::InProcess => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_of_this_process_is_readable() {
+        assert!(cpu_seconds("self").is_some_and(|s| s >= 0.0));
+        assert_eq!(cpu_seconds("999999999"), None);
+    }
+}

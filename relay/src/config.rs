@@ -1,0 +1,868 @@
+//! The relay's configuration: one TOML file, validated strictly, every
+//! value overridable by a flag or an environment variable (see `main.rs`).
+//!
+//! Unknown fields are errors (`deny_unknown_fields`), every default is named
+//! here, and [`Config::validate`] reports every problem at once, each naming
+//! its field (`routes[2].to: peer acme/x is not configured`).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use oab_wire::identity::{PeerKey, TrustStore};
+use oab_wire::{Limits, PeerId, RelayId};
+use serde::{Deserialize, Serialize};
+
+use crate::store::Retention;
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listener, TLS and session settings.
+    pub relay: RelaySection,
+    /// Frame and resource limits.
+    #[serde(default)]
+    pub limits: LimitsSection,
+    /// Rate limits.
+    #[serde(default)]
+    pub rate: RateSection,
+    /// The durable store.
+    #[serde(default)]
+    pub store: StoreSection,
+    /// Delegation lifecycle timers.
+    #[serde(default)]
+    pub lifecycle: LifecycleSection,
+    /// The peers allowed to connect. A peer not listed cannot connect.
+    #[serde(default)]
+    pub peers: Vec<PeerConfig>,
+    /// Allowed `from -> to` routes. A route not listed cannot be used.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+/// How TLS reaches the relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TlsMode {
+    /// The relay terminates TLS 1.3 itself; handshakes are bound to the TLS
+    /// session (RFC 9266 exporter).
+    Terminate,
+    /// A load balancer terminates TLS and forwards plain WebSocket traffic;
+    /// handshakes are bound to the challenge only. Never expose this listener
+    /// directly.
+    BehindLoadBalancer,
+}
+
+/// `[relay]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelaySection {
+    /// The relay id signed into every handshake (e.g. its public host name).
+    pub id: RelayId,
+    /// Where connectors connect.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (keep it private).
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: SocketAddr,
+    /// How TLS reaches the relay.
+    #[serde(default = "default_tls_mode")]
+    pub tls_mode: TlsMode,
+    /// PEM certificate chain (required with `tls_mode = "terminate"`).
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key (required with `tls_mode = "terminate"`).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
+    /// Interval at which connectors should ping when idle, ms.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u32,
+    /// A session with no frame for this long is closed (`idle_timeout`), ms.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// Deadline for TLS + WebSocket upgrade + session handshake, ms.
+    #[serde(default = "default_handshake_timeout_ms")]
+    pub handshake_timeout_ms: u64,
+    /// Largest accepted clock difference in a hello, ms.
+    #[serde(default = "default_max_clock_skew_ms")]
+    pub max_clock_skew_ms: u64,
+    /// Cap on open connections (handshaking or authenticated); beyond it new
+    /// connections are closed at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Cap on connections in the handshake phase at once.
+    #[serde(default = "default_max_handshakes")]
+    pub max_handshakes: usize,
+    /// On shutdown, how long sessions get to drain before being cut, ms.
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
+    /// Reconnect hint sent in `Drain`, ms.
+    #[serde(default = "default_reconnect_hint_ms")]
+    pub reconnect_hint_ms: u32,
+}
+
+/// `[limits]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    /// Maximum frame header, bytes.
+    #[serde(default = "default_max_header")]
+    pub max_header: u16,
+    /// Maximum frame payload, bytes (a route may set less).
+    #[serde(default = "default_max_payload")]
+    pub max_payload: u32,
+    /// Unacknowledged frames a connector may have in flight per delegation
+    /// direction (published in the welcome; frames beyond are a hole).
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+    /// Frames queued towards one session. Overflow policy: the session is
+    /// closed with `slow_consumer` (4001); its frames stay in the log and
+    /// replay when it resumes.
+    #[serde(default = "default_session_queue")]
+    pub session_queue: usize,
+    /// Open (non-terminal) delegations per caller peer.
+    #[serde(default = "default_max_open_per_peer")]
+    pub max_open_per_peer: u32,
+    /// Largest descriptor (agent card) a peer may publish, bytes.
+    #[serde(default = "default_max_descriptor")]
+    pub max_descriptor: usize,
+}
+
+/// `[rate]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateSection {
+    /// Frames per second one authenticated peer may send (sustained).
+    #[serde(default = "default_peer_fps")]
+    pub peer_frames_per_second: u32,
+    /// Burst above the sustained rate.
+    #[serde(default = "default_peer_burst")]
+    pub peer_frames_burst: u32,
+    /// New connections per second from one source address, before auth.
+    #[serde(default = "default_ip_cps")]
+    pub connects_per_second_per_ip: u32,
+    /// Burst of new connections per source address.
+    #[serde(default = "default_ip_burst")]
+    pub connects_burst_per_ip: u32,
+}
+
+/// `[store]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// `memory` (default: one process, lost on restart) or a Redis URL
+    /// (`redis://host:6379/`, `redis+unix:///path/redis.sock`).
+    #[serde(default = "default_store_url")]
+    pub url: String,
+    /// Entries kept per delegation log; older entries are trimmed and a
+    /// reader asking for them gets a `Gap`.
+    #[serde(default = "default_max_log_entries")]
+    pub max_log_entries: u64,
+    /// How long a finished delegation stays readable after its terminal, ms.
+    #[serde(default = "default_finished_ttl_ms")]
+    pub finished_ttl_ms: u64,
+}
+
+/// `[lifecycle]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LifecycleSection {
+    /// A callee that accepted work and stays away this long gets its open
+    /// delegations closed as `unknown`, ms.
+    #[serde(default = "default_unknown_grace_ms")]
+    pub unknown_grace_ms: u64,
+    /// How often deadlines and retention are swept, ms.
+    #[serde(default = "default_sweep_interval_ms")]
+    pub sweep_interval_ms: u64,
+}
+
+/// `[[peers]]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// The peer id.
+    pub id: PeerId,
+    /// Its public keys (two during a rotation).
+    pub keys: Vec<PeerKey>,
+}
+
+/// `[[routes]]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The caller.
+    pub from: PeerId,
+    /// The callee.
+    pub to: PeerId,
+    /// Open delegations on this route at once.
+    #[serde(default = "default_route_max_open")]
+    pub max_open: u32,
+    /// Largest payload on this route (at most `limits.max_payload`).
+    #[serde(default)]
+    pub max_payload: Option<u32>,
+    /// Longest deadline a caller may ask for, ms from now.
+    #[serde(default = "default_route_max_deadline_ms")]
+    pub max_deadline_ms: u64,
+    /// Deepest delegation depth allowed (1: no re-delegation).
+    #[serde(default = "default_route_max_depth")]
+    pub max_depth: u8,
+    /// Capability ceiling stamped on forwarded opens (empty: none stated).
+    #[serde(default)]
+    pub ceiling: Vec<String>,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 7443))
+}
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9443))
+}
+fn default_tls_mode() -> TlsMode {
+    TlsMode::Terminate
+}
+/// Connectors ping every 15 s when idle: well under common load balancer
+/// idle timeouts (60 s), cheap at thousands of sessions.
+fn default_heartbeat_ms() -> u32 {
+    15_000
+}
+/// Three missed heartbeats.
+fn default_idle_timeout_ms() -> u64 {
+    45_000
+}
+fn default_handshake_timeout_ms() -> u64 {
+    10_000
+}
+fn default_max_clock_skew_ms() -> u64 {
+    60_000
+}
+fn default_max_connections() -> usize {
+    20_000
+}
+fn default_max_handshakes() -> usize {
+    512
+}
+fn default_drain_timeout_ms() -> u64 {
+    10_000
+}
+fn default_reconnect_hint_ms() -> u32 {
+    1_000
+}
+fn default_max_header() -> u16 {
+    oab_wire::limits::DEFAULT_MAX_HEADER
+}
+fn default_max_payload() -> u32 {
+    oab_wire::limits::DEFAULT_MAX_PAYLOAD
+}
+fn default_max_in_flight() -> u32 {
+    1_024
+}
+/// 1,024 frames: at 256 B a frame about 256 KiB per session at worst.
+fn default_session_queue() -> usize {
+    1_024
+}
+fn default_max_open_per_peer() -> u32 {
+    10_000
+}
+fn default_max_descriptor() -> usize {
+    64 * 1024
+}
+fn default_peer_fps() -> u32 {
+    200_000
+}
+fn default_peer_burst() -> u32 {
+    400_000
+}
+fn default_ip_cps() -> u32 {
+    50
+}
+fn default_ip_burst() -> u32 {
+    200
+}
+fn default_store_url() -> String {
+    "memory".to_string()
+}
+fn default_max_log_entries() -> u64 {
+    Retention::default().max_log_entries
+}
+fn default_finished_ttl_ms() -> u64 {
+    Retention::default().finished_ttl_ms
+}
+fn default_unknown_grace_ms() -> u64 {
+    120_000
+}
+fn default_sweep_interval_ms() -> u64 {
+    250
+}
+fn default_route_max_open() -> u32 {
+    1_000
+}
+fn default_route_max_deadline_ms() -> u64 {
+    24 * 3600 * 1000
+}
+fn default_route_max_depth() -> u8 {
+    1
+}
+
+macro_rules! section_default {
+    ($ty:ident { $($field:ident: $f:ident),* $(,)? }) => {
+        impl Default for $ty {
+            fn default() -> Self {
+                $ty { $($field: $f()),* }
+            }
+        }
+    };
+}
+
+section_default!(LimitsSection {
+    max_header: default_max_header,
+    max_payload: default_max_payload,
+    max_in_flight: default_max_in_flight,
+    session_queue: default_session_queue,
+    max_open_per_peer: default_max_open_per_peer,
+    max_descriptor: default_max_descriptor,
+});
+section_default!(RateSection {
+    peer_frames_per_second: default_peer_fps,
+    peer_frames_burst: default_peer_burst,
+    connects_per_second_per_ip: default_ip_cps,
+    connects_burst_per_ip: default_ip_burst,
+});
+section_default!(StoreSection {
+    url: default_store_url,
+    max_log_entries: default_max_log_entries,
+    finished_ttl_ms: default_finished_ttl_ms,
+});
+section_default!(LifecycleSection {
+    unknown_grace_ms: default_unknown_grace_ms,
+    sweep_interval_ms: default_sweep_interval_ms,
+});
+
+/// A configuration problem, naming its field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Dotted path of the field (`routes[1].to`).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message (it names the line and the field).
+        message: String,
+    },
+    /// The values are inconsistent.
+    #[error("{path}: {} problem(s):\n{}", .errors.len(), .errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// The file.
+        path: String,
+        /// Every problem found.
+        errors: Vec<FieldError>,
+    },
+}
+
+/// Sets one value in a parsed TOML document by dotted path
+/// (`relay.listen`, `store.url`). The value is read as a TOML literal when it
+/// is one (`250`, `true`, `["a"]`), else as a string.
+pub fn apply_override(doc: &mut toml::Table, path: &str, raw: &str) -> Result<(), String> {
+    let parts: Vec<&str> = path.split('.').collect();
+    let Some((last, sections)) = parts.split_last() else {
+        return Err(format!("empty override path in {path:?}"));
+    };
+    let mut table = doc;
+    for section in sections {
+        let entry = table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("{path}: {section} is not a table"))?;
+    }
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    table.insert(last.to_string(), value);
+    Ok(())
+}
+
+/// Collects overrides from the environment: `OAB_RELAY__SECTION__FIELD=value`
+/// sets `section.field` (double underscores separate the path).
+pub fn env_overrides() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter_map(|(k, v)| {
+            let rest = k.strip_prefix("OAB_RELAY__")?;
+            Some((rest.to_ascii_lowercase().replace("__", "."), v))
+        })
+        .collect()
+}
+
+impl Config {
+    /// Parses TOML text with `key=value` overrides applied, then validates.
+    pub fn from_toml_with_overrides(
+        text: &str,
+        origin: &str,
+        overrides: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut doc: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        for (path, value) in overrides {
+            apply_override(&mut doc, path, value).map_err(|message| ConfigError::Parse {
+                path: origin.to_string(),
+                message,
+            })?;
+        }
+        let config: Config = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: origin.to_string(),
+                message: e.to_string(),
+            })?;
+        config.validate().map_err(|errors| ConfigError::Invalid {
+            path: origin.to_string(),
+            errors,
+        })?;
+        Ok(config)
+    }
+
+    /// Parses TOML text (`origin` names it in errors) without validating.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let config = Config::parse(&text, &shown)?;
+        config.validate().map_err(|errors| ConfigError::Invalid {
+            path: shown,
+            errors,
+        })?;
+        Ok(config)
+    }
+
+    /// Checks every value; returns every problem found.
+    pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut err = |field: String, message: String| errors.push(FieldError { field, message });
+        let r = &self.relay;
+        if r.tls_mode == TlsMode::Terminate {
+            if r.tls_cert.is_none() {
+                err(
+                    "relay.tls_cert".into(),
+                    "required when tls_mode = \"terminate\"".into(),
+                );
+            }
+            if r.tls_key.is_none() {
+                err(
+                    "relay.tls_key".into(),
+                    "required when tls_mode = \"terminate\"".into(),
+                );
+            }
+        }
+        if r.listen == r.admin_listen {
+            err(
+                "relay.admin_listen".into(),
+                "must differ from relay.listen".into(),
+            );
+        }
+        if r.heartbeat_ms == 0 {
+            err("relay.heartbeat_ms".into(), "must be greater than 0".into());
+        }
+        if r.idle_timeout_ms <= u64::from(r.heartbeat_ms) {
+            err(
+                "relay.idle_timeout_ms".into(),
+                format!(
+                    "must be greater than relay.heartbeat_ms ({})",
+                    r.heartbeat_ms
+                ),
+            );
+        }
+        for (name, v) in [
+            ("relay.handshake_timeout_ms", r.handshake_timeout_ms),
+            ("relay.drain_timeout_ms", r.drain_timeout_ms),
+        ] {
+            if v == 0 {
+                err(name.into(), "must be greater than 0".into());
+            }
+        }
+        for (name, v) in [
+            ("relay.max_connections", r.max_connections),
+            ("relay.max_handshakes", r.max_handshakes),
+            ("limits.session_queue", self.limits.session_queue),
+        ] {
+            if v == 0 {
+                err(name.into(), "must be greater than 0".into());
+            }
+        }
+        if let Err(m) = self.wire_limits().validate() {
+            let field = if m.starts_with("max_header") {
+                "limits.max_header"
+            } else {
+                "limits.max_payload"
+            };
+            err(field.into(), m);
+        }
+        if self.limits.max_in_flight == 0 {
+            err(
+                "limits.max_in_flight".into(),
+                "must be greater than 0".into(),
+            );
+        }
+        if self.limits.max_open_per_peer == 0 {
+            err(
+                "limits.max_open_per_peer".into(),
+                "must be greater than 0".into(),
+            );
+        }
+        for (name, v) in [
+            (
+                "rate.peer_frames_per_second",
+                self.rate.peer_frames_per_second,
+            ),
+            ("rate.peer_frames_burst", self.rate.peer_frames_burst),
+            (
+                "rate.connects_per_second_per_ip",
+                self.rate.connects_per_second_per_ip,
+            ),
+            (
+                "rate.connects_burst_per_ip",
+                self.rate.connects_burst_per_ip,
+            ),
+        ] {
+            if v == 0 {
+                err(name.into(), "must be greater than 0".into());
+            }
+        }
+        let url = &self.store.url;
+        if url != "memory"
+            && !url.starts_with("redis://")
+            && !url.starts_with("rediss://")
+            && !url.starts_with("redis+unix://")
+            && !url.starts_with("unix://")
+        {
+            err(
+                "store.url".into(),
+                "must be \"memory\" or a redis://, rediss:// or redis+unix:// URL".into(),
+            );
+        }
+        if self.store.max_log_entries == 0 {
+            err(
+                "store.max_log_entries".into(),
+                "must be greater than 0".into(),
+            );
+        }
+        if self.lifecycle.sweep_interval_ms == 0 {
+            err(
+                "lifecycle.sweep_interval_ms".into(),
+                "must be greater than 0".into(),
+            );
+        }
+        let mut seen = HashSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            if !seen.insert(&p.id) {
+                err(
+                    format!("peers[{i}].id"),
+                    format!("peer {} is listed twice", p.id),
+                );
+            }
+            if p.keys.is_empty() {
+                err(
+                    format!("peers[{i}].keys"),
+                    "at least one key is required".into(),
+                );
+            }
+            let mut key_ids = HashSet::new();
+            for (j, k) in p.keys.iter().enumerate() {
+                if !key_ids.insert(&k.key_id) {
+                    err(
+                        format!("peers[{i}].keys[{j}].key_id"),
+                        format!("key id {} is listed twice", k.key_id),
+                    );
+                }
+                if let (Some(nb), Some(na)) = (k.not_before_ms, k.not_after_ms)
+                    && nb > na
+                {
+                    err(
+                        format!("peers[{i}].keys[{j}].not_after_ms"),
+                        "is before not_before_ms".into(),
+                    );
+                }
+            }
+        }
+        let mut route_seen = HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            for (field, peer) in [("from", &route.from), ("to", &route.to)] {
+                if !seen.contains(peer) {
+                    err(
+                        format!("routes[{i}].{field}"),
+                        format!("peer {peer} is not configured in [[peers]]"),
+                    );
+                }
+            }
+            if route.from == route.to {
+                err(
+                    format!("routes[{i}].to"),
+                    "a peer cannot delegate to itself".into(),
+                );
+            }
+            if !route_seen.insert((&route.from, &route.to)) {
+                err(
+                    format!("routes[{i}]"),
+                    format!("route {} -> {} is listed twice", route.from, route.to),
+                );
+            }
+            if route.max_open == 0 {
+                err(
+                    format!("routes[{i}].max_open"),
+                    "must be greater than 0".into(),
+                );
+            }
+            if let Some(mp) = route.max_payload
+                && (mp == 0 || mp > self.limits.max_payload)
+            {
+                err(
+                    format!("routes[{i}].max_payload"),
+                    format!(
+                        "must be between 1 and limits.max_payload ({})",
+                        self.limits.max_payload
+                    ),
+                );
+            }
+            if route.max_deadline_ms == 0 {
+                err(
+                    format!("routes[{i}].max_deadline_ms"),
+                    "must be greater than 0".into(),
+                );
+            }
+            if route.max_depth == 0 {
+                err(
+                    format!("routes[{i}].max_depth"),
+                    "must be at least 1".into(),
+                );
+            }
+            let ceiling_len = route.ceiling.iter().map(|c| c.len() + 1).sum::<usize>();
+            let room = usize::from(self.limits.max_header)
+                .saturating_sub(oab_wire::limits::OPEN_HEADER_WITHOUT_CEILING);
+            if ceiling_len > room {
+                err(
+                    format!("routes[{i}].ceiling"),
+                    format!(
+                        "{ceiling_len} bytes of capability names do not fit in a stamped open \
+                         (limits.max_header leaves {room}); raise limits.max_header or shorten the list"
+                    ),
+                );
+            }
+            for (j, c) in route.ceiling.iter().enumerate() {
+                // A name, or a prefix pattern ending in `:*` (`read:*`).
+                let name = c.strip_suffix(":*").unwrap_or(c);
+                let ok = !name.is_empty()
+                    && name.bytes().all(|b| {
+                        b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':' | b'/')
+                    });
+                if !ok {
+                    err(
+                        format!("routes[{i}].ceiling[{j}]"),
+                        "capability names use A-Z a-z 0-9 . _ - : / only, optionally ending in :*"
+                            .into(),
+                    );
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// The frame limits the relay enforces.
+    pub fn wire_limits(&self) -> Limits {
+        Limits {
+            max_header: self.limits.max_header,
+            max_payload: self.limits.max_payload,
+        }
+    }
+
+    /// Retention for the store.
+    pub fn retention(&self) -> Retention {
+        Retention {
+            max_log_entries: self.store.max_log_entries,
+            finished_ttl_ms: self.store.finished_ttl_ms,
+        }
+    }
+}
+
+/// The peers and routes in lookup form.
+#[derive(Debug, Clone, Default)]
+pub struct Directory {
+    keys: HashMap<PeerId, Vec<PeerKey>>,
+    routes: HashMap<(PeerId, PeerId), RouteConfig>,
+    /// Every configured peer, in config order (stable metric labels).
+    pub peers: Vec<PeerId>,
+}
+
+impl Directory {
+    /// Builds the lookup tables from a validated config.
+    pub fn new(config: &Config) -> Self {
+        Directory {
+            keys: config
+                .peers
+                .iter()
+                .map(|p| (p.id.clone(), p.keys.clone()))
+                .collect(),
+            routes: config
+                .routes
+                .iter()
+                .map(|r| ((r.from.clone(), r.to.clone()), r.clone()))
+                .collect(),
+            peers: config.peers.iter().map(|p| p.id.clone()).collect(),
+        }
+    }
+
+    /// The route from `from` to `to`, if configured.
+    pub fn route(&self, from: &PeerId, to: &PeerId) -> Option<&RouteConfig> {
+        self.routes.get(&(from.clone(), to.clone()))
+    }
+
+    /// Whether `peer` is configured.
+    pub fn is_peer(&self, peer: &PeerId) -> bool {
+        self.keys.contains_key(peer)
+    }
+
+    /// Peers `from` may delegate to.
+    pub fn reachable_from(&self, from: &PeerId) -> Vec<PeerId> {
+        let mut v: Vec<PeerId> = self
+            .routes
+            .keys()
+            .filter(|(f, _)| f == from)
+            .map(|(_, t)| t.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Peers that may delegate to `to`.
+    pub fn callers_of(&self, to: &PeerId) -> Vec<PeerId> {
+        let mut v: Vec<PeerId> = self
+            .routes
+            .keys()
+            .filter(|(_, t)| t == to)
+            .map(|(f, _)| f.clone())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl TrustStore for Directory {
+    fn peer_keys(&self, peer: &PeerId) -> Option<&[PeerKey]> {
+        self.keys.get(peer).map(Vec::as_slice)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[relay]
+id = "relay.test"
+tls_cert = "cert.pem"
+tls_key = "key.pem"
+"#;
+
+    #[test]
+    fn minimal_config_gets_named_defaults() {
+        let c = Config::parse(MINIMAL, "t").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.store.url, "memory");
+        assert_eq!(c.relay.heartbeat_ms, 15_000);
+        assert_eq!(c.limits.max_payload, 1024 * 1024);
+    }
+
+    #[test]
+    fn overrides_set_typed_values_by_path() {
+        let overrides = vec![
+            ("relay.heartbeat_ms".to_string(), "250".to_string()),
+            ("store.url".to_string(), "redis://127.0.0.1:1/".to_string()),
+        ];
+        let c = Config::from_toml_with_overrides(MINIMAL, "t", &overrides).unwrap();
+        assert_eq!(c.relay.heartbeat_ms, 250);
+        assert_eq!(c.store.url, "redis://127.0.0.1:1/");
+        let bad = vec![("relay.heartbeat_ms".to_string(), "0".to_string())];
+        let e = Config::from_toml_with_overrides(MINIMAL, "t", &bad).unwrap_err();
+        assert!(e.to_string().contains("relay.heartbeat_ms"), "{e}");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let text = format!("{MINIMAL}\n[limits]\nmax_paylod = 3\n");
+        let e = Config::parse(&text, "t").unwrap_err().to_string();
+        assert!(e.contains("max_paylod"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_every_bad_field() {
+        let text = r#"
+[relay]
+id = "relay.test"
+heartbeat_ms = 0
+[store]
+url = "postgres://x"
+[[peers]]
+id = "acme/a"
+keys = []
+[[routes]]
+from = "acme/a"
+to = "acme/zz"
+max_depth = 0
+ceiling = ["ok", "bad name"]
+"#;
+        let c = Config::parse(text, "t").unwrap();
+        let errs = c.validate().unwrap_err();
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        for f in [
+            "relay.tls_cert",
+            "relay.tls_key",
+            "relay.heartbeat_ms",
+            "store.url",
+            "peers[0].keys",
+            "routes[0].to",
+            "routes[0].max_depth",
+            "routes[0].ceiling[1]",
+        ] {
+            assert!(fields.contains(&f), "missing {f} in {fields:?}");
+        }
+    }
+}

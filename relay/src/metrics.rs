@@ -1,0 +1,232 @@
+//! Prometheus metrics. Labels come only from fixed sets (frame types, close
+//! codes, outcomes) and from configured peer ids, never from anything a
+//! client claims, so an attacker cannot create series.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+/// Every metric the relay exports.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// Authenticated sessions now.
+    pub sessions: IntGauge,
+    /// Sessions per configured peer (0 or 1).
+    pub peer_sessions: IntGaugeVec,
+    /// Connections now (any phase).
+    pub connections: IntGauge,
+    /// Handshakes by result.
+    pub handshakes: IntCounterVec,
+    /// Frames by type and direction (`in` from peers, `out` to peers).
+    pub frames: IntCounterVec,
+    /// Bytes by direction.
+    pub bytes: IntCounterVec,
+    /// Delegations opened.
+    pub delegations_opened: IntCounter,
+    /// Terminals by outcome.
+    pub terminals: IntCounterVec,
+    /// Resume requests served.
+    pub replays: IntCounter,
+    /// Frames sent from the log during replays.
+    pub replayed_frames: IntCounter,
+    /// Gaps by reason.
+    pub gaps: IntCounterVec,
+    /// Error frames sent, by code.
+    pub errors: IntCounterVec,
+    /// Session closes by reason (close code name, or `transport`).
+    pub disconnects: IntCounterVec,
+    /// Sessions replaced by a newer session of the same peer.
+    pub replaced: IntCounter,
+    /// Time from receiving a frame to queuing its ack.
+    pub ack_latency: Histogram,
+    /// Store operation latency by operation.
+    pub store_latency: HistogramVec,
+    /// Store operations that failed, by operation.
+    pub store_errors: IntCounterVec,
+    /// Frames dropped by rate limiting.
+    pub rate_limited: IntCounterVec,
+    /// Connections refused before the handshake, by reason.
+    pub refused: IntCounterVec,
+}
+
+// Metric names and labels are compile-time constants, so construction can
+// only fail on a programming error, which the unit test below rules out.
+#[allow(clippy::expect_used)]
+fn counter_vec(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    reg.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+#[allow(clippy::expect_used)]
+fn gauge(reg: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("valid metric");
+    reg.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+#[allow(clippy::expect_used)]
+fn counter(reg: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    reg.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+/// Latency buckets from 10 µs to 10 s.
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01,
+        0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+    ]
+}
+
+impl Metrics {
+    /// Registers every metric; `peers` are the configured peer ids.
+    #[allow(clippy::expect_used)]
+    pub fn new(peers: &[oab_wire::PeerId]) -> Self {
+        let reg = Registry::new();
+        let peer_sessions = IntGaugeVec::new(
+            Opts::new(
+                "oab_peer_sessions",
+                "Live sessions per configured peer (0 or 1).",
+            ),
+            &["peer"],
+        )
+        .expect("valid metric");
+        reg.register(Box::new(peer_sessions.clone()))
+            .expect("unique metric");
+        for p in peers {
+            peer_sessions.with_label_values(&[p.as_str()]).set(0);
+        }
+        let ack_latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "oab_ack_latency_seconds",
+                "Time from receiving a log frame to queuing its ack (includes the durable append).",
+            )
+            .buckets(latency_buckets()),
+        )
+        .expect("valid metric");
+        reg.register(Box::new(ack_latency.clone()))
+            .expect("unique metric");
+        let store_latency = HistogramVec::new(
+            HistogramOpts::new("oab_store_latency_seconds", "Store operation latency.")
+                .buckets(latency_buckets()),
+            &["op"],
+        )
+        .expect("valid metric");
+        reg.register(Box::new(store_latency.clone()))
+            .expect("unique metric");
+        Metrics {
+            sessions: gauge(&reg, "oab_sessions", "Authenticated sessions."),
+            connections: gauge(&reg, "oab_connections", "Open connections in any phase."),
+            handshakes: counter_vec(
+                &reg,
+                "oab_handshakes_total",
+                "Session handshakes by result.",
+                &["result"],
+            ),
+            frames: counter_vec(
+                &reg,
+                "oab_frames_total",
+                "Frames by type and direction.",
+                &["type", "direction"],
+            ),
+            bytes: counter_vec(
+                &reg,
+                "oab_bytes_total",
+                "Frame bytes by direction.",
+                &["direction"],
+            ),
+            delegations_opened: counter(
+                &reg,
+                "oab_delegations_opened_total",
+                "Delegations created.",
+            ),
+            terminals: counter_vec(
+                &reg,
+                "oab_terminals_total",
+                "Terminal outcomes appended.",
+                &["outcome"],
+            ),
+            replays: counter(&reg, "oab_replays_total", "Resume requests served."),
+            replayed_frames: counter(
+                &reg,
+                "oab_replayed_frames_total",
+                "Frames sent from the log by replays.",
+            ),
+            gaps: counter_vec(
+                &reg,
+                "oab_gaps_total",
+                "Gap frames sent, by reason.",
+                &["reason"],
+            ),
+            errors: counter_vec(
+                &reg,
+                "oab_errors_total",
+                "Error frames sent, by code.",
+                &["code"],
+            ),
+            disconnects: counter_vec(
+                &reg,
+                "oab_disconnects_total",
+                "Session closes by reason.",
+                &["reason"],
+            ),
+            replaced: counter(
+                &reg,
+                "oab_sessions_replaced_total",
+                "Sessions replaced by a newer session of the same peer.",
+            ),
+            store_errors: counter_vec(
+                &reg,
+                "oab_store_errors_total",
+                "Failed store operations.",
+                &["op"],
+            ),
+            rate_limited: counter_vec(
+                &reg,
+                "oab_rate_limited_total",
+                "Frames or connections refused by rate limits.",
+                &["scope"],
+            ),
+            refused: counter_vec(
+                &reg,
+                "oab_connections_refused_total",
+                "Connections refused before the handshake.",
+                &["reason"],
+            ),
+            peer_sessions,
+            ack_latency,
+            store_latency,
+            registry: reg,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        use prometheus::Encoder as _;
+        let mut buf = Vec::new();
+        let _ = prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_metrics_register_and_render() {
+        let m = Metrics::new(&[oab_wire::PeerId::new("acme/a").unwrap()]);
+        m.frames.with_label_values(&["data", "in"]).inc();
+        let text = m.render();
+        assert!(
+            text.contains("oab_frames_total{direction=\"in\",type=\"data\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("oab_peer_sessions{peer=\"acme/a\"} 0"));
+    }
+}

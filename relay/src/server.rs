@@ -1,0 +1,366 @@
+//! The listener: accepts TCP, runs TLS and the WebSocket upgrade under one
+//! deadline in a task per connection (a slow client never blocks `accept`),
+//! caps connections and handshakes, rate-limits source addresses, and hands
+//! authenticated sessions to [`crate::session`]. Also the admin listener and
+//! the lifecycle sweeper.
+
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use oab_wire::handshake::{ChannelBinding, HandshakePolicy, NonceLedger};
+use rustls::ServerConfig;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument as _, debug, info, warn};
+
+use crate::config::{Config, TlsMode};
+use crate::hub::Hub;
+use crate::metrics::Metrics;
+use crate::session::{self, SessionEnv};
+use crate::store::{EventStore, StoreError};
+
+/// Why the relay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The store did not answer at start.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// `tls_mode = "terminate"` without a TLS config.
+    #[error("tls_mode is \"terminate\" but no TLS configuration was given")]
+    MissingTls,
+}
+
+/// The WebSocket settings of a relay session: message and frame caps equal
+/// to the largest valid frame, small read buffer (idle sessions are cheap),
+/// bounded write buffer.
+pub fn ws_config(config: &Config) -> WebSocketConfig {
+    let max = config.wire_limits().max_frame();
+    WebSocketConfig::default()
+        .read_buffer_size(4 * 1024)
+        .write_buffer_size(0)
+        .max_write_buffer_size(2 * max + 64 * 1024)
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
+}
+
+fn quota(per_second: u32, burst: u32) -> Quota {
+    let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
+    let burst = NonZeroU32::new(burst).unwrap_or(rate);
+    Quota::per_second(rate).allow_burst(burst)
+}
+
+/// Runs the relay until `shutdown` is cancelled, then drains.
+///
+/// `listener` is where connectors connect; `admin` (optional) serves
+/// `/metrics`, `/healthz`, `/readyz`. Nothing here binds a port itself.
+pub async fn run<S: EventStore>(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: Arc<Config>,
+    store: Arc<S>,
+    tls: Option<Arc<ServerConfig>>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    if config.relay.tls_mode == TlsMode::Terminate && tls.is_none() {
+        return Err(RunError::MissingTls);
+    }
+    let metrics = Metrics::new(&crate::config::Directory::new(&config).peers);
+    let epoch = store.epoch().await?;
+    let hub = Hub::new(store, config.clone(), metrics, epoch, shutdown.clone());
+    let tracker = TaskTracker::new();
+
+    if let Some(admin) = admin {
+        let hub = hub.clone();
+        let stop = shutdown.clone();
+        tracker.spawn(async move {
+            let app = admin_router(hub);
+            let _ = axum::serve(admin, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+        });
+    }
+
+    {
+        let hub = hub.clone();
+        let stop = shutdown.clone();
+        let every = Duration::from_millis(config.lifecycle.sweep_interval_ms);
+        tracker.spawn(
+            async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        _ = tick.tick() => hub.sweep().await,
+                    }
+                }
+            }
+            .instrument(tracing::info_span!("sweeper")),
+        );
+    }
+
+    let ip_limiter: Arc<DefaultKeyedRateLimiter<IpAddr>> = Arc::new(RateLimiter::keyed(quota(
+        config.rate.connects_per_second_per_ip,
+        config.rate.connects_burst_per_ip,
+    )));
+    let env = SessionEnv {
+        nonces: Arc::new(Mutex::new(NonceLedger::new(
+            config.relay.max_handshakes,
+            config.relay.handshake_timeout_ms,
+        ))),
+        policy: HandshakePolicy {
+            max_skew_ms: config.relay.max_clock_skew_ms,
+            deadline_ms: config.relay.handshake_timeout_ms,
+            require_tls_binding: config.relay.tls_mode == TlsMode::Terminate,
+        },
+        peer_limiter: Arc::new(RateLimiter::keyed(quota(
+            config.rate.peer_frames_per_second,
+            config.rate.peer_frames_burst,
+        ))),
+    };
+    {
+        // Keyed limiters keep an entry per key until pruned: bound their memory.
+        let (ip, peer, stop) = (
+            ip_limiter.clone(),
+            env.peer_limiter.clone(),
+            shutdown.clone(),
+        );
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = tick.tick() => {
+                        ip.retain_recent();
+                        ip.shrink_to_fit();
+                        peer.retain_recent();
+                    }
+                }
+            }
+        });
+    }
+    let connections = Arc::new(Semaphore::new(config.relay.max_connections));
+    let handshakes = Arc::new(Semaphore::new(config.relay.max_handshakes));
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    let ws_cfg = ws_config(&config);
+    let conn_tasks = TaskTracker::new();
+    info!(listen = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), relay = %config.relay.id, "relay listening");
+
+    loop {
+        let (tcp, addr) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off briefly.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        if ip_limiter.check_key(&addr.ip()).is_err() {
+            hub.metrics
+                .refused
+                .with_label_values(&["rate_limited"])
+                .inc();
+            continue;
+        }
+        let Ok(conn_permit) = connections.clone().try_acquire_owned() else {
+            hub.metrics
+                .refused
+                .with_label_values(&["max_connections"])
+                .inc();
+            continue;
+        };
+        let Ok(hs_permit) = handshakes.clone().try_acquire_owned() else {
+            hub.metrics
+                .refused
+                .with_label_values(&["max_handshakes"])
+                .inc();
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (hub, env, acceptor) = (hub.clone(), env.clone(), acceptor.clone());
+        let span = tracing::debug_span!("conn", %addr);
+        conn_tasks.spawn(
+            async move {
+                hub.metrics.connections.inc();
+                connection(hub.clone(), env, tcp, acceptor, ws_cfg, hs_permit).await;
+                hub.metrics.connections.dec();
+                drop(conn_permit);
+            }
+            .instrument(span),
+        );
+    }
+
+    info!("draining sessions");
+    conn_tasks.close();
+    let drain = Duration::from_millis(config.relay.drain_timeout_ms);
+    if tokio::time::timeout(drain, conn_tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("drain timeout: cutting remaining sessions");
+    }
+    hub.tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), hub.tasks.wait()).await;
+    tracker.close();
+    let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
+    info!("relay stopped");
+    Ok(())
+}
+
+async fn connection<S: EventStore>(
+    hub: Arc<Hub<S>>,
+    env: SessionEnv,
+    tcp: TcpStream,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    ws_cfg: WebSocketConfig,
+    hs_permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(hub.config.relay.handshake_timeout_ms);
+    match acceptor {
+        Some(acceptor) => {
+            let tls = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    debug!(error = %e, "TLS handshake failed");
+                    hub.metrics.handshakes.with_label_values(&["tls"]).inc();
+                    return;
+                }
+                Err(_) => {
+                    hub.metrics.handshakes.with_label_values(&["timeout"]).inc();
+                    return;
+                }
+            };
+            let Some(exporter) = crate::tls::exporter_value(tls.get_ref().1) else {
+                hub.metrics.handshakes.with_label_values(&["tls"]).inc();
+                return;
+            };
+            let Some(ws) = upgrade(&hub, tls, ws_cfg, deadline).await else {
+                return;
+            };
+            session::serve(
+                hub,
+                env,
+                ws,
+                ChannelBinding::TlsExporter(exporter),
+                deadline,
+                hs_permit,
+            )
+            .await;
+        }
+        None => {
+            let Some(ws) = upgrade(&hub, tcp, ws_cfg, deadline).await else {
+                return;
+            };
+            session::serve(
+                hub,
+                env,
+                ws,
+                ChannelBinding::ChallengeOnly,
+                deadline,
+                hs_permit,
+            )
+            .await;
+        }
+    }
+}
+
+async fn upgrade<S, IO>(
+    hub: &Hub<S>,
+    io: IO,
+    ws_cfg: WebSocketConfig,
+    deadline: tokio::time::Instant,
+) -> Option<tokio_tungstenite::WebSocketStream<IO>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    // tungstenite's callback signature fixes the error type.
+    #[allow(clippy::result_large_err)]
+    let callback = |req: &Request, mut resp: Response| -> Result<Response, ErrorResponse> {
+        let offered = req
+            .headers()
+            .get_all("sec-websocket-protocol")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|p| p.trim() == oab_wire::SUBPROTOCOL);
+        if !offered {
+            let mut err = ErrorResponse::new(Some(format!(
+                "the OAB relay protocol needs the WebSocket subprotocol {}",
+                oab_wire::SUBPROTOCOL
+            )));
+            *err.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::BAD_REQUEST;
+            return Err(err);
+        }
+        resp.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static(oab_wire::SUBPROTOCOL),
+        );
+        Ok(resp)
+    };
+    match tokio::time::timeout_at(
+        deadline,
+        tokio_tungstenite::accept_hdr_async_with_config(io, callback, Some(ws_cfg)),
+    )
+    .await
+    {
+        Ok(Ok(ws)) => Some(ws),
+        Ok(Err(e)) => {
+            debug!(error = %e, "WebSocket upgrade failed");
+            hub.metrics.handshakes.with_label_values(&["upgrade"]).inc();
+            None
+        }
+        Err(_) => {
+            hub.metrics.handshakes.with_label_values(&["timeout"]).inc();
+            None
+        }
+    }
+}
+
+fn admin_router<S: EventStore>(hub: Arc<Hub<S>>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_handler::<S>))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_handler::<S>))
+        .with_state(hub)
+}
+
+async fn metrics_handler<S: EventStore>(
+    State(hub): State<Arc<Hub<S>>>,
+) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        hub.metrics.render(),
+    )
+}
+
+async fn ready_handler<S: EventStore>(
+    State(hub): State<Arc<Hub<S>>>,
+) -> (StatusCode, &'static str) {
+    if hub.shutdown.is_cancelled() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
+    match hub.store.ping().await {
+        Ok(()) => (StatusCode::OK, "ready\n"),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "store unreachable\n"),
+    }
+}

@@ -1,0 +1,915 @@
+//! One connection: the session handshake, then the frame loop.
+//!
+//! A single task owns the WebSocket: it reads frames (in batches of whatever
+//! is already buffered, so durable appends are pipelined), writes the
+//! session's queue, watches the idle timer and the close signal. Frames
+//! before authentication, text messages and undecodable frames close the
+//! connection with a typed close code; frames that are valid but refused get
+//! an `Error` frame and the session continues.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::{FutureExt as _, SinkExt as _, StreamExt as _};
+use governor::DefaultKeyedRateLimiter;
+use oab_wire::frame::FLAG_RELAY_ORIGIN;
+use oab_wire::handshake::{ChannelBinding, HandshakePolicy, NonceLedger, ServerHandshake};
+use oab_wire::{
+    Ack, CloseCode, DelegationCursor, DelegationKey, Digest, Direction, ErrorCode, Frame, Limits,
+    Outcome, PeerId, SessionId, Welcome, decode_message, encode,
+};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tracing::{Instrument as _, debug, info, warn};
+
+use crate::hub::{Hub, LiveRef, SessionRef};
+use crate::outbox::{Inbox, outbox};
+use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
+
+/// Frames read from the socket before a batch is processed.
+const MAX_BATCH: usize = 256;
+/// Frames written before a flush.
+const MAX_WRITE_BATCH: usize = 256;
+
+/// What a connection needs besides the hub.
+#[derive(Debug, Clone)]
+pub struct SessionEnv {
+    /// Outstanding handshake nonces.
+    pub nonces: Arc<Mutex<NonceLedger>>,
+    /// Handshake rules.
+    pub policy: HandshakePolicy,
+    /// Per-peer frame rate limiter.
+    pub peer_limiter: Arc<DefaultKeyedRateLimiter<PeerId>>,
+}
+
+/// Closes a WebSocket with a code and reason (best effort).
+pub async fn close_ws<IO>(ws: &mut WebSocketStream<IO>, code: CloseCode, reason: &str)
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let frame = CloseFrame {
+        code: WsCloseCode::from(code.as_u16()),
+        reason: reason.chars().take(120).collect::<String>().into(),
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(frame))).await;
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs the session handshake and, once authenticated, the frame loop.
+/// `deadline` bounds the whole handshake (TLS and upgrade included).
+pub async fn serve<S, IO>(
+    hub: Arc<Hub<S>>,
+    env: SessionEnv,
+    mut ws: WebSocketStream<IO>,
+    binding: ChannelBinding,
+    deadline: tokio::time::Instant,
+    handshake_permit: tokio::sync::OwnedSemaphorePermit,
+) where
+    S: EventStore,
+    IO: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let limits = hub.config.wire_limits();
+    let Some(session) = handshake(&hub, &env, &mut ws, &binding, deadline, &limits).await else {
+        return;
+    };
+    drop(handshake_permit);
+    let span = tracing::info_span!("session", peer = %session.me.peer, session = %session.me.id);
+    session.run(ws, limits).instrument(span).await;
+}
+
+async fn handshake<S, IO>(
+    hub: &Arc<Hub<S>>,
+    env: &SessionEnv,
+    ws: &mut WebSocketStream<IO>,
+    binding: &ChannelBinding,
+    deadline: tokio::time::Instant,
+    limits: &Limits,
+) -> Option<Session<S>>
+where
+    S: EventStore,
+    IO: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let m = &hub.metrics;
+    let now = oab_wire::identity::now_ms();
+    let issued = ServerHandshake::start(hub.config.relay.id.clone(), now, &mut lock(&env.nonces));
+    let (hs, challenge) = match issued {
+        Ok(x) => x,
+        Err(e) => {
+            m.handshakes.with_label_values(&["overloaded"]).inc();
+            close_ws(ws, e.close_code(), &e.public_reason()).await;
+            return None;
+        }
+    };
+    let forget = |env: &SessionEnv| lock(&env.nonces).forget(hs.nonce());
+    let Ok(bytes) = encode(&Frame::Challenge(challenge)) else {
+        forget(env);
+        return None;
+    };
+    if ws.send(Message::Binary(bytes)).await.is_err() {
+        forget(env);
+        return None;
+    }
+    let hello = loop {
+        let next = tokio::time::timeout_at(deadline, ws.next()).await;
+        let msg = match next {
+            Err(_) => {
+                forget(env);
+                m.handshakes.with_label_values(&["timeout"]).inc();
+                close_ws(
+                    ws,
+                    CloseCode::HandshakeTimeout,
+                    "no hello before the handshake deadline",
+                )
+                .await;
+                return None;
+            }
+            Ok(None) | Ok(Some(Err(_))) => {
+                forget(env);
+                m.handshakes.with_label_values(&["transport"]).inc();
+                return None;
+            }
+            Ok(Some(Ok(msg))) => msg,
+        };
+        match msg {
+            Message::Binary(b) => match decode_message(b, limits) {
+                Ok(Frame::Hello(h)) => break h,
+                Ok(other) => {
+                    forget(env);
+                    m.handshakes.with_label_values(&["protocol"]).inc();
+                    let reason = format!(
+                        "{} frame before authentication; send hello first",
+                        other.frame_type().name()
+                    );
+                    close_ws(ws, CloseCode::ProtocolViolation, &reason).await;
+                    return None;
+                }
+                Err(e) => {
+                    forget(env);
+                    m.handshakes.with_label_values(&["malformed"]).inc();
+                    close_ws(ws, e.close_code(), &e.to_string()).await;
+                    return None;
+                }
+            },
+            Message::Ping(_) | Message::Pong(_) => continue,
+            Message::Close(_) => {
+                forget(env);
+                m.handshakes.with_label_values(&["transport"]).inc();
+                return None;
+            }
+            _ => {
+                forget(env);
+                m.handshakes.with_label_values(&["protocol"]).inc();
+                close_ws(ws, CloseCode::ProtocolViolation, "binary frames only").await;
+                return None;
+            }
+        }
+    };
+    let now = oab_wire::identity::now_ms();
+    let verified = hs.verify(
+        &hello,
+        hub.directory.as_ref(),
+        &mut lock(&env.nonces),
+        &env.policy,
+        now,
+        binding,
+    );
+    let auth = match verified {
+        Ok(a) => a,
+        Err(e) => {
+            forget(env);
+            let result = match e.close_code() {
+                CloseCode::UnsupportedVersion => "version",
+                CloseCode::ClockSkew => "clock_skew",
+                CloseCode::BindingRequired => "binding",
+                CloseCode::HandshakeTimeout => "timeout",
+                CloseCode::Overloaded => "overloaded",
+                _ => "auth_failed",
+            };
+            m.handshakes.with_label_values(&[result]).inc();
+            // The claimed peer id is logged, never used as a metric label.
+            warn!(claimed_peer = %hello.peer, error = %e, "handshake refused");
+            close_ws(ws, e.close_code(), &e.public_reason()).await;
+            return None;
+        }
+    };
+    let (out, inbox) = outbox(hub.config.limits.session_queue, &hub.shutdown);
+    let me = SessionRef {
+        id: SessionId::random(),
+        peer: auth.peer.clone(),
+        instance: auth.instance,
+        outbox: out,
+    };
+    // A callee back with a new instance lost what it had accepted: end that
+    // work as `unknown` before the welcome, so the new instance never sees it
+    // as open.
+    let listed = match hub.store.delegations_of(&me.peer).await {
+        Ok(list) => list,
+        Err(e) => {
+            warn!(error = %e, "store unavailable at welcome");
+            m.handshakes.with_label_values(&["store"]).inc();
+            close_ws(ws, CloseCode::StoreUnavailable, "store unavailable; retry").await;
+            return None;
+        }
+    };
+    hub.end_lost_work(&me.peer, Some(me.instance), &listed)
+        .await;
+    let listed = hub.store.delegations_of(&me.peer).await.unwrap_or(listed);
+    hub.seed_counts(&me.peer, &listed);
+    let cursors: Vec<DelegationCursor> = listed
+        .iter()
+        .map(|d| {
+            let is_caller = d.key.caller == me.peer;
+            DelegationCursor {
+                key: d.key.clone(),
+                counterpart: if is_caller {
+                    d.callee.clone()
+                } else {
+                    d.key.caller.clone()
+                },
+                is_caller,
+                down: d.down_tail,
+                up: d.up_tail,
+                terminal: d.terminal,
+            }
+        })
+        .collect();
+    let welcome = Frame::Welcome(Welcome {
+        session: me.id,
+        epoch: hub.epoch(),
+        heartbeat_ms: hub.config.relay.heartbeat_ms,
+        max_header: limits.max_header,
+        max_payload: limits.max_payload,
+        max_in_flight: hub.config.limits.max_in_flight,
+        payload: Bytes::from(serde_json::to_vec(&cursors).unwrap_or_default()),
+    });
+    let Ok(bytes) = encode(&welcome) else {
+        return None;
+    };
+    if ws.send(Message::Binary(bytes)).await.is_err() {
+        m.handshakes.with_label_values(&["transport"]).inc();
+        return None;
+    }
+    m.handshakes.with_label_values(&["ok"]).inc();
+    info!(peer = %me.peer, session = %me.id, instance = %me.instance, delegations = cursors.len(), "session authenticated");
+    hub.register(me.clone());
+    Some(Session {
+        hub: hub.clone(),
+        env: env.clone(),
+        me,
+        inbox,
+        pending: Vec::new(),
+        acks: Vec::new(),
+    })
+}
+
+struct Pending {
+    live: LiveRef,
+    req: AppendRequest,
+    received: Instant,
+}
+
+struct Session<S> {
+    hub: Arc<Hub<S>>,
+    env: SessionEnv,
+    me: SessionRef,
+    inbox: Inbox,
+    pending: Vec<Pending>,
+    acks: Vec<(DelegationKey, Direction, u64)>,
+}
+
+enum End {
+    Closed(CloseCode, String),
+    Transport,
+}
+
+impl<S: EventStore> Session<S> {
+    async fn run<IO>(mut self, mut ws: WebSocketStream<IO>, limits: Limits)
+    where
+        IO: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let idle = Duration::from_millis(self.hub.config.relay.idle_timeout_ms);
+        let mut last_rx = tokio::time::Instant::now();
+        let end = loop {
+            tokio::select! {
+                biased;
+                () = self.inbox.cancel.cancelled() => {
+                    break match self.inbox.close_reason() {
+                        Some((code, reason)) => End::Closed(code, reason),
+                        None => {
+                            // Relay shutdown: tell the peer to come back later.
+                            let drain = oab_wire::Drain { reconnect_after_ms: self.hub.config.relay.reconnect_hint_ms };
+                            if let Ok(b) = encode(&Frame::Drain(drain)) {
+                                let _ = ws.send(Message::Binary(b)).await;
+                            }
+                            End::Closed(CloseCode::GoingAway, "relay shutting down; reconnect".into())
+                        }
+                    };
+                }
+                out = self.inbox.rx.recv() => {
+                    let Some(frame) = out else { break End::Transport };
+                    if write_batch(&mut ws, &mut self.inbox, frame, &self.hub).await.is_err() {
+                        break End::Transport;
+                    }
+                }
+                msg = ws.next() => {
+                    last_rx = tokio::time::Instant::now();
+                    let mut batch = Vec::with_capacity(8);
+                    match self.take(msg, &limits, &mut batch) {
+                        Ok(true) => {}
+                        Ok(false) => break End::Transport,
+                        Err(end) => break end,
+                    }
+                    // Take whatever else is already buffered, without waiting.
+                    let mut stop = None;
+                    while batch.len() < MAX_BATCH {
+                        let Some(msg) = ws.next().now_or_never() else { break };
+                        match self.take(msg, &limits, &mut batch) {
+                            Ok(true) => {}
+                            Ok(false) => { stop = Some(End::Transport); break; }
+                            Err(end) => { stop = Some(end); break; }
+                        }
+                    }
+                    for frame in batch {
+                        self.handle(frame).await;
+                    }
+                    self.flush().await;
+                    if let Some(end) = stop {
+                        break end;
+                    }
+                }
+                () = tokio::time::sleep_until(last_rx + idle) => {
+                    break End::Closed(CloseCode::IdleTimeout, "no frame within the idle timeout".into());
+                }
+            }
+        };
+        let reason = match &end {
+            End::Closed(code, reason) => {
+                info!(code = code.as_u16(), reason = %reason, "closing session");
+                // Flush what is queued (acks, errors) before the close frame.
+                while let Ok(frame) = self.inbox.rx.try_recv() {
+                    if ws.feed(Message::Binary(frame)).await.is_err() {
+                        break;
+                    }
+                }
+                close_ws(&mut ws, *code, reason).await;
+                code.name()
+            }
+            End::Transport => {
+                debug!("connection ended");
+                "transport"
+            }
+        };
+        self.hub
+            .metrics
+            .disconnects
+            .with_label_values(&[reason])
+            .inc();
+        self.me.outbox.close(CloseCode::GoingAway, "session ended");
+        self.hub.unregister(&self.me);
+    }
+
+    /// Decodes one read result into the batch. `Ok(false)`: the peer went away.
+    fn take(
+        &self,
+        msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
+        limits: &Limits,
+        batch: &mut Vec<(Bytes, Frame)>,
+    ) -> Result<bool, End> {
+        let m = &self.hub.metrics;
+        match msg {
+            None | Some(Ok(Message::Close(_))) => Ok(false),
+            Some(Err(tokio_tungstenite::tungstenite::Error::Capacity(e))) => Err(End::Closed(
+                CloseCode::FrameTooLarge,
+                format!("message over the frame limit: {e}"),
+            )),
+            Some(Err(tokio_tungstenite::tungstenite::Error::Protocol(e))) => Err(End::Closed(
+                CloseCode::ProtocolViolation,
+                format!("WebSocket protocol error: {e}"),
+            )),
+            Some(Err(_)) => Ok(false),
+            Some(Ok(Message::Binary(bytes))) => {
+                m.bytes
+                    .with_label_values(&["in"])
+                    .inc_by(bytes.len() as u64);
+                match decode_message(bytes.clone(), limits) {
+                    Ok(frame) => {
+                        m.frames
+                            .with_label_values(&[frame.frame_type().name(), "in"])
+                            .inc();
+                        batch.push((bytes, frame));
+                        Ok(true)
+                    }
+                    Err(e) => Err(End::Closed(e.close_code(), e.to_string())),
+                }
+            }
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => Ok(true),
+            Some(Ok(Message::Text(_))) => Err(End::Closed(
+                CloseCode::ProtocolViolation,
+                "text messages are not part of the protocol; send binary frames".into(),
+            )),
+        }
+    }
+
+    fn push(&self, frame: &Frame) {
+        if let Ok(bytes) = encode(frame) {
+            self.me.outbox.push(bytes);
+        }
+    }
+
+    fn error(
+        &self,
+        code: ErrorCode,
+        key: Option<&DelegationKey>,
+        dir: Direction,
+        seq: u64,
+        message: &str,
+    ) {
+        self.hub
+            .error(&self.me.outbox, code, key, dir, seq, message);
+    }
+
+    async fn handle(&mut self, (raw, frame): (Bytes, Frame)) {
+        match frame {
+            Frame::Data(d) => {
+                let (key, dir, seq, terminal, flags) =
+                    (d.key, d.direction, d.seq, d.terminal, d.flags);
+                let len = d.payload.len();
+                self.stage(key, dir, seq, terminal, flags, len, raw).await;
+            }
+            Frame::Cancel(c) => {
+                let len = c.payload.len();
+                self.stage(c.key, Direction::Down, c.seq, None, c.flags, len, raw)
+                    .await;
+            }
+            Frame::Open(open) => {
+                self.flush().await;
+                self.open(open, raw).await;
+            }
+            Frame::Resume(r) => {
+                self.flush().await;
+                self.resume(r.key, r.direction, r.after).await;
+            }
+            Frame::Ping(p) => self.push(&Frame::Pong(p)),
+            Frame::Pong(_) => {}
+            Frame::PeersQuery => {
+                let payload = self.hub.peers_payload(&self.me.peer).await;
+                self.push(&Frame::Peers(payload));
+            }
+            Frame::Publish(descriptor) => self.publish(descriptor).await,
+            other => self.error(
+                ErrorCode::ProtocolViolation,
+                None,
+                Direction::Down,
+                0,
+                &format!(
+                    "{} frames are sent by the relay, not to it",
+                    other.frame_type().name()
+                ),
+            ),
+        }
+    }
+
+    /// Authorizes a log frame and queues it for the next pipelined append.
+    #[allow(clippy::too_many_arguments)]
+    async fn stage(
+        &mut self,
+        key: DelegationKey,
+        dir: Direction,
+        seq: u64,
+        terminal: Option<Outcome>,
+        flags: u8,
+        len: usize,
+        raw: Bytes,
+    ) {
+        let received = Instant::now();
+        if self.env.peer_limiter.check_key(&self.me.peer).is_err() {
+            self.hub
+                .metrics
+                .rate_limited
+                .with_label_values(&["peer"])
+                .inc();
+            self.error(
+                ErrorCode::RateLimited,
+                Some(&key),
+                dir,
+                seq,
+                "frame rate over quota; resend later",
+            );
+            return;
+        }
+        let live = match self.hub.live(&key).await {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                self.error(
+                    ErrorCode::UnknownDelegation,
+                    Some(&key),
+                    dir,
+                    seq,
+                    "no such delegation",
+                );
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "store unavailable");
+                self.error(
+                    ErrorCode::StoreUnavailable,
+                    Some(&key),
+                    dir,
+                    seq,
+                    "store unavailable; resend later",
+                );
+                return;
+            }
+        };
+        let refusal = {
+            let l = live.lock().unwrap_or_else(|p| p.into_inner());
+            if l.sender(dir) != &self.me.peer {
+                // Answered exactly like a missing delegation.
+                Some((ErrorCode::UnknownDelegation, "no such delegation"))
+            } else if flags & FLAG_RELAY_ORIGIN != 0 {
+                Some((
+                    ErrorCode::ProtocolViolation,
+                    "the relay-origin flag is set by the relay only",
+                ))
+            } else if terminal == Some(Outcome::Unknown) {
+                Some((
+                    ErrorCode::ProtocolViolation,
+                    "unknown is appended by the relay only",
+                ))
+            } else if len > l.max_payload as usize {
+                Some((ErrorCode::PayloadTooLarge, "payload over the route's limit"))
+            } else {
+                None
+            }
+        };
+        if let Some((code, message)) = refusal {
+            self.error(code, Some(&key), dir, seq, message);
+            return;
+        }
+        self.pending.push(Pending {
+            live,
+            req: AppendRequest {
+                key,
+                dir,
+                seq,
+                terminal,
+                origin: Origin::Peer(self.me.instance),
+                frame: raw,
+                now_ms: oab_wire::identity::now_ms(),
+            },
+            received,
+        });
+    }
+
+    /// Appends staged frames in one pipelined call, then acks and delivers.
+    async fn flush(&mut self) {
+        if self.pending.is_empty() {
+            self.send_acks();
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let reqs: Vec<AppendRequest> = pending.iter().map(|p| p.req.clone()).collect();
+        let started = Instant::now();
+        let res = self.hub.store.append(reqs).await;
+        self.hub.observe_store("append", started, res.is_ok());
+        let outcomes = match res {
+            Ok(o) => o,
+            Err(e) => {
+                warn!(error = %e, "append failed; nothing acknowledged");
+                for p in &pending {
+                    self.error(
+                        ErrorCode::StoreUnavailable,
+                        Some(&p.req.key),
+                        p.req.dir,
+                        p.req.seq,
+                        "store unavailable; resend later",
+                    );
+                }
+                return;
+            }
+        };
+        for (p, outcome) in pending.into_iter().zip(outcomes) {
+            let Pending {
+                live,
+                req,
+                received,
+            } = p;
+            match outcome {
+                AppendOutcome::Appended { seq } => {
+                    self.hub
+                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal);
+                    self.hub
+                        .metrics
+                        .ack_latency
+                        .observe(received.elapsed().as_secs_f64());
+                    self.record_ack(req.key, req.dir, seq);
+                }
+                AppendOutcome::Duplicate { tail } => self.record_ack(req.key, req.dir, tail),
+                AppendOutcome::Hole { tail } => self.error(
+                    ErrorCode::SequenceGap,
+                    Some(&req.key),
+                    req.dir,
+                    tail,
+                    "sequence skips ahead of the log; resend from seq+1 of this error",
+                ),
+                AppendOutcome::AlreadyTerminal { outcome } => self.error(
+                    ErrorCode::AlreadyTerminal,
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                    &format!("the delegation already ended: {outcome}"),
+                ),
+                AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => self.error(
+                    ErrorCode::UnknownDelegation,
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                    "no such delegation",
+                ),
+            }
+        }
+        self.send_acks();
+    }
+
+    /// Remembers the highest ack per log; acks are cumulative.
+    fn record_ack(&mut self, key: DelegationKey, dir: Direction, seq: u64) {
+        if let Some(a) = self
+            .acks
+            .iter_mut()
+            .find(|(k, d, _)| *d == dir && *k == key)
+        {
+            a.2 = a.2.max(seq);
+        } else {
+            self.acks.push((key, dir, seq));
+        }
+    }
+
+    fn send_acks(&mut self) {
+        for (key, direction, seq) in std::mem::take(&mut self.acks) {
+            self.push(&Frame::Ack(Ack {
+                key,
+                direction,
+                seq,
+            }));
+        }
+    }
+
+    async fn open(&mut self, open: oab_wire::Open, raw: Bytes) {
+        let hub = self.hub.clone();
+        let key = open.key.clone();
+        let refuse = |s: &Self, code: ErrorCode, message: &str| {
+            s.error(code, Some(&key), Direction::Down, 1, message);
+        };
+        if open.key.caller != self.me.peer {
+            return refuse(
+                self,
+                ErrorCode::ProtocolViolation,
+                "an open names its sender as caller",
+            );
+        }
+        // An idempotent retry is answered from the store before any check
+        // that could have changed since the first attempt (deadline, caps).
+        match hub.store.meta(&key).await {
+            Ok(Some(m)) if m.digest == open.digest => {
+                self.record_ack(key, Direction::Down, 1);
+                self.send_acks();
+                return;
+            }
+            Ok(Some(_)) => {
+                return refuse(
+                    self,
+                    ErrorCode::IdempotencyMismatch,
+                    "this request id was used with a different payload",
+                );
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!(error = %e, "store unavailable");
+                return refuse(
+                    self,
+                    ErrorCode::StoreUnavailable,
+                    "store unavailable; resend later",
+                );
+            }
+        }
+        let Some(route) = hub.directory.route(&self.me.peer, &open.target) else {
+            return refuse(
+                self,
+                ErrorCode::RouteDenied,
+                "no route from this peer to the target",
+            );
+        };
+        if open.depth == 0 || open.depth > route.max_depth {
+            return refuse(
+                self,
+                ErrorCode::DepthExceeded,
+                &format!("depth must be 1..={}", route.max_depth),
+            );
+        }
+        let now = oab_wire::identity::now_ms();
+        if open.deadline_ms <= now || open.deadline_ms > now.saturating_add(route.max_deadline_ms) {
+            return refuse(
+                self,
+                ErrorCode::InvalidDeadline,
+                &format!(
+                    "deadline must be in the future and at most {} ms away",
+                    route.max_deadline_ms
+                ),
+            );
+        }
+        let max_payload = route.max_payload.unwrap_or(hub.config.limits.max_payload);
+        if open.payload.len() > max_payload as usize {
+            return refuse(
+                self,
+                ErrorCode::PayloadTooLarge,
+                "payload over the route's limit",
+            );
+        }
+        if Digest::of(&open.payload) != open.digest {
+            return refuse(
+                self,
+                ErrorCode::DigestMismatch,
+                "digest is not the SHA-256 of the payload",
+            );
+        }
+        if self.env.peer_limiter.check_key(&self.me.peer).is_err() {
+            hub.metrics.rate_limited.with_label_values(&["peer"]).inc();
+            return refuse(
+                self,
+                ErrorCode::RateLimited,
+                "frame rate over quota; resend later",
+            );
+        }
+        let ceiling = route.ceiling.join(",");
+        let route_max = route.max_open;
+        if !hub.may_open(&self.me.peer, &open.target, route_max) {
+            return refuse(
+                self,
+                ErrorCode::TooManyDelegations,
+                "too many open delegations; retry later",
+            );
+        }
+        let frame = if open.ceiling == ceiling {
+            raw
+        } else {
+            let stamped = Frame::Open(oab_wire::Open {
+                ceiling,
+                ..open.clone()
+            });
+            match encode(&stamped) {
+                Ok(b) => b,
+                Err(_) => {
+                    return refuse(
+                        self,
+                        ErrorCode::Internal,
+                        "could not stamp the capability ceiling",
+                    );
+                }
+            }
+        };
+        let req = OpenRequest {
+            key: key.clone(),
+            callee: open.target.clone(),
+            deadline_ms: open.deadline_ms,
+            digest: open.digest,
+            frame: frame.clone(),
+            now_ms: now,
+        };
+        let started = Instant::now();
+        let res = hub.store.open(req).await;
+        hub.observe_store("open", started, res.is_ok());
+        match res {
+            Ok(OpenOutcome::Created(meta)) => {
+                hub.created(&meta, &self.me, frame);
+                hub.metrics
+                    .ack_latency
+                    .observe(started.elapsed().as_secs_f64());
+                self.record_ack(key, Direction::Down, 1);
+            }
+            Ok(OpenOutcome::Existing(_)) => self.record_ack(key, Direction::Down, 1),
+            Ok(OpenOutcome::Mismatch(_)) => refuse(
+                self,
+                ErrorCode::IdempotencyMismatch,
+                "this request id was used with a different payload",
+            ),
+            Err(e) => {
+                warn!(error = %e, "open failed; nothing acknowledged");
+                refuse(
+                    self,
+                    ErrorCode::StoreUnavailable,
+                    "store unavailable; resend later",
+                );
+            }
+        }
+        self.send_acks();
+    }
+
+    async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
+        let hub = self.hub.clone();
+        let live = match hub.live(&key).await {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                hub.gap(
+                    &self.me.outbox,
+                    &key,
+                    dir,
+                    after,
+                    0,
+                    None,
+                    hub.missing_reason(),
+                );
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "store unavailable");
+                self.error(
+                    ErrorCode::StoreUnavailable,
+                    Some(&key),
+                    dir,
+                    after,
+                    "store unavailable; resume later",
+                );
+                return;
+            }
+        };
+        if !hub.subscribe(&live, &key, dir, &self.me, after) {
+            // Not this peer's log: answered exactly like a missing delegation.
+            hub.gap(
+                &self.me.outbox,
+                &key,
+                dir,
+                after,
+                0,
+                None,
+                hub.missing_reason(),
+            );
+        }
+    }
+
+    async fn publish(&mut self, descriptor: Bytes) {
+        let hub = self.hub.clone();
+        if descriptor.len() > hub.config.limits.max_descriptor {
+            self.error(
+                ErrorCode::DescriptorTooLarge,
+                None,
+                Direction::Down,
+                0,
+                "descriptor over the relay's limit",
+            );
+            return;
+        }
+        if serde_json::from_slice::<serde_json::Value>(&descriptor).is_err() {
+            self.error(
+                ErrorCode::ProtocolViolation,
+                None,
+                Direction::Down,
+                0,
+                "a descriptor is a JSON document",
+            );
+            return;
+        }
+        match hub.store.put_descriptor(&self.me.peer, descriptor).await {
+            Ok(()) => hub.announce_presence(&self.me.peer),
+            Err(_) => self.error(
+                ErrorCode::StoreUnavailable,
+                None,
+                Direction::Down,
+                0,
+                "store unavailable; publish later",
+            ),
+        }
+    }
+}
+
+/// Writes one frame and whatever else is queued, then flushes once.
+async fn write_batch<IO, S>(
+    ws: &mut WebSocketStream<IO>,
+    inbox: &mut Inbox,
+    first: Bytes,
+    hub: &Hub<S>,
+) -> Result<(), tokio_tungstenite::tungstenite::Error>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut bytes = first.len();
+    ws.feed(Message::Binary(first)).await?;
+    for _ in 1..MAX_WRITE_BATCH {
+        let Ok(frame) = inbox.rx.try_recv() else {
+            break;
+        };
+        bytes += frame.len();
+        ws.feed(Message::Binary(frame)).await?;
+    }
+    hub.metrics
+        .bytes
+        .with_label_values(&["out"])
+        .inc_by(bytes as u64);
+    ws.flush().await
+}

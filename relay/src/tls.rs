@@ -1,0 +1,133 @@
+//! TLS for the relay listener (rustls, TLS 1.3 only, ring provider) and the
+//! development certificate of the quick start.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::ServerConfig;
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// Errors setting up TLS.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A PEM file could not be read or parsed.
+    #[error("{path}: {message}")]
+    Pem {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// rustls refused the certificate or key.
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+    /// Certificate generation failed.
+    #[error("certificate generation: {0}")]
+    Generate(String),
+    /// Writing generated files failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// Installs ring as the process-wide rustls provider. Safe to call more than
+/// once; every binary and test helper that builds TLS configs calls it.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Loads a PEM certificate chain.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let shown = path.display().to_string();
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
+        .map_err(|e| TlsError::Pem {
+            path: shown.clone(),
+            message: e.to_string(),
+        })?
+        .collect();
+    let certs = certs.map_err(|e| TlsError::Pem {
+        path: shown.clone(),
+        message: e.to_string(),
+    })?;
+    if certs.is_empty() {
+        return Err(TlsError::Pem {
+            path: shown,
+            message: "no CERTIFICATE block found".into(),
+        });
+    }
+    Ok(certs)
+}
+
+/// Loads a PEM private key (PKCS#8, SEC1 or PKCS#1).
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Pem {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// A TLS 1.3-only server config with ALPN `http/1.1` (the WebSocket upgrade).
+pub fn server_config(
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+/// The RFC 9266 `tls-exporter` channel binding value of a TLS session.
+pub fn exporter_value<D>(conn: &rustls::ConnectionCommon<D>) -> Option<[u8; 32]> {
+    conn.export_keying_material([0u8; 32], oab_wire::handshake::TLS_EXPORTER_LABEL, None)
+        .ok()
+}
+
+/// A self-signed certificate and key, as PEM text.
+#[derive(Debug, Clone)]
+pub struct SelfSigned {
+    /// Certificate PEM.
+    pub cert_pem: String,
+    /// Private key PEM (secret).
+    pub key_pem: String,
+    /// The certificate in DER form (to trust it in a client).
+    pub cert_der: Vec<u8>,
+}
+
+/// Generates a self-signed certificate for the given names (DNS names or IPs).
+pub fn self_signed(names: &[&str]) -> Result<SelfSigned, TlsError> {
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    let ck =
+        rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Generate(e.to_string()))?;
+    Ok(SelfSigned {
+        cert_pem: ck.cert.pem(),
+        key_pem: ck.signing_key.serialize_pem(),
+        cert_der: ck.cert.der().to_vec(),
+    })
+}
+
+/// Writes a file, with mode 0600 when `secret`.
+pub fn write_file(path: &Path, text: &str, secret: bool) -> Result<(), TlsError> {
+    use std::io::Write as _;
+    let io = |source| TlsError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
+}

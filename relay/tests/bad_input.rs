@@ -1,0 +1,298 @@
+//! Hostile and broken input against a real relay: each gets its documented
+//! close code or error frame, nothing panics, and a well-behaved pair keeps
+//! routing meanwhile.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use futures_util::SinkExt as _;
+use oab_relay::raw_client::{ClientError, RawClient, connect};
+use oab_relay::store::{MemoryStore, Retention};
+use oab_wire::{CloseCode, Direction, ErrorCode, Frame, InstanceId, Outcome, Ping};
+use tokio::io::AsyncReadExt as _;
+use tokio_tungstenite::tungstenite::Message;
+
+fn memory() -> Arc<MemoryStore> {
+    Arc::new(MemoryStore::new(Retention::default()))
+}
+
+async fn close_code(r: Result<Frame, ClientError>) -> u16 {
+    match r {
+        Err(ClientError::Closed { code, .. }) => code,
+        other => panic!("expected a close, got {other:?}"),
+    }
+}
+
+/// Reads frames until the relay closes; returns the close code.
+async fn until_closed(c: &mut RawClient) -> u16 {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("closed in time")
+        {
+            Ok(_) => continue,
+            other => return close_code(other).await,
+        }
+    }
+}
+
+#[tokio::test]
+async fn frames_before_authentication_close_with_protocol_violation() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut conn = connect(&relay.target()).await.unwrap();
+    assert!(matches!(conn.recv().await.unwrap(), Frame::Challenge(_)));
+    conn.send(&data("x", Direction::Up, 1, None, Bytes::new()))
+        .await
+        .unwrap();
+    let code = close_code(conn.recv().await).await;
+    assert_eq!(code, CloseCode::ProtocolViolation.as_u16());
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn text_messages_close_with_protocol_violation() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut c = relay.client(&env.caller).await;
+    c.ws.send(Message::text("hello")).await.unwrap();
+    assert_eq!(
+        until_closed(&mut c).await,
+        CloseCode::ProtocolViolation.as_u16()
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_and_malformed_frames_close_with_their_codes() {
+    let env = TestEnv::new("[limits]\nmax_payload = 4096\n");
+    let relay = TestRelay::start(&env, memory()).await;
+    let limit = env.config.limits.max_payload as usize;
+
+    // A prefix declaring one byte over the payload limit.
+    let mut c = relay.client(&env.caller).await;
+    let mut raw = vec![1u8, 5, 0, 0];
+    raw.extend_from_slice(&((limit + 1) as u32).to_be_bytes());
+    c.send_raw(Bytes::from(raw)).await.unwrap();
+    assert_eq!(
+        until_closed(&mut c).await,
+        CloseCode::FrameTooLarge.as_u16()
+    );
+
+    // A WebSocket message bigger than the largest frame.
+    let mut c = relay.client(&env.caller).await;
+    c.send_raw(Bytes::from(vec![0u8; limit + 8 + 1024 + 1]))
+        .await
+        .unwrap();
+    assert_eq!(
+        until_closed(&mut c).await,
+        CloseCode::FrameTooLarge.as_u16()
+    );
+
+    // Garbage, an unknown frame type, a wrong version, a truncated header.
+    for raw in [
+        vec![0xde, 0xad, 0xbe, 0xef],
+        vec![1, 99, 0, 0, 0, 0, 0, 0],
+        vec![2, 5, 0, 0, 0, 0, 0, 0],
+        vec![1, 5, 0, 3, 0, 0, 0, 0, 1, b'a', b'/'],
+    ] {
+        let mut c = relay.client(&env.caller).await;
+        let expect = if raw[0] == 2 {
+            CloseCode::UnsupportedVersion
+        } else {
+            CloseCode::MalformedFrame
+        };
+        c.send_raw(Bytes::from(raw)).await.unwrap();
+        assert_eq!(until_closed(&mut c).await, expect.as_u16());
+    }
+
+    // Relay-only frames sent to the relay are refused with an error frame;
+    // the session stays usable.
+    let mut c = relay.client(&env.caller).await;
+    c.send(&Frame::Drain(oab_wire::Drain {
+        reconnect_after_ms: 1,
+    }))
+    .await
+    .unwrap();
+    let code = recv_until(&mut c, |f| match f {
+        Frame::Error(e) => Some(e.code),
+        _ => None,
+    })
+    .await;
+    assert_eq!(code, ErrorCode::ProtocolViolation.as_u16());
+    c.send(&Frame::Ping(Ping { token: 7 })).await.unwrap();
+    let pong = recv_until(&mut c, |f| match f {
+        Frame::Pong(p) => Some(p.token),
+        _ => None,
+    })
+    .await;
+    assert_eq!(pong, 7);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn invalid_opens_and_log_frames_get_typed_errors() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut a = relay.client(&env.caller).await;
+    let errs = |f: &Frame| match f {
+        Frame::Error(e) => Some(e.code),
+        _ => None,
+    };
+    // Wrong digest.
+    let mut open = open_frame("e1", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.digest = oab_wire::Digest::of(b"other");
+    }
+    a.send(&open).await.unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::DigestMismatch.as_u16()
+    );
+    // Deadline in the past, depth two.
+    let mut open = open_frame("e2", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.deadline_ms = 1;
+    }
+    a.send(&open).await.unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::InvalidDeadline.as_u16()
+    );
+    let mut open = open_frame("e3", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.depth = 2;
+    }
+    a.send(&open).await.unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::DepthExceeded.as_u16()
+    );
+    // Same request id, other payload.
+    a.send(&open_frame("e4", b"{\"a\":1}")).await.unwrap();
+    await_ack(&mut a, "e4", Direction::Down, 1).await;
+    a.send(&open_frame("e4", b"{\"a\":1}")).await.unwrap();
+    await_ack(&mut a, "e4", Direction::Down, 1).await;
+    a.send(&open_frame("e4", b"{\"a\":2}")).await.unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::IdempotencyMismatch.as_u16()
+    );
+    // A caller cannot write the callee's log, nor claim a relay terminal.
+    a.send(&data("e4", Direction::Up, 1, None, Bytes::new()))
+        .await
+        .unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::UnknownDelegation.as_u16()
+    );
+    let mut b = relay.client(&env.callee).await;
+    b.send(&data(
+        "e4",
+        Direction::Up,
+        1,
+        Some(Outcome::Unknown),
+        Bytes::new(),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        recv_until(&mut b, errs).await,
+        ErrorCode::ProtocolViolation.as_u16()
+    );
+    // Wrong sequences: a hole, then a frame for a delegation that does not exist.
+    a.send(&data("e4", Direction::Down, 5, None, Bytes::new()))
+        .await
+        .unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::SequenceGap.as_u16()
+    );
+    a.send(&data("nope", Direction::Down, 2, None, Bytes::new()))
+        .await
+        .unwrap();
+    assert_eq!(
+        recv_until(&mut a, errs).await,
+        ErrorCode::UnknownDelegation.as_u16()
+    );
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_are_closed_while_a_pair_keeps_routing() {
+    let env = TestEnv::new(
+        "[rate]\nconnects_per_second_per_ip = 100000\nconnects_burst_per_ip = 100000\n",
+    );
+    let mut env = env;
+    env.config.relay.handshake_timeout_ms = 1_000;
+    env.config.relay.max_handshakes = 2_000;
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    // 1,000 TCP connections that never speak.
+    let mut silent = Vec::new();
+    for _ in 0..1000 {
+        silent.push(tokio::net::TcpStream::connect(relay.addr).await.unwrap());
+    }
+    // The pair keeps routing while they hang.
+    a.send(&open_frame("s1", b"{}")).await.unwrap();
+    await_ack(&mut a, "s1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    for seq in 1..=100 {
+        b.send(&data(
+            "s1",
+            Direction::Up,
+            seq,
+            None,
+            Bytes::from_static(b"e"),
+        ))
+        .await
+        .unwrap();
+    }
+    let mut last = 0;
+    while last < 100 {
+        if let Frame::Data(d) = recv(&mut a).await {
+            assert_eq!(d.seq, last + 1);
+            last = d.seq;
+        }
+    }
+    // Every silent connection is closed by the handshake deadline.
+    for mut s in silent {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf))
+            .await
+            .expect("closed by the handshake deadline")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "no bytes, just a close");
+    }
+    let m = relay.metrics().await;
+    assert!(
+        m.contains("oab_handshakes_total{result=\"timeout\"} 1000"),
+        "{m}"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_newer_session_replaces_the_older_one() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut first = relay.client(&env.caller).await;
+    let _second = RawClient::connect(&relay.target(), &env.caller, InstanceId::random())
+        .await
+        .unwrap();
+    assert_eq!(until_closed(&mut first).await, CloseCode::Replaced.as_u16());
+    let m = relay.metrics().await;
+    assert!(m.contains("oab_sessions_replaced_total 1"), "{m}");
+    relay.stop().await;
+}

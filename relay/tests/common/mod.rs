@@ -1,0 +1,344 @@
+//! Harness for relay integration tests: a real relay on 127.0.0.1:0 with a
+//! certificate and identities generated at test time, and raw clients.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use oab_relay::config::Config;
+use oab_relay::raw_client::{RawClient, Target};
+use oab_relay::store::EventStore;
+use oab_wire::identity::{Identity, PeerKey};
+use oab_wire::{
+    Data, DelegationKey, Digest, Direction, Frame, InstanceId, KeyId, Open, Outcome, PeerId,
+    RequestId,
+};
+use tokio_util::sync::CancellationToken;
+
+pub const CALLER: &str = "acme/caller";
+pub const CALLEE: &str = "acme/callee";
+pub const OTHER: &str = "acme/other";
+
+/// Identities, certificate and config for one test.
+pub struct TestEnv {
+    pub caller: Identity,
+    pub callee: Identity,
+    pub other: Identity,
+    pub cert_der: Vec<u8>,
+    pub config: Config,
+    pub tls: Arc<rustls::ServerConfig>,
+    /// The config file (with real certificate paths) for running the binary.
+    pub config_path: std::path::PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+pub fn peer(s: &str) -> PeerId {
+    PeerId::new(s).unwrap()
+}
+
+impl TestEnv {
+    /// Peers caller, callee, other; one route caller -> callee. `extra` is
+    /// appended to the generated TOML (e.g. `[lifecycle]` settings).
+    pub fn new(extra: &str) -> TestEnv {
+        oab_relay::tls::install_crypto_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let ss = oab_relay::tls::self_signed(&["localhost"]).unwrap();
+        let key = KeyId::new("k1").unwrap();
+        let caller = Identity::generate(peer(CALLER), key.clone());
+        let callee = Identity::generate(peer(CALLEE), key.clone());
+        let other = Identity::generate(peer(OTHER), key);
+        let cert_path = dir.path().join("cert.pem");
+        let key_path = dir.path().join("key.pem");
+        std::fs::write(&cert_path, &ss.cert_pem).unwrap();
+        std::fs::write(&key_path, &ss.key_pem).unwrap();
+        let mut text = format!(
+            "[relay]\nid = \"localhost\"\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:1\"\n\
+             tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            cert_path.display(),
+            key_path.display()
+        );
+        text.push_str(extra);
+        text.push('\n');
+        for id in [&caller, &callee] {
+            let pk = PeerKey {
+                key_id: id.key_id.clone(),
+                public_key: id.public_key(),
+                not_before_ms: None,
+                not_after_ms: None,
+            };
+            text.push_str(&format!(
+                "[[peers]]\nid = \"{}\"\nkeys = [{{ key_id = \"{}\", public_key = \"{}\" }}]\n",
+                id.peer, pk.key_id, pk.public_key
+            ));
+        }
+        // `other` is configured too, but has no route.
+        text.push_str(&format!(
+            "[[peers]]\nid = \"{}\"\nkeys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n",
+            other.peer,
+            other.public_key()
+        ));
+        text.push_str(&format!(
+            "[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\n"
+        ));
+        let config = Config::from_toml_with_overrides(&text, "test", &[]).unwrap();
+        let config_path = dir.path().join("relay.toml");
+        std::fs::write(&config_path, &text).unwrap();
+        let certs = vec![rustls::pki_types::CertificateDer::from(ss.cert_der.clone())];
+        let key_der = rustls::pki_types::PrivateKeyDer::try_from(
+            rustls::pki_types::pem::PemObject::from_pem_slice(ss.key_pem.as_bytes())
+                .map(|k: rustls::pki_types::PrivateKeyDer<'static>| k.clone_key())
+                .unwrap()
+                .secret_der()
+                .to_vec(),
+        )
+        .unwrap();
+        let tls = oab_relay::tls::server_config(certs, key_der).unwrap();
+        TestEnv {
+            caller,
+            callee,
+            other,
+            cert_der: ss.cert_der,
+            config,
+            tls,
+            config_path,
+            dir,
+        }
+    }
+}
+
+/// A relay running in this process.
+pub struct TestRelay {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<()>,
+    pub cert_der: Vec<u8>,
+}
+
+impl TestRelay {
+    pub async fn start<S: EventStore>(env: &TestEnv, store: Arc<S>) -> TestRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (addr, admin_addr) = (listener.local_addr().unwrap(), admin.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let config = Arc::new(env.config.clone());
+        let tls = Some(env.tls.clone());
+        let stop = shutdown.clone();
+        let task = tokio::spawn(async move {
+            oab_relay::run(listener, Some(admin), config, store, tls, stop)
+                .await
+                .unwrap();
+        });
+        TestRelay {
+            addr,
+            admin: admin_addr,
+            shutdown,
+            task,
+            cert_der: env.cert_der.clone(),
+        }
+    }
+
+    pub fn target(&self) -> Target {
+        Target {
+            addr: self.addr.to_string(),
+            server_name: Some("localhost".into()),
+            root_der: self.cert_der.clone(),
+        }
+    }
+
+    pub async fn client(&self, id: &Identity) -> RawClient {
+        RawClient::connect(&self.target(), id, InstanceId::random())
+            .await
+            .unwrap()
+    }
+
+    pub async fn client_as(&self, id: &Identity, instance: InstanceId) -> RawClient {
+        RawClient::connect(&self.target(), id, instance)
+            .await
+            .unwrap()
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+
+    pub async fn metrics(&self) -> String {
+        http_get(self.admin, "/metrics").await
+    }
+}
+
+/// A minimal HTTP/1.0 GET over TCP (no client crate needed).
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+pub fn key(request: &str) -> DelegationKey {
+    DelegationKey::new(peer(CALLER), RequestId::new(request).unwrap())
+}
+
+pub fn open_frame(request: &str, payload: &'static [u8]) -> Frame {
+    Frame::Open(Open {
+        key: key(request),
+        target: peer(CALLEE),
+        deadline_ms: oab_wire::identity::now_ms() + 60_000,
+        depth: 1,
+        digest: Digest::of(payload),
+        ceiling: String::new(),
+        payload: Bytes::from_static(payload),
+    })
+}
+
+pub fn data(
+    request: &str,
+    dir: Direction,
+    seq: u64,
+    terminal: Option<Outcome>,
+    payload: Bytes,
+) -> Frame {
+    Frame::Data(Data {
+        key: key(request),
+        direction: dir,
+        seq,
+        terminal,
+        flags: 0,
+        payload,
+    })
+}
+
+/// Receives with a generous bound so a broken relay fails the test instead
+/// of hanging it (not a timing assertion).
+pub async fn recv(c: &mut RawClient) -> Frame {
+    tokio::time::timeout(Duration::from_secs(20), c.recv())
+        .await
+        .expect("no frame within 20 s")
+        .expect("connection failed")
+}
+
+/// Receives frames until one matches, returning it (other frames are skipped).
+pub async fn recv_until<T>(c: &mut RawClient, mut f: impl FnMut(&Frame) -> Option<T>) -> T {
+    loop {
+        let frame = recv(c).await;
+        if let Some(t) = f(&frame) {
+            return t;
+        }
+    }
+}
+
+/// Waits for a cumulative ack of at least `seq`.
+pub async fn await_ack(c: &mut RawClient, request: &str, dir: Direction, seq: u64) {
+    let k = key(request);
+    recv_until(c, |f| match f {
+        Frame::Ack(a) if a.key == k && a.direction == dir && a.seq >= seq => Some(()),
+        Frame::Error(e) => panic!("error frame: {e:?}"),
+        _ => None,
+    })
+    .await
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The `oab-relay` binary as a child process, killable with SIGKILL.
+pub struct RelayProcess {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    config: std::path::PathBuf,
+    store: String,
+    child: Option<std::process::Child>,
+    pub cert_der: Vec<u8>,
+}
+
+impl RelayProcess {
+    pub async fn start(env: &TestEnv, store_url: &str) -> RelayProcess {
+        let mut p = RelayProcess {
+            addr: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            admin: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            config: env.config_path.clone(),
+            store: store_url.to_string(),
+            child: None,
+            cert_der: env.cert_der.clone(),
+        };
+        p.spawn().await;
+        p
+    }
+
+    async fn spawn(&mut self) {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(["--listen", &self.addr.to_string()])
+            .args(["--admin-listen", &self.admin.to_string()])
+            .args(["--store", &self.store])
+            .args(["--set", "lifecycle.sweep_interval_ms=20"])
+            .env("OAB_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        // Ready when the admin endpoint answers (bounded number of attempts).
+        for _ in 0..500 {
+            if tokio::net::TcpStream::connect(self.admin).await.is_ok()
+                && tokio::net::TcpStream::connect(self.addr).await.is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("relay process did not start listening");
+    }
+
+    /// SIGKILL, no drain.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+
+    pub fn target(&self) -> Target {
+        Target {
+            addr: self.addr.to_string(),
+            server_name: Some("localhost".into()),
+            root_der: self.cert_der.clone(),
+        }
+    }
+
+    pub async fn client_as(&self, id: &Identity, instance: InstanceId) -> RawClient {
+        RawClient::connect(&self.target(), id, instance)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

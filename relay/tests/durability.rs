@@ -1,0 +1,233 @@
+//! Nothing acknowledged is lost across a relay kill, a Redis kill with AOF,
+//! and a Redis restart without persistence is reported, never silent.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use oab_relay::raw_client::RawClient;
+use oab_relay::store::{RedisStore, Retention};
+use oab_relay::testing::{Persistence, RedisServer};
+use oab_wire::{CloseCode, Direction, ErrorCode, Frame, GapReason, InstanceId, Outcome, Resume};
+
+fn payload(i: u64) -> Bytes {
+    Bytes::from(format!("event {i}"))
+}
+
+/// Reads frames until the connection fails; returns the last contiguous data
+/// seq seen (checking order) and the highest up ack.
+async fn drain_until_broken(
+    c: &mut RawClient,
+    request: &str,
+    mut last_data: u64,
+    mut last_ack: u64,
+) -> (u64, u64) {
+    let k = key(request);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("relay gone")
+        {
+            Ok(Frame::Data(d)) if d.key == k => {
+                assert_eq!(d.seq, last_data + 1, "in order, exactly once");
+                last_data = d.seq;
+            }
+            Ok(Frame::Ack(a)) if a.key == k && a.direction == Direction::Up => {
+                last_ack = last_ack.max(a.seq)
+            }
+            Ok(_) => {}
+            Err(_) => return (last_data, last_ack),
+        }
+    }
+}
+
+/// Sends `acked+1..=to` (the last one a terminal when `finish`) until all are acked,
+/// resending after `store_unavailable` errors.
+async fn send_until_acked(
+    b: &mut RawClient,
+    request: &str,
+    mut acked: u64,
+    to: u64,
+    finish: bool,
+) -> u64 {
+    let k = key(request);
+    while acked < to {
+        for seq in acked + 1..=to {
+            let terminal = (finish && seq == to).then_some(Outcome::Completed);
+            b.feed(&data(request, Direction::Up, seq, terminal, payload(seq)))
+                .await
+                .unwrap();
+        }
+        b.flush().await.unwrap();
+        // Read until everything is acked or a refusal says to resend.
+        loop {
+            match recv(b).await {
+                Frame::Ack(a) if a.key == k && a.direction == Direction::Up => {
+                    acked = acked.max(a.seq);
+                    if acked >= to {
+                        break;
+                    }
+                }
+                Frame::Error(e) if e.code == ErrorCode::StoreUnavailable.as_u16() => {
+                    // Drain the rest of this round's refusals, then resend.
+                    tokio::task::yield_now().await;
+                    break;
+                }
+                Frame::Error(e) if e.code == ErrorCode::SequenceGap.as_u16() => {
+                    acked = acked.max(e.seq);
+                    break;
+                }
+                Frame::Error(e) => panic!("unexpected {e:?}"),
+                _ => {}
+            }
+        }
+    }
+    acked
+}
+
+async fn read_to_terminal(a: &mut RawClient, request: &str, mut last: u64, terminal_seq: u64) {
+    let k = key(request);
+    while last < terminal_seq {
+        if let Frame::Data(d) = recv(a).await
+            && d.key == k
+        {
+            assert_eq!(d.seq, last + 1, "no loss, duplicate or reordering");
+            assert_eq!(d.payload, payload(d.seq));
+            assert_eq!(d.terminal.is_some(), d.seq == terminal_seq);
+            last = d.seq;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_and_restarted_on_redis_loses_nothing() {
+    let env = TestEnv::new("");
+    let redis = RedisServer::start(Persistence::Aof).unwrap();
+    let mut relay = RelayProcess::start(&env, &redis.url()).await;
+    let (ia, ib) = (InstanceId::random(), InstanceId::random());
+    let mut b = relay.client_as(&env.callee, ib).await;
+    let mut a = relay.client_as(&env.caller, ia).await;
+    a.send(&open_frame("k1", b"{}")).await.unwrap();
+    await_ack(&mut a, "k1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    for seq in 1..=300 {
+        b.feed(&data("k1", Direction::Up, seq, None, payload(seq)))
+            .await
+            .unwrap();
+    }
+    b.flush().await.unwrap();
+    await_ack(&mut b, "k1", Direction::Up, 150).await;
+    relay.kill();
+    let (seen, _) = drain_until_broken(&mut a, "k1", 0, 0).await;
+    let (_, acked) = drain_until_broken(&mut b, "k1", 0, 150).await;
+    relay.restart().await;
+    let mut a = relay.client_as(&env.caller, ia).await;
+    let mut b = relay.client_as(&env.callee, ib).await;
+    a.send(&Frame::Resume(Resume {
+        key: key("k1"),
+        direction: Direction::Up,
+        after: seen,
+    }))
+    .await
+    .unwrap();
+    send_until_acked(&mut b, "k1", acked, 501, true).await;
+    read_to_terminal(&mut a, "k1", seen, 501).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_with_aof_loses_no_acknowledged_frame() {
+    let env = TestEnv::new("[lifecycle]\nsweep_interval_ms = 20\n");
+    let mut redis = RedisServer::start(Persistence::Aof).unwrap();
+    let store = RedisStore::connect(&redis.url(), Retention::default())
+        .await
+        .unwrap();
+    let relay = TestRelay::start(&env, Arc::new(store)).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    let epoch = a.welcome.epoch;
+    a.send(&open_frame("a1", b"{}")).await.unwrap();
+    await_ack(&mut a, "a1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    let acked = send_until_acked(&mut b, "a1", 0, 200, false).await;
+    assert_eq!(acked, 200);
+    redis.kill().unwrap();
+    // While Redis is down nothing new is acknowledged.
+    b.send(&data("a1", Direction::Up, 201, None, payload(201)))
+        .await
+        .unwrap();
+    let code = recv_until(&mut b, |f| match f {
+        Frame::Error(e) => Some(e.code),
+        Frame::Ack(a) if a.seq > 200 => panic!("acked while the store was down"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(code, ErrorCode::StoreUnavailable.as_u16());
+    redis.restart().unwrap();
+    send_until_acked(&mut b, "a1", 200, 301, true).await;
+    // The caller reads everything, and a fresh session sees the same epoch.
+    read_to_terminal(&mut a, "a1", 0, 301).await;
+    let a2 = relay.client(&env.caller).await;
+    assert_eq!(a2.welcome.epoch, epoch, "AOF kept the store's identity");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_without_persistence_is_reported_as_gap() {
+    let env = TestEnv::new("[lifecycle]\nsweep_interval_ms = 20\n");
+    let mut redis = RedisServer::start(Persistence::None).unwrap();
+    let store = RedisStore::connect(&redis.url(), Retention::default())
+        .await
+        .unwrap();
+    let relay = TestRelay::start(&env, Arc::new(store)).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    let epoch = a.welcome.epoch;
+    a.send(&open_frame("n1", b"{}")).await.unwrap();
+    await_ack(&mut a, "n1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    send_until_acked(&mut b, "n1", 0, 10, true).await;
+    read_to_terminal(&mut a, "n1", 0, 10).await;
+    redis.kill().unwrap();
+    redis.restart().unwrap();
+    // The relay notices the new epoch and closes sessions so peers reconcile.
+    let code = loop {
+        match tokio::time::timeout(Duration::from_secs(20), a.recv())
+            .await
+            .expect("closed")
+        {
+            Ok(_) => continue,
+            Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => break code,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(code, CloseCode::StoreUnavailable.as_u16());
+    let mut a = relay.client(&env.caller).await;
+    assert_ne!(
+        a.welcome.epoch, epoch,
+        "the welcome shows the store changed"
+    );
+    a.send(&Frame::Resume(Resume {
+        key: key("n1"),
+        direction: Direction::Up,
+        after: 10,
+    }))
+    .await
+    .unwrap();
+    let gap = recv_until(&mut a, |f| match f {
+        Frame::Gap(g) => Some(g.clone()),
+        Frame::Data(_) => panic!("data from a log the store lost"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(gap.reason, GapReason::EpochChanged);
+    relay.stop().await;
+}

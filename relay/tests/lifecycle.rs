@@ -1,0 +1,367 @@
+//! Delegation lifecycle through a real relay: deadlines, lost callees,
+//! cancel racing completion.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use common::*;
+use oab_relay::store::{EventStore, MemoryStore, RedisStore, Retention};
+use oab_relay::testing::{Persistence, RedisServer};
+use oab_wire::frame::FLAG_RELAY_ORIGIN;
+use oab_wire::{Cancel, Direction, ErrorCode, Frame, InstanceId, Open, Outcome, Resume};
+
+macro_rules! both_stores {
+    ($($name:ident => $body:ident;)*) => {
+        mod memory {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { $body(Arc::new(MemoryStore::new(Retention::default()))).await; })*
+        }
+        mod redis {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() {
+                let server = RedisServer::start(Persistence::None).unwrap();
+                let store = RedisStore::connect(&server.url(), Retention::default()).await.unwrap();
+                $body(Arc::new(store)).await;
+                drop(server);
+            })*
+        }
+    };
+}
+
+both_stores! {
+    deadline_expires_at_the_caller_and_cancels_at_the_callee => deadline;
+    callee_back_as_new_instance_ends_accepted_work_unknown => new_instance;
+    callee_gone_past_grace_ends_accepted_work_unknown => grace;
+    cancel_racing_completion_1000_times_agrees_on_one_terminal => cancel_race;
+}
+
+const FAST: &str = "[lifecycle]\nsweep_interval_ms = 20\nunknown_grace_ms = 300000\n";
+
+async fn deadline<S: EventStore>(store: Arc<S>) {
+    let env = TestEnv::new(FAST);
+    let relay = TestRelay::start(&env, store).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    let mut open = open_frame("d1", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.deadline_ms = oab_wire::identity::now_ms() + 300;
+    }
+    a.send(&open).await.unwrap();
+    await_ack(&mut a, "d1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    // The callee accepts and then never finishes.
+    b.send(&data(
+        "d1",
+        Direction::Up,
+        1,
+        None,
+        Bytes::from_static(b"working"),
+    ))
+    .await
+    .unwrap();
+    let expired = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.terminal.is_some() => Some(d.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(expired.terminal, Some(Outcome::Expired));
+    assert_eq!(expired.seq, 2);
+    assert_ne!(
+        expired.flags & FLAG_RELAY_ORIGIN,
+        0,
+        "marked relay-originated"
+    );
+    let cancel = recv_until(&mut b, |f| match f {
+        Frame::Cancel(c) => Some(c.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(cancel.seq, 2);
+    assert_ne!(cancel.flags & FLAG_RELAY_ORIGIN, 0);
+    // The callee's late result is refused: the first terminal won.
+    b.send(&data(
+        "d1",
+        Direction::Up,
+        2,
+        Some(Outcome::Completed),
+        Bytes::new(),
+    ))
+    .await
+    .unwrap();
+    let code = recv_until(&mut b, |f| match f {
+        Frame::Error(e) => Some(e.code),
+        _ => None,
+    })
+    .await;
+    assert_eq!(code, ErrorCode::AlreadyTerminal.as_u16());
+    relay.stop().await;
+}
+
+async fn accept_then<S: EventStore>(
+    relay: &TestRelay,
+    env: &TestEnv,
+    request: &str,
+    instance: InstanceId,
+) -> (
+    oab_relay::raw_client::RawClient,
+    oab_relay::raw_client::RawClient,
+) {
+    let _ = std::marker::PhantomData::<S>;
+    let mut b = relay.client_as(&env.callee, instance).await;
+    let mut a = relay.client(&env.caller).await;
+    a.send(&open_frame(request, b"{}")).await.unwrap();
+    await_ack(&mut a, request, Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    b.send(&data(
+        request,
+        Direction::Up,
+        1,
+        None,
+        Bytes::from_static(b"accepted"),
+    ))
+    .await
+    .unwrap();
+    await_ack(&mut b, request, Direction::Up, 1).await;
+    (a, b)
+}
+
+async fn new_instance<S: EventStore>(store: Arc<S>) {
+    let env = TestEnv::new(FAST);
+    let relay = TestRelay::start(&env, store).await;
+    let (mut a, b) = accept_then::<S>(&relay, &env, "u1", InstanceId::random()).await;
+    drop(b);
+    // The callee's process restarted: a new instance id.
+    let b2 = relay.client_as(&env.callee, InstanceId::random()).await;
+    let listed: Vec<oab_wire::DelegationCursor> =
+        serde_json::from_slice(&b2.welcome.payload).unwrap();
+    let entry = listed.iter().find(|c| c.key == key("u1")).unwrap();
+    assert_eq!(
+        entry.terminal,
+        Some(Outcome::Unknown),
+        "never offered as open work"
+    );
+    let t = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.terminal.is_some() => Some(d.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(t.terminal, Some(Outcome::Unknown));
+    assert_ne!(t.flags & FLAG_RELAY_ORIGIN, 0);
+    // The same instance reconnecting (a network cut) keeps its work.
+    let instance = InstanceId::random();
+    let (mut a, b) = accept_then::<S>(&relay, &env, "u2", instance).await;
+    drop(b);
+    let mut b = relay.client_as(&env.callee, instance).await;
+    b.send(&data(
+        "u2",
+        Direction::Up,
+        2,
+        Some(Outcome::Completed),
+        Bytes::new(),
+    ))
+    .await
+    .unwrap();
+    let t = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.terminal.is_some() => Some(d.terminal),
+        _ => None,
+    })
+    .await;
+    assert_eq!(t, Some(Outcome::Completed));
+    relay.stop().await;
+}
+
+async fn grace<S: EventStore>(store: Arc<S>) {
+    let env = TestEnv::new("[lifecycle]\nsweep_interval_ms = 20\nunknown_grace_ms = 200\n");
+    let relay = TestRelay::start(&env, store).await;
+    let (mut a, b) = accept_then::<S>(&relay, &env, "g1", InstanceId::random()).await;
+    drop(b);
+    let t = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.terminal.is_some() => Some(d.terminal),
+        _ => None,
+    })
+    .await;
+    assert_eq!(t, Some(Outcome::Unknown));
+    relay.stop().await;
+}
+
+/// A tiny deterministic generator for random timing (no extra crates).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+async fn cancel_race<S: EventStore>(store: Arc<S>) {
+    const N: u64 = 1000;
+    let env = TestEnv::new(FAST);
+    let relay = TestRelay::start(&env, store).await;
+    let mut a = relay.client(&env.caller).await;
+    let mut b = relay.client(&env.callee).await;
+    let seed = oab_wire::identity::now_ms();
+    println!("cancel race seed {seed}");
+    let mut rng = Lcg(seed);
+    // Callee: answers each open with `completed` after a random number of
+    // other frames, or with `cancelled` if the cancel arrives first.
+    let callee = tokio::spawn(async move {
+        let mut finished = std::collections::HashMap::<String, Outcome>::new();
+        let mut pending: Vec<(String, u64)> = Vec::new();
+        let mut decided = std::collections::HashMap::<String, Outcome>::new();
+        let mut rng = Lcg(seed ^ 0xabcdef);
+        while decided.len() < N as usize {
+            // A quiet millisecond is a scheduling tick for the random delays.
+            let f = match tokio::time::timeout(std::time::Duration::from_millis(1), recv(&mut b))
+                .await
+            {
+                Ok(f) => f,
+                Err(_) => Frame::Pong(oab_wire::Ping { token: 0 }),
+            };
+            match f {
+                Frame::Open(o) => {
+                    let id = o.key.request_id.to_string();
+                    pending.push((id, rng.next() % 1500));
+                }
+                Frame::Cancel(c) => {
+                    let id = c.key.request_id.to_string();
+                    if !finished.contains_key(&id) {
+                        finished.insert(id.clone(), Outcome::Cancelled);
+                        pending.retain(|(p, _)| p != &id);
+                        b.send(&data(
+                            &id,
+                            Direction::Up,
+                            1,
+                            Some(Outcome::Cancelled),
+                            Bytes::new(),
+                        ))
+                        .await
+                        .unwrap();
+                    }
+                }
+                Frame::Ack(ack) if ack.direction == Direction::Up => {
+                    let id = ack.key.request_id.to_string();
+                    if let Some(o) = finished.get(&id) {
+                        decided.insert(id, *o);
+                    }
+                }
+                Frame::Error(e) if e.code == ErrorCode::AlreadyTerminal.as_u16() => {
+                    // Our terminal lost; the winner is named in the message.
+                    let id = e.key.as_ref().unwrap().request_id.to_string();
+                    let winner = Outcome::ALL
+                        .iter()
+                        .copied()
+                        .find(|o| e.message.ends_with(o.name()))
+                        .unwrap();
+                    decided.insert(id, winner);
+                }
+                Frame::Error(e) => panic!("callee got {e:?}"),
+                _ => {}
+            }
+            // Complete the pending delegations whose random delay ran out.
+            let mut still = Vec::new();
+            for (id, left) in pending.drain(..) {
+                if left == 0 {
+                    finished.insert(id.clone(), Outcome::Completed);
+                    b.send(&data(
+                        &id,
+                        Direction::Up,
+                        1,
+                        Some(Outcome::Completed),
+                        Bytes::new(),
+                    ))
+                    .await
+                    .unwrap();
+                } else {
+                    still.push((id, left - 1));
+                }
+            }
+            pending = still;
+        }
+        decided
+    });
+    // Caller: opens all, cancels each after a random number of frames.
+    let mut seen = std::collections::HashMap::<String, Outcome>::new();
+    let mut to_cancel: Vec<(String, u64)> = Vec::new();
+    for i in 0..N {
+        let id = format!("race-{i}");
+        let body = Bytes::from(format!("{{\"i\":{i}}}"));
+        a.send(&Frame::Open(Open {
+            key: key(&id),
+            target: peer(CALLEE),
+            deadline_ms: oab_wire::identity::now_ms() + 120_000,
+            depth: 1,
+            digest: oab_wire::Digest::of(&body),
+            ceiling: String::new(),
+            payload: body,
+        }))
+        .await
+        .unwrap();
+        to_cancel.push((id, rng.next() % 400));
+    }
+    while seen.len() < N as usize {
+        let f = match tokio::time::timeout(std::time::Duration::from_millis(1), recv(&mut a)).await
+        {
+            Ok(f) => f,
+            Err(_) => Frame::Pong(oab_wire::Ping { token: 0 }),
+        };
+        if let Frame::Data(d) = &f
+            && let Some(t) = d.terminal
+        {
+            let id = d.key.request_id.to_string();
+            assert!(
+                seen.insert(id, t).is_none(),
+                "two terminals for one delegation"
+            );
+        }
+        let mut still = Vec::new();
+        for (id, left) in to_cancel.drain(..) {
+            if left == 0 {
+                a.send(&Frame::Cancel(Cancel {
+                    key: key(&id),
+                    seq: 2,
+                    flags: 0,
+                    payload: Bytes::new(),
+                }))
+                .await
+                .unwrap();
+            } else {
+                still.push((id, left - 1));
+            }
+        }
+        to_cancel = still;
+    }
+    let decided = callee.await.unwrap();
+    assert_eq!(decided.len(), N as usize);
+    let mut split = std::collections::HashMap::<Outcome, usize>::new();
+    for (id, outcome) in &seen {
+        assert_eq!(decided.get(id), Some(outcome), "both sides agree on {id}");
+        *split.entry(*outcome).or_default() += 1;
+    }
+    println!("cancel race outcomes: {split:?}");
+    // A resume of a finished log replays the same single terminal.
+    a.send(&Frame::Resume(Resume {
+        key: key("race-0"),
+        direction: Direction::Up,
+        after: 0,
+    }))
+    .await
+    .unwrap();
+    let replayed = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.key == key("race-0") => Some(d.terminal),
+        _ => None,
+    })
+    .await;
+    assert_eq!(replayed, seen.get("race-0").copied());
+    relay.stop().await;
+}

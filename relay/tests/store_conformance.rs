@@ -1,0 +1,1919 @@
+//! Store conformance: every case runs against [`MemoryStore`] and against
+//! [`RedisStore`] on a real `redis-server` (one per test, started by
+//! `oab_relay::testing::RedisServer` on a unix socket). Then the Redis-only
+//! behaviour (restart with and without persistence, expiry by Redis itself,
+//! `NOSCRIPT`, outages), and property tests: random operation sequences
+//! applied to a simple reference model, the memory store and the Redis store
+//! must give the same results.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use oab_relay::store::{
+    AppendOutcome, AppendRequest, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
+    OpenRequest, Origin, ReadOutcome, RedisStore, Retention, StoreError,
+};
+use oab_relay::testing::{Persistence, RedisServer};
+use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, RequestId};
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+const DAY_MS: u64 = 24 * 3600 * 1000;
+
+fn retention(max_log_entries: u64) -> Retention {
+    Retention {
+        max_log_entries,
+        // Long: Redis expires finished delegations by its own clock, and the
+        // shared cases drive expiry with synthetic times instead.
+        finished_ttl_ms: DAY_MS,
+    }
+}
+
+fn peer(s: &str) -> PeerId {
+    PeerId::new(s).unwrap()
+}
+
+fn key(caller: &str, rid: &str) -> DelegationKey {
+    DelegationKey::new(peer(caller), RequestId::new(rid).unwrap())
+}
+
+fn open_req(key: &DelegationKey, callee: &str, deadline_ms: u64, now_ms: u64) -> OpenRequest {
+    OpenRequest {
+        key: key.clone(),
+        callee: peer(callee),
+        deadline_ms,
+        digest: Digest::of(b"payload"),
+        frame: Bytes::from(format!("open {key}")),
+        now_ms,
+    }
+}
+
+fn frame(key: &DelegationKey, dir: Direction, seq: u64, tag: &str) -> Bytes {
+    Bytes::from(format!("{key} {} {seq} {tag}", dir.name()))
+}
+
+const INSTANCE_A: InstanceId = InstanceId([0xaa; 16]);
+const INSTANCE_B: InstanceId = InstanceId([0xbb; 16]);
+
+/// A peer-originated entry.
+fn peer_entry(key: &DelegationKey, dir: Direction, seq: u64) -> AppendRequest {
+    AppendRequest {
+        key: key.clone(),
+        dir,
+        seq,
+        terminal: None,
+        origin: Origin::Peer(INSTANCE_A),
+        frame: frame(key, dir, seq, "peer"),
+        now_ms: 1_000 + seq % 1_000,
+    }
+}
+
+/// A relay-originated entry.
+fn relay_entry(
+    key: &DelegationKey,
+    dir: Direction,
+    seq: u64,
+    terminal: Option<Outcome>,
+) -> AppendRequest {
+    AppendRequest {
+        terminal,
+        origin: Origin::Relay,
+        frame: frame(key, dir, seq, "relay"),
+        ..peer_entry(key, dir, seq)
+    }
+}
+
+fn terminal_entry(key: &DelegationKey, seq: u64, outcome: Outcome, now_ms: u64) -> AppendRequest {
+    AppendRequest {
+        terminal: Some(outcome),
+        now_ms,
+        frame: frame(key, Direction::Up, seq, outcome.name()),
+        ..peer_entry(key, Direction::Up, seq)
+    }
+}
+
+async fn append1<S: EventStore>(s: &S, req: AppendRequest) -> AppendOutcome {
+    let out = s.append(vec![req]).await.unwrap();
+    assert_eq!(out.len(), 1);
+    out[0]
+}
+
+async fn created<S: EventStore>(s: &S, req: OpenRequest) -> DelegationMeta {
+    match s.open(req).await.unwrap() {
+        OpenOutcome::Created(m) => m,
+        other => panic!("expected Created, got {other:?}"),
+    }
+}
+
+async fn entries<S: EventStore>(
+    s: &S,
+    key: &DelegationKey,
+    dir: Direction,
+    after: u64,
+    limit: usize,
+) -> Vec<(u64, Bytes)> {
+    match s.read(key, dir, after, limit).await.unwrap() {
+        ReadOutcome::Entries { entries, .. } => entries,
+        other => panic!("expected Entries, got {other:?}"),
+    }
+}
+
+async fn redis_store(r: Retention) -> (RedisServer, RedisStore) {
+    let server = RedisServer::start(Persistence::None).unwrap();
+    let store = RedisStore::connect(&server.url(), r).await.unwrap();
+    (server, store)
+}
+
+/// A plain connection for inspecting Redis from the tests.
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Runs each case against a fresh memory store and a fresh Redis store,
+/// as `<case>::memory` and `<case>::redis`.
+macro_rules! conformance {
+    ($($case:ident => $retention:expr;)*) => {
+        $(
+            mod $case {
+                use super::*;
+
+                #[tokio::test]
+                async fn memory() {
+                    super::$case(&MemoryStore::new($retention)).await;
+                }
+
+                #[tokio::test]
+                async fn redis() {
+                    let (_server, store) = redis_store($retention).await;
+                    super::$case(&store).await;
+                }
+            }
+        )*
+    };
+}
+
+conformance! {
+    open_create_existing_mismatch => retention(100);
+    append_in_order => retention(100);
+    duplicate_resend_acknowledged_and_stored_once => retention(100);
+    hole_refused => retention(100);
+    first_terminal_wins => retention(100);
+    relay_origin_compare_and_set => retention(100);
+    accepted_by_from_first_up_append => retention(100);
+    read_after_cursor => retention(100);
+    read_trimmed_after_retention => retention(3);
+    read_lost_and_unknown => retention(100);
+    due_lists_only_open_delegations_past_deadline => retention(100);
+    delegations_of_lists_caller_and_callee_side => retention(100);
+    finished_delegations_expire => retention(100);
+    descriptors => retention(100);
+    epoch_is_stable => retention(100);
+    batch_append_of_1000_entries => retention(10_000);
+    batch_outcomes_follow_request_order => retention(100);
+}
+
+// ---------------------------------------------------------------------------
+// Shared cases
+
+async fn open_create_existing_mismatch<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    let meta = created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    assert_eq!(meta.key, k);
+    assert_eq!(meta.callee, peer("acme/callee"));
+    assert_eq!(meta.deadline_ms, 5_000);
+    assert_eq!(meta.created_ms, 100);
+    assert_eq!(meta.digest, Digest::of(b"payload"));
+    assert_eq!((meta.down_tail, meta.down_sender_tail), (1, 1));
+    assert_eq!((meta.up_tail, meta.up_sender_tail), (0, 0));
+    assert_eq!(
+        (meta.terminal, meta.terminal_ms, meta.accepted_by),
+        (None, None, None)
+    );
+    assert_eq!(s.meta(&k).await.unwrap(), Some(meta.clone()));
+
+    // A retry with the same digest (other frame bytes, later) finds it as it was.
+    let mut retry = open_req(&k, "acme/callee", 9_000, 200);
+    retry.frame = Bytes::from_static(b"resent open");
+    assert_eq!(
+        s.open(retry).await.unwrap(),
+        OpenOutcome::Existing(meta.clone())
+    );
+
+    // Another digest is a mismatch and changes nothing.
+    let mut other = open_req(&k, "acme/other", 9_000, 300);
+    other.digest = Digest::of(b"another payload");
+    assert_eq!(
+        s.open(other).await.unwrap(),
+        OpenOutcome::Mismatch(meta.clone())
+    );
+
+    // Down entry 1 is the first open frame.
+    assert_eq!(
+        s.read(&k, Direction::Down, 0, 10).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![(1, Bytes::from(format!("open {k}")))],
+            tail: 1,
+            terminal: None,
+        }
+    );
+    assert_eq!(s.meta(&k).await.unwrap(), Some(meta));
+}
+
+async fn append_in_order<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    for seq in 2..=4 {
+        assert_eq!(
+            append1(s, peer_entry(&k, Direction::Down, seq)).await,
+            AppendOutcome::Appended { seq }
+        );
+    }
+    for seq in 1..=3 {
+        assert_eq!(
+            append1(s, peer_entry(&k, Direction::Up, seq)).await,
+            AppendOutcome::Appended { seq }
+        );
+    }
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((meta.down_tail, meta.down_sender_tail), (4, 4));
+    assert_eq!((meta.up_tail, meta.up_sender_tail), (3, 3));
+    assert_eq!(meta.tail(Direction::Down), 4);
+    let down = entries(s, &k, Direction::Down, 1, 100).await;
+    assert_eq!(
+        down,
+        (2..=4)
+            .map(|q| (q, frame(&k, Direction::Down, q, "peer")))
+            .collect::<Vec<_>>()
+    );
+    let up = entries(s, &k, Direction::Up, 0, 100).await;
+    assert_eq!(
+        up,
+        (1..=3)
+            .map(|q| (q, frame(&k, Direction::Up, q, "peer")))
+            .collect::<Vec<_>>()
+    );
+}
+
+async fn duplicate_resend_acknowledged_and_stored_once<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    for seq in 2..=3 {
+        append1(s, peer_entry(&k, Direction::Down, seq)).await;
+    }
+    append1(s, peer_entry(&k, Direction::Up, 1)).await;
+    for seq in 1..=3 {
+        let mut resend = peer_entry(&k, Direction::Down, seq);
+        resend.frame = Bytes::from_static(b"different bytes");
+        assert_eq!(
+            append1(s, resend).await,
+            AppendOutcome::Duplicate { tail: 3 },
+            "resend of {seq}"
+        );
+    }
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 1)).await,
+        AppendOutcome::Duplicate { tail: 1 }
+    );
+    // Stored once, with the first bytes.
+    let down = entries(s, &k, Direction::Down, 0, 100).await;
+    assert_eq!(down.len(), 3);
+    assert_eq!(down[1], (2, frame(&k, Direction::Down, 2, "peer")));
+    assert_eq!(entries(s, &k, Direction::Up, 0, 100).await.len(), 1);
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((meta.down_tail, meta.up_tail), (3, 1));
+}
+
+async fn hole_refused<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 3)).await,
+        AppendOutcome::Hole { tail: 1 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 2)).await,
+        AppendOutcome::Hole { tail: 0 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, u64::MAX)).await,
+        AppendOutcome::Hole { tail: 0 }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((meta.down_tail, meta.up_tail), (1, 0));
+    assert_eq!(entries(s, &k, Direction::Up, 0, 10).await, vec![]);
+    // The missing one, then the refused one, go in.
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 2)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 3)).await,
+        AppendOutcome::Appended { seq: 3 }
+    );
+}
+
+async fn first_terminal_wins<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    append1(s, peer_entry(&k, Direction::Up, 1)).await;
+    assert_eq!(
+        append1(s, terminal_entry(&k, 2, Outcome::Completed, 4_242)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!(meta.terminal, Some(Outcome::Completed));
+    assert_eq!(meta.terminal_ms, Some(4_242));
+
+    let already = AppendOutcome::AlreadyTerminal {
+        outcome: Outcome::Completed,
+    };
+    // A second terminal, by the callee or by the relay.
+    assert_eq!(
+        append1(s, terminal_entry(&k, 3, Outcome::Failed, 5_000)).await,
+        already
+    );
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Up, 3, Some(Outcome::Expired))).await,
+        already
+    );
+    // Frames after the terminal, both logs.
+    assert_eq!(append1(s, peer_entry(&k, Direction::Up, 3)).await, already);
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 2)).await,
+        already
+    );
+    // A resend of the terminal is still a duplicate; a hole is still a hole.
+    assert_eq!(
+        append1(s, terminal_entry(&k, 2, Outcome::Completed, 6_000)).await,
+        AppendOutcome::Duplicate { tail: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 9)).await,
+        AppendOutcome::Hole { tail: 2 }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!(meta.terminal, Some(Outcome::Completed));
+    assert_eq!(meta.terminal_ms, Some(4_242));
+    assert_eq!((meta.up_tail, meta.down_tail), (2, 1));
+    match s.read(&k, Direction::Up, 0, 10).await.unwrap() {
+        ReadOutcome::Entries {
+            entries,
+            tail,
+            terminal,
+        } => {
+            assert_eq!(entries.len(), 2);
+            assert_eq!(entries[1].1, frame(&k, Direction::Up, 2, "completed"));
+            assert_eq!((tail, terminal), (2, Some(Outcome::Completed)));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn relay_origin_compare_and_set<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    append1(s, peer_entry(&k, Direction::Up, 1)).await;
+    // The compare-and-set loses when seq != tail + 1.
+    for seq in [0, 1, 3] {
+        assert_eq!(
+            append1(
+                s,
+                relay_entry(&k, Direction::Up, seq, Some(Outcome::Expired))
+            )
+            .await,
+            AppendOutcome::Conflict { tail: 1 },
+            "seq {seq}"
+        );
+    }
+    // And wins at tail + 1: the relay's `expired` terminal.
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Up, 2, Some(Outcome::Expired))).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!(meta.terminal, Some(Outcome::Expired));
+    assert_eq!((meta.up_tail, meta.up_sender_tail), (2, 1));
+    // The callee's own frame 2 arrives late: that slot is the relay's, and
+    // the delegation ended: AlreadyTerminal, not Duplicate.
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 2)).await,
+        AppendOutcome::AlreadyTerminal {
+            outcome: Outcome::Expired
+        }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 1)).await,
+        AppendOutcome::Duplicate { tail: 1 }
+    );
+    // The cancel the relay sends down after expiry goes in after the terminal.
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Down, 2, None)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Down, 2, None)).await,
+        AppendOutcome::Conflict { tail: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 2)).await,
+        AppendOutcome::AlreadyTerminal {
+            outcome: Outcome::Expired
+        }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((meta.down_tail, meta.down_sender_tail), (2, 1));
+    assert_eq!(
+        entries(s, &k, Direction::Down, 1, 10).await,
+        vec![(2, frame(&k, Direction::Down, 2, "relay"))]
+    );
+
+    // A relay entry that is not a terminal, before any terminal: a peer
+    // frame at its slot is refused as terminal-unknown (it can never be
+    // stored there), as the memory store defines.
+    let k2 = key("acme/caller", "req-2");
+    created(s, open_req(&k2, "acme/callee", 5_000, 100)).await;
+    assert_eq!(
+        append1(s, relay_entry(&k2, Direction::Down, 2, None)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k2, Direction::Down, 2)).await,
+        AppendOutcome::AlreadyTerminal {
+            outcome: Outcome::Unknown
+        }
+    );
+    assert_eq!(s.meta(&k2).await.unwrap().unwrap().terminal, None);
+}
+
+async fn accepted_by_from_first_up_append<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    append1(s, peer_entry(&k, Direction::Down, 2)).await;
+    assert_eq!(s.meta(&k).await.unwrap().unwrap().accepted_by, None);
+    let mut first = peer_entry(&k, Direction::Up, 1);
+    first.origin = Origin::Peer(INSTANCE_B);
+    append1(s, first).await;
+    assert_eq!(
+        s.meta(&k).await.unwrap().unwrap().accepted_by,
+        Some(INSTANCE_B)
+    );
+    // Later up entries from another instance do not change it.
+    append1(s, peer_entry(&k, Direction::Up, 2)).await;
+    assert_eq!(
+        s.meta(&k).await.unwrap().unwrap().accepted_by,
+        Some(INSTANCE_B)
+    );
+
+    // A relay entry (the `unknown` terminal) is not an acceptance.
+    let k2 = key("acme/caller", "req-2");
+    created(s, open_req(&k2, "acme/callee", 5_000, 100)).await;
+    append1(
+        s,
+        relay_entry(&k2, Direction::Up, 1, Some(Outcome::Unknown)),
+    )
+    .await;
+    let meta = s.meta(&k2).await.unwrap().unwrap();
+    assert_eq!(
+        (meta.accepted_by, meta.terminal),
+        (None, Some(Outcome::Unknown))
+    );
+}
+
+async fn read_after_cursor<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    for seq in 2..=6 {
+        append1(s, peer_entry(&k, Direction::Down, seq)).await;
+    }
+    assert_eq!(entries(s, &k, Direction::Down, 0, 100).await.len(), 6);
+    assert_eq!(
+        s.read(&k, Direction::Down, 2, 2).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![
+                (3, frame(&k, Direction::Down, 3, "peer")),
+                (4, frame(&k, Direction::Down, 4, "peer")),
+            ],
+            tail: 6,
+            terminal: None,
+        }
+    );
+    assert_eq!(
+        s.read(&k, Direction::Down, 6, 10).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![],
+            tail: 6,
+            terminal: None,
+        }
+    );
+    assert_eq!(
+        s.read(&k, Direction::Down, 0, 0).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![],
+            tail: 6,
+            terminal: None,
+        }
+    );
+    assert_eq!(
+        entries(s, &k, Direction::Down, 5, usize::MAX).await,
+        vec![(6, frame(&k, Direction::Down, 6, "peer"))]
+    );
+    // The up log is empty.
+    assert_eq!(
+        s.read(&k, Direction::Up, 0, 10).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![],
+            tail: 0,
+            terminal: None,
+        }
+    );
+}
+
+async fn read_trimmed_after_retention<S: EventStore>(s: &S) {
+    // max_log_entries = 3
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    for seq in 2..=10 {
+        append1(s, peer_entry(&k, Direction::Down, seq)).await;
+    }
+    for after in [0, 5, 6] {
+        assert_eq!(
+            s.read(&k, Direction::Down, after, 10).await.unwrap(),
+            ReadOutcome::Trimmed {
+                first_available: 8,
+                terminal: None,
+            },
+            "after {after}"
+        );
+    }
+    assert_eq!(
+        entries(s, &k, Direction::Down, 7, 10).await,
+        (8..=10)
+            .map(|q| (q, frame(&k, Direction::Down, q, "peer")))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        entries(s, &k, Direction::Down, 9, 10).await,
+        vec![(10, frame(&k, Direction::Down, 10, "peer"))]
+    );
+    // Trimming does not move the tails, and the terminal is reported.
+    for seq in 1..=4 {
+        append1(s, peer_entry(&k, Direction::Up, seq)).await;
+    }
+    append1(s, terminal_entry(&k, 5, Outcome::Failed, 2_000)).await;
+    assert_eq!(
+        s.read(&k, Direction::Up, 1, 10).await.unwrap(),
+        ReadOutcome::Trimmed {
+            first_available: 3,
+            terminal: Some(Outcome::Failed),
+        }
+    );
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((meta.down_tail, meta.up_tail), (10, 5));
+    // Duplicates of trimmed entries are still acknowledged.
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 2)).await,
+        AppendOutcome::Duplicate { tail: 10 }
+    );
+}
+
+async fn read_lost_and_unknown<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    assert_eq!(
+        s.read(&k, Direction::Down, 2, 10).await.unwrap(),
+        ReadOutcome::Lost {
+            tail: 1,
+            terminal: None,
+        }
+    );
+    assert_eq!(
+        s.read(&k, Direction::Up, u64::MAX, 10).await.unwrap(),
+        ReadOutcome::Lost {
+            tail: 0,
+            terminal: None,
+        }
+    );
+    append1(s, terminal_entry(&k, 1, Outcome::Rejected, 200)).await;
+    assert_eq!(
+        s.read(&k, Direction::Up, 7, 10).await.unwrap(),
+        ReadOutcome::Lost {
+            tail: 1,
+            terminal: Some(Outcome::Rejected),
+        }
+    );
+    let nobody = key("acme/caller", "never-opened");
+    assert_eq!(
+        s.read(&nobody, Direction::Down, 0, 10).await.unwrap(),
+        ReadOutcome::Unknown
+    );
+    assert_eq!(
+        append1(s, peer_entry(&nobody, Direction::Down, 2)).await,
+        AppendOutcome::Unknown
+    );
+    assert_eq!(
+        append1(
+            s,
+            relay_entry(&nobody, Direction::Up, 1, Some(Outcome::Expired))
+        )
+        .await,
+        AppendOutcome::Unknown
+    );
+    assert_eq!(s.meta(&nobody).await.unwrap(), None);
+}
+
+async fn due_lists_only_open_delegations_past_deadline<S: EventStore>(s: &S) {
+    let k100 = key("acme/caller", "d100");
+    let k200a = key("acme/caller", "d200-a");
+    let k200b = key("acme/caller", "d200-b");
+    let k200c = key("acme/caller-2", "d200");
+    let k200done = key("acme/caller", "d200-done");
+    let k300 = key("acme/caller", "d300");
+    // Opened out of order.
+    for (k, deadline) in [
+        (&k300, 300),
+        (&k200c, 200),
+        (&k200done, 200),
+        (&k200b, 200),
+        (&k100, 100),
+        (&k200a, 200),
+    ] {
+        created(s, open_req(k, "acme/callee", deadline, 10)).await;
+    }
+    append1(s, terminal_entry(&k200done, 1, Outcome::Completed, 50)).await;
+    assert_eq!(s.due(99, 10).await.unwrap(), vec![]);
+    assert_eq!(s.due(100, 10).await.unwrap(), vec![k100.clone()]);
+    // By deadline, then key.
+    assert_eq!(
+        s.due(250, 10).await.unwrap(),
+        vec![k100.clone(), k200a.clone(), k200b.clone(), k200c.clone()]
+    );
+    assert_eq!(
+        s.due(u64::MAX, 2).await.unwrap(),
+        vec![k100.clone(), k200a.clone()]
+    );
+    assert_eq!(s.due(u64::MAX, 0).await.unwrap(), vec![]);
+    // A terminal (even the relay's) takes it off the list.
+    append1(
+        s,
+        relay_entry(&k100, Direction::Up, 1, Some(Outcome::Expired)),
+    )
+    .await;
+    assert_eq!(
+        s.due(u64::MAX, 10).await.unwrap(),
+        vec![k200a, k200b, k200c, k300]
+    );
+}
+
+async fn delegations_of_lists_caller_and_callee_side<S: EventStore>(s: &S) {
+    let ab = key("acme/a", "r1");
+    let bc = key("acme/b", "r1");
+    let ca = key("acme/c", "r9");
+    let ab2 = key("acme/a", "r0");
+    let m_ab = created(s, open_req(&ab, "acme/b", 5_000, 1)).await;
+    let m_bc = created(s, open_req(&bc, "acme/c", 5_000, 1)).await;
+    created(s, open_req(&ca, "acme/a", 5_000, 1)).await;
+    created(s, open_req(&ab2, "acme/b", 5_000, 1)).await;
+    append1(s, peer_entry(&ca, Direction::Up, 1)).await;
+    let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
+    assert_eq!(
+        keys(s.delegations_of(&peer("acme/a")).await.unwrap()),
+        vec![ab2.clone(), ab.clone(), ca.clone()]
+    );
+    assert_eq!(
+        keys(s.delegations_of(&peer("acme/b")).await.unwrap()),
+        vec![ab2.clone(), ab.clone(), bc.clone()]
+    );
+    assert_eq!(
+        keys(s.delegations_of(&peer("acme/c")).await.unwrap()),
+        vec![bc.clone(), ca.clone()]
+    );
+    assert_eq!(s.delegations_of(&peer("acme/d")).await.unwrap(), vec![]);
+    // Full, current metas.
+    let of_c = s.delegations_of(&peer("acme/c")).await.unwrap();
+    assert_eq!(of_c[0], m_bc);
+    assert_eq!(of_c[1], s.meta(&ca).await.unwrap().unwrap());
+    assert_eq!(of_c[1].up_tail, 1);
+    // Finished delegations are listed until they expire.
+    append1(s, terminal_entry(&ab, 1, Outcome::Completed, 20)).await;
+    let of_a = s.delegations_of(&peer("acme/a")).await.unwrap();
+    assert_eq!(of_a[1].key, m_ab.key);
+    assert_eq!(of_a[1].terminal, Some(Outcome::Completed));
+}
+
+async fn finished_delegations_expire<S: EventStore>(s: &S) {
+    // finished_ttl_ms = one day; times here are synthetic.
+    let done = key("acme/caller", "done");
+    let late = key("acme/caller", "done-later");
+    let open = key("acme/caller", "still-open");
+    created(s, open_req(&done, "acme/callee", 5_000, 100)).await;
+    created(s, open_req(&late, "acme/callee", 5_000, 100)).await;
+    created(s, open_req(&open, "acme/callee", 5_000, 100)).await;
+    append1(s, terminal_entry(&done, 1, Outcome::Completed, 10_000)).await;
+    append1(s, terminal_entry(&late, 1, Outcome::Cancelled, 20_000)).await;
+
+    assert_eq!(s.expire_finished(10_000 + DAY_MS - 1).await.unwrap(), 0);
+    assert!(s.meta(&done).await.unwrap().is_some());
+    assert_eq!(s.expire_finished(10_000 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(s.meta(&done).await.unwrap(), None);
+    assert_eq!(
+        s.read(&done, Direction::Up, 0, 10).await.unwrap(),
+        ReadOutcome::Unknown
+    );
+    assert_eq!(
+        append1(s, peer_entry(&done, Direction::Up, 2)).await,
+        AppendOutcome::Unknown
+    );
+    let listed: Vec<_> = s
+        .delegations_of(&peer("acme/callee"))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
+    assert_eq!(listed, vec![late.clone(), open.clone()]);
+    // Nothing more is due until the next one's time; open ones never expire.
+    assert_eq!(s.expire_finished(10_000 + DAY_MS).await.unwrap(), 0);
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 1);
+    assert_eq!(s.meta(&late).await.unwrap(), None);
+    assert!(s.meta(&open).await.unwrap().is_some());
+    assert_eq!(s.due(u64::MAX, 10).await.unwrap(), vec![open.clone()]);
+    // The key can be used again: a new delegation.
+    let again = created(s, open_req(&done, "acme/other", 7_000, 50_000)).await;
+    assert_eq!((again.created_ms, again.terminal), (50_000, None));
+    assert_eq!(
+        entries(s, &done, Direction::Up, 0, 10).await,
+        Vec::<(u64, Bytes)>::new()
+    );
+    assert_eq!(
+        s.delegations_of(&peer("acme/other")).await.unwrap(),
+        vec![again]
+    );
+}
+
+async fn descriptors<S: EventStore>(s: &S) {
+    let a = peer("acme/a");
+    assert_eq!(s.descriptor(&a).await.unwrap(), None);
+    s.put_descriptor(&a, Bytes::from_static(b"\x00v1\xff"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.descriptor(&a).await.unwrap(),
+        Some(Bytes::from_static(b"\x00v1\xff"))
+    );
+    s.put_descriptor(&a, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.descriptor(&a).await.unwrap(),
+        Some(Bytes::from_static(b"v2"))
+    );
+    assert_eq!(s.descriptor(&peer("acme/b")).await.unwrap(), None);
+}
+
+async fn epoch_is_stable<S: EventStore>(s: &S) {
+    let e = s.epoch().await.unwrap();
+    assert_ne!(e, 0);
+    for _ in 0..3 {
+        assert_eq!(s.epoch().await.unwrap(), e);
+    }
+    s.ping().await.unwrap();
+}
+
+async fn batch_append_of_1000_entries<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "big");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    let batch: Vec<_> = (2..=1001)
+        .map(|seq| peer_entry(&k, Direction::Down, seq))
+        .collect();
+    let out = s.append(batch).await.unwrap();
+    assert_eq!(
+        out,
+        (2..=1001)
+            .map(|seq| AppendOutcome::Appended { seq })
+            .collect::<Vec<_>>()
+    );
+    let all = entries(s, &k, Direction::Down, 0, 5_000).await;
+    assert_eq!(all.len(), 1001);
+    assert!(
+        all.iter()
+            .skip(1)
+            .all(|(q, f)| *f == frame(&k, Direction::Down, *q, "peer"))
+    );
+    assert_eq!(s.meta(&k).await.unwrap().unwrap().down_tail, 1001);
+    assert_eq!(s.append(vec![]).await.unwrap(), vec![]);
+}
+
+async fn batch_outcomes_follow_request_order<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "req-1");
+    let other = key("acme/caller", "req-2");
+    let nobody = key("acme/caller", "never");
+    created(s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    created(s, open_req(&other, "acme/callee", 5_000, 100)).await;
+    let batch = vec![
+        peer_entry(&k, Direction::Down, 2),
+        peer_entry(&k, Direction::Down, 3),
+        peer_entry(&k, Direction::Down, 3),
+        peer_entry(&k, Direction::Down, 5),
+        peer_entry(&k, Direction::Down, 4),
+        peer_entry(&nobody, Direction::Down, 2),
+        terminal_entry(&k, 1, Outcome::Completed, 900),
+        peer_entry(&k, Direction::Up, 2),
+        relay_entry(&other, Direction::Up, 2, Some(Outcome::Expired)),
+        relay_entry(&other, Direction::Up, 1, Some(Outcome::Expired)),
+        peer_entry(&other, Direction::Up, 1),
+        peer_entry(&k, Direction::Down, 5),
+    ];
+    assert_eq!(
+        s.append(batch).await.unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+            AppendOutcome::Duplicate { tail: 3 },
+            AppendOutcome::Hole { tail: 3 },
+            AppendOutcome::Appended { seq: 4 },
+            AppendOutcome::Unknown,
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::AlreadyTerminal {
+                outcome: Outcome::Completed
+            },
+            AppendOutcome::Conflict { tail: 0 },
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::AlreadyTerminal {
+                outcome: Outcome::Expired
+            },
+            AppendOutcome::AlreadyTerminal {
+                outcome: Outcome::Completed
+            },
+        ]
+    );
+    assert_eq!(s.due(u64::MAX, 10).await.unwrap(), vec![]);
+}
+
+// ---------------------------------------------------------------------------
+// Redis only
+
+/// Polls `check` until it holds, at most `attempts` times `every` apart.
+async fn eventually<F, Fut>(attempts: u32, every: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..attempts {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(every).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn redis_keys_share_one_hash_tag_and_finished_ones_get_a_ttl() {
+    let (server, s) = redis_store(retention(100)).await;
+    let mut raw = raw(&server).await;
+    let k = key("acme/caller", "req-1");
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    append1(&s, peer_entry(&k, Direction::Up, 1)).await;
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg("oab:d:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    keys.sort();
+    assert_eq!(
+        keys,
+        vec![
+            "oab:d:{acme/caller#req-1}:down",
+            "oab:d:{acme/caller#req-1}:meta",
+            "oab:d:{acme/caller#req-1}:up",
+        ]
+    );
+    // The hash tag (what Redis Cluster hashes): from the first `{` to the
+    // next `}`, the same for every key of the delegation.
+    let tag = |k: &str| {
+        let open = k.find('{').unwrap();
+        let close = open + k[open..].find('}').unwrap();
+        k[open + 1..close].to_owned()
+    };
+    assert!(
+        keys.iter().all(|k| tag(k) == "acme/caller#req-1"),
+        "{keys:?}"
+    );
+    for k in &keys {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(k)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(ttl, -1, "{k} must not expire while open");
+    }
+    append1(&s, terminal_entry(&k, 2, Outcome::Completed, 1_000)).await;
+    for k in &keys {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(k)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert!(ttl > 0 && ttl <= DAY_MS as i64, "{k}: PTTL {ttl}");
+    }
+    // The relay's cancel after the terminal keeps the same expiry.
+    let k2 = key("acme/caller", "req-2");
+    created(&s, open_req(&k2, "acme/callee", 5_000, 100)).await;
+    append1(
+        &s,
+        relay_entry(&k2, Direction::Down, 2, Some(Outcome::Expired)),
+    )
+    .await;
+    append1(&s, relay_entry(&k2, Direction::Up, 1, None)).await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("oab:d:{acme/caller#req-2}:up")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "up log created after the terminal: PTTL {ttl}");
+}
+
+#[tokio::test]
+async fn redis_expires_finished_delegations_by_itself() {
+    let r = Retention {
+        max_log_entries: 100,
+        finished_ttl_ms: 100,
+    };
+    let (_server, s) = redis_store(r).await;
+    let k = key("acme/caller", "req-1");
+    let open = key("acme/caller", "req-2");
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    created(&s, open_req(&open, "acme/callee", 5_000, 100)).await;
+    append1(&s, peer_entry(&k, Direction::Up, 1)).await;
+    append1(&s, terminal_entry(&k, 2, Outcome::Completed, 1_000)).await;
+    let gone = eventually(500, Duration::from_millis(10), || async {
+        s.meta(&k).await.unwrap().is_none()
+    })
+    .await;
+    assert!(gone, "finished delegation still there after 5 s");
+    assert_eq!(
+        s.read(&k, Direction::Up, 0, 10).await.unwrap(),
+        ReadOutcome::Unknown
+    );
+    let listed: Vec<_> = s
+        .delegations_of(&peer("acme/caller"))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
+    assert_eq!(listed, vec![open.clone()]);
+    // expire_finished then only cleans the index (and counts it once).
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 1);
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 0);
+    assert!(s.meta(&open).await.unwrap().is_some());
+    // And the key can be opened afresh.
+    created(&s, open_req(&k, "acme/callee", 5_000, 2_000)).await;
+}
+
+#[tokio::test]
+async fn redis_epoch_changes_after_restart_without_persistence() {
+    let (mut server, s) = redis_store(retention(100)).await;
+    let k = key("acme/caller", "req-1");
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    let before = s.epoch().await.unwrap();
+    server.restart().unwrap();
+    // Reads retry once over the reconnected connection.
+    let after = s.epoch().await.unwrap();
+    assert_ne!(
+        before, after,
+        "a store that lost its data must change epoch"
+    );
+    assert_eq!(s.epoch().await.unwrap(), after);
+    assert_eq!(s.meta(&k).await.unwrap(), None);
+    assert_eq!(
+        s.read(&k, Direction::Down, 1, 10).await.unwrap(),
+        ReadOutcome::Unknown
+    );
+    // Scripts were lost too: NOSCRIPT is handled.
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+}
+
+#[tokio::test]
+async fn redis_aof_keeps_data_across_kill_and_restart() {
+    let mut server = RedisServer::start(Persistence::Aof).unwrap();
+    assert_eq!(server.persistence(), Persistence::Aof);
+    let s = RedisStore::connect(&server.url(), retention(100))
+        .await
+        .unwrap();
+    let k = key("acme/caller", "req-1");
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    let batch: Vec<_> = (2..=50)
+        .map(|q| peer_entry(&k, Direction::Down, q))
+        .collect();
+    s.append(batch).await.unwrap();
+    append1(&s, peer_entry(&k, Direction::Up, 1)).await;
+    s.put_descriptor(&peer("acme/caller"), Bytes::from_static(b"desc"))
+        .await
+        .unwrap();
+    let epoch = s.epoch().await.unwrap();
+    let meta = s.meta(&k).await.unwrap().unwrap();
+    let down = entries(&s, &k, Direction::Down, 0, 100).await;
+
+    server.kill().unwrap();
+    assert!(!server.is_running());
+    // While it is down: errors, not panics.
+    match s.append(vec![peer_entry(&k, Direction::Up, 2)]).await {
+        Err(StoreError::Unavailable(msg)) => assert!(msg.contains("redis"), "{msg}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(matches!(s.ping().await, Err(StoreError::Unavailable(_))));
+
+    server.restart().unwrap();
+    s.ping().await.unwrap();
+    assert_eq!(s.epoch().await.unwrap(), epoch);
+    assert_eq!(s.meta(&k).await.unwrap(), Some(meta));
+    assert_eq!(entries(&s, &k, Direction::Down, 0, 100).await, down);
+    assert_eq!(
+        s.descriptor(&peer("acme/caller")).await.unwrap(),
+        Some(Bytes::from_static(b"desc"))
+    );
+    // Appends continue (the scripts are reloaded after NOSCRIPT).
+    assert_eq!(
+        append1(&s, peer_entry(&k, Direction::Up, 2)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(s.due(5_000, 10).await.unwrap(), vec![k]);
+}
+
+#[tokio::test]
+async fn redis_reloads_scripts_after_script_flush() {
+    let (server, s) = redis_store(retention(100)).await;
+    let mut raw = raw(&server).await;
+    let k = key("acme/caller", "req-1");
+    let flush = || {
+        let mut raw = raw.clone();
+        async move {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+        }
+    };
+    flush().await;
+    created(&s, open_req(&k, "acme/callee", 5_000, 100)).await;
+    flush().await;
+    let out = s
+        .append(
+            (2..=10)
+                .map(|q| peer_entry(&k, Direction::Down, q))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        (2..=10)
+            .map(|seq| AppendOutcome::Appended { seq })
+            .collect::<Vec<_>>()
+    );
+    flush().await;
+    assert_eq!(entries(&s, &k, Direction::Down, 0, 100).await.len(), 10);
+    append1(&s, terminal_entry(&k, 1, Outcome::Completed, 10)).await;
+    flush().await;
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 1);
+    let _: () = redis::cmd("PING").query_async(&mut raw).await.unwrap();
+}
+
+#[tokio::test]
+async fn redis_connect_failure_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "redis+unix://{}?pass=secret",
+        dir.path().join("nothing.sock").display()
+    );
+    let started = Instant::now();
+    match RedisStore::connect(&url, retention(100)).await {
+        Err(StoreError::Unavailable(msg)) => {
+            assert!(msg.contains("cannot connect to Redis"), "{msg}");
+            assert!(!msg.contains("secret"), "credentials leaked: {msg}");
+        }
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+        Ok(_) => panic!("connected to nothing"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(20));
+    match RedisStore::connect("not a url", retention(100)).await {
+        Err(StoreError::Unavailable(msg)) => assert!(msg.contains("invalid Redis URL"), "{msg}"),
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+        Ok(_) => panic!("connected to nothing"),
+    }
+}
+
+#[tokio::test]
+async fn redis_index_entries_left_stale_are_skipped_and_repaired() {
+    let (server, s) = redis_store(retention(100)).await;
+    let mut raw = raw(&server).await;
+    let k = key("acme/caller", "req-1");
+    created(&s, open_req(&k, "acme/callee", 500, 100)).await;
+    // Simulate a crash between a terminal script and its index update:
+    // the deadline entry stays although the delegation finished.
+    let _: () = redis::cmd("HSET")
+        .arg("oab:d:{acme/caller#req-1}:meta")
+        .arg("term")
+        .arg("completed")
+        .arg("tms")
+        .arg("700")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(s.due(1_000, 10).await.unwrap(), vec![]);
+    let left: i64 = redis::cmd("ZCARD")
+        .arg("oab:deadlines")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the stale deadline entry is removed");
+    // A crash between the open script and its index update: the retry of
+    // `open` (Existing) repairs the indexes.
+    let k2 = key("acme/caller", "req-2");
+    created(&s, open_req(&k2, "acme/callee", 500, 100)).await;
+    let _: () = redis::cmd("DEL")
+        .arg("oab:deadlines")
+        .arg("oab:p:{acme/callee}:dlg")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(s.due(1_000, 10).await.unwrap(), vec![]);
+    assert!(matches!(
+        s.open(open_req(&k2, "acme/callee", 500, 100))
+            .await
+            .unwrap(),
+        OpenOutcome::Existing(_)
+    ));
+    assert_eq!(s.due(1_000, 10).await.unwrap(), vec![k2.clone()]);
+    assert_eq!(
+        s.delegations_of(&peer("acme/callee"))
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.key)
+            .collect::<Vec<_>>(),
+        vec![k2]
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Property tests: reference model, memory store, Redis store.
+
+/// The rules of the store written as plainly as possible: full logs,
+/// trimming computed on read.
+#[derive(Debug)]
+struct Model {
+    retention: Retention,
+    delegations: BTreeMap<DelegationKey, ModelDelegation>,
+    descriptors: HashMap<PeerId, Bytes>,
+}
+
+#[derive(Debug)]
+struct ModelDelegation {
+    meta: DelegationMeta,
+    /// Entry `i` has sequence `i + 1`.
+    down: Vec<Bytes>,
+    up: Vec<Bytes>,
+}
+
+impl Model {
+    fn new(retention: Retention) -> Self {
+        Model {
+            retention,
+            delegations: BTreeMap::new(),
+            descriptors: HashMap::new(),
+        }
+    }
+
+    fn tail(&self, key: &DelegationKey, dir: Direction) -> u64 {
+        self.delegations.get(key).map_or(0, |d| d.meta.tail(dir))
+    }
+
+    fn open(&mut self, req: &OpenRequest) -> OpenOutcome {
+        if let Some(d) = self.delegations.get(&req.key) {
+            return if d.meta.digest == req.digest {
+                OpenOutcome::Existing(d.meta.clone())
+            } else {
+                OpenOutcome::Mismatch(d.meta.clone())
+            };
+        }
+        let meta = DelegationMeta {
+            key: req.key.clone(),
+            callee: req.callee.clone(),
+            deadline_ms: req.deadline_ms,
+            digest: req.digest,
+            created_ms: req.now_ms,
+            down_tail: 1,
+            up_tail: 0,
+            down_sender_tail: 1,
+            up_sender_tail: 0,
+            terminal: None,
+            terminal_ms: None,
+            accepted_by: None,
+        };
+        self.delegations.insert(
+            req.key.clone(),
+            ModelDelegation {
+                meta: meta.clone(),
+                down: vec![req.frame.clone()],
+                up: vec![],
+            },
+        );
+        OpenOutcome::Created(meta)
+    }
+
+    fn append(&mut self, req: &AppendRequest) -> AppendOutcome {
+        let Some(d) = self.delegations.get_mut(&req.key) else {
+            return AppendOutcome::Unknown;
+        };
+        let m = &mut d.meta;
+        let tail = m.tail(req.dir);
+        let sender_tail = match req.dir {
+            Direction::Down => m.down_sender_tail,
+            Direction::Up => m.up_sender_tail,
+        };
+        let ended = m
+            .terminal
+            .map(|outcome| AppendOutcome::AlreadyTerminal { outcome });
+        match req.origin {
+            Origin::Relay => {
+                if req.seq != tail + 1 {
+                    return AppendOutcome::Conflict { tail };
+                }
+                if let (Some(_), Some(ended)) = (req.terminal, ended) {
+                    return ended;
+                }
+            }
+            Origin::Peer(instance) => {
+                if req.seq <= sender_tail {
+                    return AppendOutcome::Duplicate { tail: sender_tail };
+                }
+                if req.seq <= tail {
+                    return ended.unwrap_or(AppendOutcome::AlreadyTerminal {
+                        outcome: Outcome::Unknown,
+                    });
+                }
+                if req.seq > tail + 1 {
+                    return AppendOutcome::Hole { tail };
+                }
+                if let Some(ended) = ended {
+                    return ended;
+                }
+                match req.dir {
+                    Direction::Down => m.down_sender_tail = req.seq,
+                    Direction::Up => {
+                        m.up_sender_tail = req.seq;
+                        m.accepted_by.get_or_insert(instance);
+                    }
+                }
+            }
+        }
+        match req.dir {
+            Direction::Down => {
+                m.down_tail = req.seq;
+                d.down.push(req.frame.clone());
+            }
+            Direction::Up => {
+                m.up_tail = req.seq;
+                d.up.push(req.frame.clone());
+            }
+        }
+        if let (Some(outcome), None) = (req.terminal, m.terminal) {
+            m.terminal = Some(outcome);
+            m.terminal_ms = Some(req.now_ms);
+        }
+        AppendOutcome::Appended { seq: req.seq }
+    }
+
+    fn read(&self, key: &DelegationKey, dir: Direction, after: u64, limit: usize) -> ReadOutcome {
+        let Some(d) = self.delegations.get(key) else {
+            return ReadOutcome::Unknown;
+        };
+        let log = match dir {
+            Direction::Down => &d.down,
+            Direction::Up => &d.up,
+        };
+        let tail = log.len() as u64;
+        let terminal = d.meta.terminal;
+        if after > tail {
+            return ReadOutcome::Lost { tail, terminal };
+        }
+        let kept = tail.min(self.retention.max_log_entries);
+        let first = tail - kept + 1;
+        if kept > 0 && after + 1 < first {
+            return ReadOutcome::Trimmed {
+                first_available: first,
+                terminal,
+            };
+        }
+        let entries = (after + 1..=tail)
+            .take(limit)
+            .map(|seq| (seq, log[(seq - 1) as usize].clone()))
+            .collect();
+        ReadOutcome::Entries {
+            entries,
+            tail,
+            terminal,
+        }
+    }
+
+    fn delegations_of(&self, peer: &PeerId) -> Vec<DelegationMeta> {
+        self.delegations
+            .values()
+            .filter(|d| d.meta.involves(peer))
+            .map(|d| d.meta.clone())
+            .collect()
+    }
+
+    fn due(&self, now_ms: u64, limit: usize) -> Vec<DelegationKey> {
+        let mut open: Vec<_> = self
+            .delegations
+            .values()
+            .filter(|d| d.meta.terminal.is_none() && d.meta.deadline_ms <= now_ms)
+            .map(|d| (d.meta.deadline_ms, d.meta.key.clone()))
+            .collect();
+        open.sort();
+        open.into_iter().take(limit).map(|(_, k)| k).collect()
+    }
+
+    fn expire_finished(&mut self, now_ms: u64) -> u64 {
+        let cutoff = now_ms.saturating_sub(self.retention.finished_ttl_ms);
+        let before = self.delegations.len();
+        self.delegations
+            .retain(|_, d| d.meta.terminal_ms.is_none_or(|at| at > cutoff));
+        (before - self.delegations.len()) as u64
+    }
+}
+
+mod props {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+    use super::*;
+
+    /// Small id spaces so operations collide often.
+    const CALLERS: [&str; 2] = ["acme/a", "acme/b"];
+    const PEERS: [&str; 3] = ["acme/a", "acme/b", "acme/c"];
+    const REQUESTS: [&str; 2] = ["r1", "r2"];
+    /// Synthetic times span several retention periods.
+    const TIME: std::ops::Range<u64> = 0..8_000_000;
+
+    fn retention() -> Retention {
+        Retention {
+            max_log_entries: 3,
+            // Real milliseconds for Redis: longer than any test run, so only
+            // `expire_finished` (with the synthetic times) removes anything.
+            finished_ttl_ms: 3_600_000,
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum SeqPick {
+        Next,
+        Back(u64),
+        Ahead(u64),
+        Abs(u64),
+    }
+
+    #[derive(Debug, Clone)]
+    struct Entry {
+        d: (usize, usize),
+        dir: Direction,
+        seq: SeqPick,
+        terminal: Option<Outcome>,
+        relay: bool,
+        instance: u8,
+        now: u64,
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Open {
+            d: (usize, usize),
+            callee: usize,
+            digest: u8,
+            deadline: u64,
+            now: u64,
+        },
+        Append(Vec<Entry>),
+        Read {
+            d: (usize, usize),
+            dir: Direction,
+            /// The cursor, resolved against the log's tail like a sequence.
+            after: SeqPick,
+            limit: usize,
+        },
+        Meta((usize, usize)),
+        DelegationsOf(usize),
+        Due {
+            now: u64,
+            limit: usize,
+        },
+        Expire(u64),
+        PutDescriptor(usize, u8),
+        Descriptor(usize),
+    }
+
+    /// An operation with the model's seq choices resolved into requests.
+    #[derive(Debug, Clone)]
+    enum Call {
+        Open(OpenRequest),
+        Append(Vec<AppendRequest>),
+        Read(DelegationKey, Direction, u64, usize),
+        Meta(DelegationKey),
+        DelegationsOf(PeerId),
+        Due(u64, usize),
+        Expire(u64),
+        PutDescriptor(PeerId, Bytes),
+        Descriptor(PeerId),
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Reply {
+        Open(OpenOutcome),
+        Append(Vec<AppendOutcome>),
+        Read(ReadOutcome),
+        Meta(Option<DelegationMeta>),
+        DelegationsOf(Vec<DelegationMeta>),
+        Due(Vec<DelegationKey>),
+        Expired(u64),
+        Done,
+        Descriptor(Option<Bytes>),
+    }
+
+    fn dkey((c, r): (usize, usize)) -> DelegationKey {
+        key(CALLERS[c], REQUESTS[r])
+    }
+
+    fn dir() -> impl Strategy<Value = Direction> {
+        prop_oneof![Just(Direction::Down), Just(Direction::Up)]
+    }
+
+    fn delegation() -> impl Strategy<Value = (usize, usize)> {
+        (0..CALLERS.len(), 0..REQUESTS.len())
+    }
+
+    fn seq_pick() -> impl Strategy<Value = SeqPick> {
+        prop_oneof![
+            6 => Just(SeqPick::Next),
+            2 => (0..4u64).prop_map(SeqPick::Back),
+            1 => (1..3u64).prop_map(SeqPick::Ahead),
+            1 => (0..12u64).prop_map(SeqPick::Abs),
+        ]
+    }
+
+    fn cursor_pick() -> impl Strategy<Value = SeqPick> {
+        prop_oneof![
+            1 => Just(SeqPick::Next),
+            4 => (0..9u64).prop_map(SeqPick::Back),
+            1 => (1..3u64).prop_map(SeqPick::Ahead),
+            2 => (0..12u64).prop_map(SeqPick::Abs),
+        ]
+    }
+
+    fn entry() -> impl Strategy<Value = Entry> {
+        (
+            delegation(),
+            dir(),
+            seq_pick(),
+            prop::option::weighted(0.06, prop::sample::select(Outcome::ALL)),
+            prop::bool::weighted(0.2),
+            0..2u8,
+            TIME,
+        )
+            .prop_map(|(d, dir, seq, terminal, relay, instance, now)| Entry {
+                d,
+                dir,
+                seq,
+                terminal,
+                relay,
+                instance,
+                now,
+            })
+    }
+
+    fn open_op() -> impl Strategy<Value = Op> {
+        (delegation(), 0..PEERS.len(), 0..2u8, TIME, TIME).prop_map(
+            |(d, callee, digest, deadline, now)| Op::Open {
+                d,
+                callee,
+                digest,
+                deadline,
+                now,
+            },
+        )
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => open_op(),
+            8 => prop::collection::vec(entry(), 1..8).prop_map(Op::Append),
+            3 => (delegation(), dir(), cursor_pick(), 0..6usize)
+                .prop_map(|(d, dir, after, limit)| Op::Read { d, dir, after, limit }),
+            1 => delegation().prop_map(Op::Meta),
+            1 => (0..PEERS.len()).prop_map(Op::DelegationsOf),
+            1 => (TIME, 0..4usize).prop_map(|(now, limit)| Op::Due { now, limit }),
+            1 => TIME.prop_map(Op::Expire),
+            1 => (0..PEERS.len(), any::<u8>()).prop_map(|(p, v)| Op::PutDescriptor(p, v)),
+            1 => (0..PEERS.len()).prop_map(Op::Descriptor),
+        ]
+    }
+
+    /// A few opens first (so most operations find a delegation), then
+    /// anything.
+    fn ops() -> impl Strategy<Value = Vec<Op>> {
+        (
+            prop::collection::vec(open_op(), 2..8),
+            prop::collection::vec(op(), 1..50),
+        )
+            .prop_map(|(mut opens, rest)| {
+                opens.extend(rest);
+                opens
+            })
+    }
+
+    /// Runs the ops on the model, resolving sequence choices against its
+    /// state, and returns the calls with the model's replies.
+    fn resolve(ops: &[Op]) -> Vec<(Call, Reply)> {
+        let mut model = Model::new(retention());
+        let mut out = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let (call, reply) = match op {
+                Op::Open {
+                    d,
+                    callee,
+                    digest,
+                    deadline,
+                    now,
+                } => {
+                    let req = OpenRequest {
+                        key: dkey(*d),
+                        callee: peer(PEERS[*callee]),
+                        deadline_ms: *deadline,
+                        digest: Digest::of(&[*digest]),
+                        frame: Bytes::from(format!("open #{i}")),
+                        now_ms: *now,
+                    };
+                    let reply = Reply::Open(model.open(&req));
+                    (Call::Open(req), reply)
+                }
+                Op::Append(entries) => {
+                    let mut reqs = Vec::with_capacity(entries.len());
+                    let mut replies = Vec::with_capacity(entries.len());
+                    for (j, e) in entries.iter().enumerate() {
+                        let key = dkey(e.d);
+                        let tail = model.tail(&key, e.dir);
+                        let seq = match e.seq {
+                            SeqPick::Next => tail + 1,
+                            SeqPick::Back(k) => tail.saturating_sub(k),
+                            SeqPick::Ahead(k) => tail + 1 + k,
+                            SeqPick::Abs(n) => n,
+                        };
+                        let req = AppendRequest {
+                            frame: Bytes::from(format!("op {i}.{j} seq {seq}")),
+                            key,
+                            dir: e.dir,
+                            seq,
+                            terminal: e.terminal,
+                            origin: if e.relay {
+                                Origin::Relay
+                            } else {
+                                Origin::Peer(InstanceId([e.instance; 16]))
+                            },
+                            now_ms: e.now,
+                        };
+                        replies.push(model.append(&req));
+                        reqs.push(req);
+                    }
+                    (Call::Append(reqs), Reply::Append(replies))
+                }
+                Op::Read {
+                    d,
+                    dir,
+                    after,
+                    limit,
+                } => {
+                    let key = dkey(*d);
+                    let tail = model.tail(&key, *dir);
+                    let after = match after {
+                        SeqPick::Next => tail,
+                        SeqPick::Back(k) => tail.saturating_sub(*k),
+                        SeqPick::Ahead(k) => tail + k,
+                        SeqPick::Abs(n) => *n,
+                    };
+                    let reply = Reply::Read(model.read(&key, *dir, after, *limit));
+                    (Call::Read(key, *dir, after, *limit), reply)
+                }
+                Op::Meta(d) => {
+                    let key = dkey(*d);
+                    let reply = Reply::Meta(model.delegations.get(&key).map(|d| d.meta.clone()));
+                    (Call::Meta(key), reply)
+                }
+                Op::DelegationsOf(p) => {
+                    let p = peer(PEERS[*p]);
+                    let reply = Reply::DelegationsOf(model.delegations_of(&p));
+                    (Call::DelegationsOf(p), reply)
+                }
+                Op::Due { now, limit } => {
+                    (Call::Due(*now, *limit), Reply::Due(model.due(*now, *limit)))
+                }
+                Op::Expire(now) => (
+                    Call::Expire(*now),
+                    Reply::Expired(model.expire_finished(*now)),
+                ),
+                Op::PutDescriptor(p, v) => {
+                    let p = peer(PEERS[*p]);
+                    let bytes = Bytes::from(vec![*v; 3]);
+                    model.descriptors.insert(p.clone(), bytes.clone());
+                    (Call::PutDescriptor(p, bytes), Reply::Done)
+                }
+                Op::Descriptor(p) => {
+                    let p = peer(PEERS[*p]);
+                    let reply = Reply::Descriptor(model.descriptors.get(&p).cloned());
+                    (Call::Descriptor(p), reply)
+                }
+            };
+            out.push((call, reply));
+        }
+        out
+    }
+
+    async fn apply<S: EventStore>(s: &S, call: &Call) -> Reply {
+        match call.clone() {
+            Call::Open(req) => Reply::Open(s.open(req).await.unwrap()),
+            Call::Append(reqs) => Reply::Append(s.append(reqs).await.unwrap()),
+            Call::Read(k, dir, after, limit) => {
+                Reply::Read(s.read(&k, dir, after, limit).await.unwrap())
+            }
+            Call::Meta(k) => Reply::Meta(s.meta(&k).await.unwrap()),
+            Call::DelegationsOf(p) => Reply::DelegationsOf(s.delegations_of(&p).await.unwrap()),
+            Call::Due(now, limit) => Reply::Due(s.due(now, limit).await.unwrap()),
+            Call::Expire(now) => Reply::Expired(s.expire_finished(now).await.unwrap()),
+            Call::PutDescriptor(p, b) => {
+                s.put_descriptor(&p, b).await.unwrap();
+                Reply::Done
+            }
+            Call::Descriptor(p) => Reply::Descriptor(s.descriptor(&p).await.unwrap()),
+        }
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn runner(cases: u32) -> TestRunner {
+        TestRunner::new(Config {
+            cases,
+            // No regression files next to the sources from a manual runner.
+            failure_persistence: None,
+            ..Config::default()
+        })
+    }
+
+    /// Which kinds of result a reply shows, so the property tests can
+    /// prove they exercised every rule rather than passing vacuously.
+    fn kinds(reply: &Reply) -> Vec<&'static str> {
+        match reply {
+            Reply::Open(OpenOutcome::Created(_)) => vec!["open created"],
+            Reply::Open(OpenOutcome::Existing(_)) => vec!["open existing"],
+            Reply::Open(OpenOutcome::Mismatch(_)) => vec!["open mismatch"],
+            Reply::Append(outcomes) => outcomes
+                .iter()
+                .map(|o| match o {
+                    AppendOutcome::Appended { .. } => "appended",
+                    AppendOutcome::Duplicate { .. } => "duplicate",
+                    AppendOutcome::Hole { .. } => "hole",
+                    AppendOutcome::AlreadyTerminal { .. } => "already terminal",
+                    AppendOutcome::Conflict { .. } => "conflict",
+                    AppendOutcome::Unknown => "append unknown",
+                })
+                .collect(),
+            Reply::Read(ReadOutcome::Entries { entries, .. }) if !entries.is_empty() => {
+                vec!["read entries"]
+            }
+            Reply::Read(ReadOutcome::Trimmed { .. }) => vec!["read trimmed"],
+            Reply::Read(ReadOutcome::Lost { .. }) => vec!["read lost"],
+            Reply::Read(ReadOutcome::Unknown) => vec!["read unknown"],
+            Reply::Meta(Some(m)) if m.terminal.is_some() => vec!["terminal"],
+            Reply::DelegationsOf(v) if v.len() > 1 => vec!["delegations of"],
+            Reply::Due(v) if !v.is_empty() => vec!["due"],
+            Reply::Expired(n) if *n > 0 => vec!["expired"],
+            _ => vec![],
+        }
+    }
+
+    const EXPECTED_KINDS: &[&str] = &[
+        "open created",
+        "open existing",
+        "open mismatch",
+        "appended",
+        "duplicate",
+        "hole",
+        "already terminal",
+        "conflict",
+        "append unknown",
+        "read entries",
+        "read trimmed",
+        "read lost",
+        "read unknown",
+        "terminal",
+        "delegations of",
+        "due",
+        "expired",
+    ];
+
+    /// The memory store agrees with the reference model.
+    #[test]
+    fn memory_store_matches_model() {
+        let rt = runtime();
+        let seen = std::sync::Mutex::new(std::collections::BTreeSet::new());
+        runner(256)
+            .run(&ops(), |ops| {
+                rt.block_on(async {
+                    let store = MemoryStore::new(retention());
+                    for (i, (call, expected)) in resolve(&ops).into_iter().enumerate() {
+                        let got = apply(&store, &call).await;
+                        prop_assert_eq!(&got, &expected, "op {} {:?}", i, call);
+                        seen.lock().unwrap().extend(kinds(&got));
+                    }
+                    Ok::<(), TestCaseError>(())
+                })
+            })
+            .unwrap();
+        let seen = seen.into_inner().unwrap();
+        let missing: Vec<_> = EXPECTED_KINDS
+            .iter()
+            .filter(|k| !seen.contains(*k))
+            .collect();
+        assert!(missing.is_empty(), "never exercised: {missing:?}");
+    }
+
+    /// The Redis store agrees with the memory store (and so with the model).
+    #[test]
+    fn redis_store_matches_memory_store() {
+        let rt = runtime();
+        let server = RedisServer::start(Persistence::None).unwrap();
+        let (redis_store, raw) = rt.block_on(async {
+            let store = RedisStore::connect(&server.url(), retention())
+                .await
+                .unwrap();
+            (store, raw(&server).await)
+        });
+        let seen = std::sync::Mutex::new(std::collections::BTreeSet::new());
+        runner(64)
+            .run(&ops(), |ops| {
+                let mut raw = raw.clone();
+                rt.block_on(async {
+                    let _: () = redis::cmd("FLUSHALL").query_async(&mut raw).await.unwrap();
+                    let memory = MemoryStore::new(retention());
+                    for (i, (call, expected)) in resolve(&ops).into_iter().enumerate() {
+                        let from_memory = apply(&memory, &call).await;
+                        let from_redis = apply(&redis_store, &call).await;
+                        prop_assert_eq!(&from_redis, &from_memory, "op {} {:?}", i, call);
+                        prop_assert_eq!(&from_memory, &expected, "op {} {:?}", i, call);
+                        seen.lock().unwrap().extend(kinds(&from_redis));
+                    }
+                    Ok::<(), TestCaseError>(())
+                })
+            })
+            .unwrap();
+        let seen = seen.into_inner().unwrap();
+        let missing: Vec<_> = EXPECTED_KINDS
+            .iter()
+            .filter(|k| !seen.contains(*k))
+            .collect();
+        assert!(missing.is_empty(), "never exercised: {missing:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Throughput (run explicitly, preferably in release mode:
+// `cargo test --release -p oab-relay --test store_conformance -- --ignored --nocapture`)
+
+async fn measure_append_throughput(persistence: Persistence) {
+    const TOTAL: u64 = 100_000;
+    const BATCH: u64 = 256;
+    const DELEGATIONS: u64 = 64;
+    const IN_FLIGHT: usize = 4;
+    let server = RedisServer::start(persistence).unwrap();
+    let s = RedisStore::connect(&server.url(), Retention::default())
+        .await
+        .unwrap();
+    let keys: Vec<DelegationKey> = (0..DELEGATIONS)
+        .map(|i| key("acme/caller", &format!("bench-{i}")))
+        .collect();
+    for k in &keys {
+        created(&s, open_req(k, "acme/callee", u64::MAX, 1)).await;
+    }
+    let payload = Bytes::from(vec![0x5a; 256]);
+    // Entry n goes to delegation n % 64 with sequence n / 64 + 2.
+    let batch_of = |b: u64| -> Vec<AppendRequest> {
+        (b * BATCH..((b + 1) * BATCH).min(TOTAL))
+            .map(|n| AppendRequest {
+                key: keys[(n % DELEGATIONS) as usize].clone(),
+                dir: Direction::Down,
+                seq: n / DELEGATIONS + 2,
+                terminal: None,
+                origin: Origin::Peer(INSTANCE_A),
+                frame: payload.clone(),
+                now_ms: 2,
+            })
+            .collect()
+    };
+    let batches = TOTAL.div_ceil(BATCH);
+
+    // One batch at a time.
+    let started = Instant::now();
+    for b in 0..batches {
+        let out = s.append(batch_of(b)).await.unwrap();
+        assert!(
+            out.iter()
+                .all(|o| matches!(o, AppendOutcome::Appended { .. }))
+        );
+    }
+    let serial = started.elapsed();
+
+    // Again, IN_FLIGHT batches at a time over the one multiplexed
+    // connection. Each lane has its own delegations, so the order of
+    // batches within a lane is all that must hold (it does: a lane awaits
+    // its batch before sending the next).
+    let lanes: Vec<Vec<DelegationKey>> = (0..IN_FLIGHT)
+        .map(|l| {
+            (0..DELEGATIONS / IN_FLIGHT as u64)
+                .map(|i| key("acme/caller", &format!("lane-{l}-{i}")))
+                .collect()
+        })
+        .collect();
+    for k in lanes.iter().flatten() {
+        created(&s, open_req(k, "acme/callee", u64::MAX, 1)).await;
+    }
+    let started = Instant::now();
+    let per_lane = TOTAL / IN_FLIGHT as u64;
+    let results = futures_util::future::join_all(lanes.iter().map(|lane| {
+        let s = &s;
+        let payload = payload.clone();
+        async move {
+            let per = lane.len() as u64;
+            let mut b = 0;
+            while b * BATCH < per_lane {
+                let batch: Vec<_> = (b * BATCH..((b + 1) * BATCH).min(per_lane))
+                    .map(|n| AppendRequest {
+                        key: lane[(n % per) as usize].clone(),
+                        dir: Direction::Down,
+                        seq: n / per + 2,
+                        terminal: None,
+                        origin: Origin::Peer(INSTANCE_A),
+                        frame: payload.clone(),
+                        now_ms: 2,
+                    })
+                    .collect();
+                let out = s.append(batch).await.unwrap();
+                assert!(
+                    out.iter()
+                        .all(|o| matches!(o, AppendOutcome::Appended { .. }))
+                );
+                b += 1;
+            }
+        }
+    }))
+    .await;
+    let concurrent = started.elapsed();
+    assert_eq!(results.len(), IN_FLIGHT);
+    let rate = |d: Duration, n: u64| n as f64 / d.as_secs_f64();
+    println!(
+        "{persistence:?}: {TOTAL} appends of 256 B in batches of {BATCH}: \
+         one batch in flight {:.0}/s ({serial:.2?}); {IN_FLIGHT} in flight {:.0}/s ({concurrent:.2?})",
+        rate(serial, TOTAL),
+        rate(concurrent, per_lane * IN_FLIGHT as u64),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "throughput measurement; run with --ignored --nocapture, ideally --release"]
+async fn redis_append_throughput_no_persistence() {
+    measure_append_throughput(Persistence::None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "throughput measurement; run with --ignored --nocapture, ideally --release"]
+async fn redis_append_throughput_aof_everysec() {
+    measure_append_throughput(Persistence::Aof).await;
+}
