@@ -14,6 +14,7 @@ use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestI
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::audit::{AuditEvent, AuditRecord, AuditSink, Side};
 use crate::authority::{AuthorityError, Grant, Policy, authorize_outgoing};
 use crate::events::{CancelPayload, DownPayload, UpPayload};
 use crate::link::{Command, EventError, LinkError, LinkHandle, SendKind, Snapshot, UpEvent};
@@ -22,6 +23,7 @@ use crate::profile::{
     Budgets, DelegationRequest, DelegationResult, PROFILE_VERSION, ParentContext, ProfileError,
     Task, check_result_within_request, sign_request, verify_result,
 };
+use crate::state::{FileState, SavedDelegation};
 
 /// What the caller asks for. The connector adds the nonce, times, depth and
 /// signature.
@@ -130,6 +132,9 @@ pub enum CallerError {
     /// The event stream failed.
     #[error("{0}")]
     Events(#[from] EventError),
+    /// The state folder could not be read or written.
+    #[error("state: {0}")]
+    State(String),
 }
 
 impl CallerError {
@@ -143,6 +148,7 @@ impl CallerError {
             CallerError::UnknownDelegation(_) => "unknown_delegation",
             CallerError::Timeout => "timeout",
             CallerError::Events(_) => "events",
+            CallerError::State(_) => "state",
         }
     }
 }
@@ -159,9 +165,43 @@ pub struct VerifiedResult {
 #[derive(Debug, Clone)]
 struct CallerRecord {
     callee: PeerId,
-    spec: NewDelegation,
+    /// `None` for a delegation restored from state after a restart.
+    spec: Option<NewDelegation>,
     request: DelegationRequest,
     request_digest: Digest,
+    envelope: String,
+}
+
+impl CallerRecord {
+    /// Whether `spec` asks for the same delegation as this record.
+    fn same(&self, spec: &NewDelegation, callee: &PeerId) -> bool {
+        if &self.callee != callee {
+            return false;
+        }
+        match &self.spec {
+            Some(s) => s == spec,
+            None => {
+                let r = &self.request;
+                r.task == spec.task
+                    && r.capabilities == spec.capabilities
+                    && r.read_only == spec.read_only
+                    && r.budgets == spec.budgets
+                    && r.parent == spec.parent
+            }
+        }
+    }
+
+    fn saved(&self, key: &DelegationKey, cursor: u64, finished: bool) -> SavedDelegation {
+        SavedDelegation {
+            key: key.clone(),
+            callee: self.callee.clone(),
+            envelope: self.envelope.clone(),
+            request: self.request.clone(),
+            request_digest: self.request_digest,
+            cursor,
+            finished,
+        }
+    }
 }
 
 /// A stream of events.
@@ -176,6 +216,8 @@ pub struct Caller {
     grant: Arc<Grant>,
     policy: Arc<Policy>,
     records: Arc<Mutex<HashMap<DelegationKey, CallerRecord>>>,
+    state: Option<FileState>,
+    audit: Arc<dyn AuditSink>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -243,6 +285,8 @@ impl Caller {
         trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
         grant: Grant,
         policy: Policy,
+        state: Option<FileState>,
+        audit: Arc<dyn AuditSink>,
     ) -> Self {
         Caller {
             link,
@@ -251,7 +295,77 @@ impl Caller {
             grant: Arc::new(grant),
             policy: Arc::new(policy),
             records: Arc::new(Mutex::new(HashMap::new())),
+            state,
+            audit,
         }
+    }
+
+    /// Resumes every unfinished delegation saved in the state folder (after a
+    /// restart): the open is resent (the relay de-duplicates it) and the up
+    /// log resumes after the committed cursor. Returns their handles.
+    pub async fn restore(&self) -> Result<Vec<DelegationHandle>, CallerError> {
+        let Some(state) = &self.state else {
+            return Ok(Vec::new());
+        };
+        let saved = state
+            .load_all()
+            .map_err(|e| CallerError::State(e.to_string()))?;
+        let mut handles = Vec::new();
+        for s in saved.into_iter().filter(|s| !s.finished) {
+            let payload = Bytes::from(s.envelope.clone());
+            let open = Open {
+                key: s.key.clone(),
+                target: s.callee.clone(),
+                deadline_ms: s.request.deadline_ms,
+                depth: s.request.depth,
+                digest: Digest::of(&payload),
+                ceiling: String::new(),
+                payload,
+            };
+            lock(&self.records).insert(
+                s.key.clone(),
+                CallerRecord {
+                    callee: s.callee.clone(),
+                    spec: None,
+                    request: s.request,
+                    request_digest: s.request_digest,
+                    envelope: s.envelope,
+                },
+            );
+            let (reply, _ignored) = oneshot::channel();
+            self.link
+                .command(Command::Open {
+                    open,
+                    cursor: s.cursor,
+                    reply,
+                })
+                .await?;
+            handles.push(DelegationHandle {
+                key: s.key,
+                callee: s.callee,
+            });
+        }
+        Ok(handles)
+    }
+
+    /// Records that the application finished processing `event`: after a
+    /// restart, events resume after it. Needs a state folder (a no-op without).
+    pub fn commit(
+        &self,
+        handle: &DelegationHandle,
+        event: &DelegationEvent,
+    ) -> Result<(), CallerError> {
+        let Some(state) = &self.state else {
+            return Ok(());
+        };
+        let rec = lock(&self.records)
+            .get(&handle.key)
+            .cloned()
+            .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
+        let finished = matches!(event.kind, EventKind::Terminal(_));
+        state
+            .save(&rec.saved(&handle.key, event.seq, finished))
+            .map_err(|e| CallerError::State(e.to_string()))
     }
 
     /// Delegates a task to `peer`. Returns as soon as the open is queued: the
@@ -273,7 +387,7 @@ impl Caller {
         };
         let key = DelegationKey::new(self.identity.peer.clone(), request_id.clone());
         if let Some(rec) = lock(&self.records).get(&key) {
-            return if rec.spec == spec && &rec.callee == peer {
+            return if rec.same(&spec, peer) {
                 Ok(DelegationHandle {
                     key,
                     callee: rec.callee.clone(),
@@ -301,9 +415,16 @@ impl Caller {
             parent: spec.parent.clone(),
         };
         // Fail closed before anything leaves this host.
-        authorize_outgoing(&self.grant, &self.policy, &request, None, now)?;
+        if let Err(e) = authorize_outgoing(&self.grant, &self.policy, &request, None, now) {
+            self.audit.record(
+                &AuditRecord::refused(now, Side::Caller, &key, e.code()).with_callee(peer.clone()),
+            );
+            return Err(e.into());
+        }
+        let spec_caps = request.capabilities.clone();
         let envelope = sign_request(&self.identity, &request);
-        let payload = Bytes::from(envelope.to_json());
+        let envelope_text = String::from_utf8(envelope.to_json()).unwrap_or_default();
+        let payload = Bytes::from(envelope_text.clone());
         let request_digest = envelope.payload_digest();
         let open = Open {
             key: key.clone(),
@@ -318,7 +439,7 @@ impl Caller {
             let mut records = lock(&self.records);
             if let Some(rec) = records.get(&key) {
                 // A concurrent call with the same request id won the race.
-                return if rec.spec == spec && &rec.callee == peer {
+                return if rec.same(&spec, peer) {
                     Ok(DelegationHandle {
                         key,
                         callee: rec.callee.clone(),
@@ -327,18 +448,35 @@ impl Caller {
                     Err(CallerError::IdempotencyMismatch(request_id.to_string()))
                 };
             }
-            records.insert(
-                key.clone(),
-                CallerRecord {
-                    callee: peer.clone(),
-                    spec,
-                    request,
-                    request_digest,
-                },
-            );
+            let rec = CallerRecord {
+                callee: peer.clone(),
+                spec: Some(spec),
+                request,
+                request_digest,
+                envelope: envelope_text,
+            };
+            // Saved before the open leaves, so a crash right after still resumes.
+            if let Some(state) = &self.state {
+                state
+                    .save(&rec.saved(&key, 0, false))
+                    .map_err(|e| CallerError::State(e.to_string()))?;
+            }
+            records.insert(key.clone(), rec);
         }
+        self.audit.record(
+            &AuditRecord::new(now, Side::Caller, &key, AuditEvent::Opened)
+                .with_callee(peer.clone())
+                .with_request_digest(request_digest)
+                .with_capabilities(spec_caps),
+        );
         let (reply, _ignored) = oneshot::channel();
-        self.link.command(Command::Open { open, reply }).await?;
+        self.link
+            .command(Command::Open {
+                open,
+                cursor: 0,
+                reply,
+            })
+            .await?;
         Ok(DelegationHandle {
             key,
             callee: peer.clone(),

@@ -30,6 +30,8 @@ pub struct ConnectorOptions {
     pub callee: Option<CalleeOptions>,
     /// Where audit records go (default: the `oab::audit` tracing target).
     pub audit: Option<Arc<dyn AuditSink>>,
+    /// Where caller-side state is kept across restarts (see [`crate::state`]).
+    pub state: Option<crate::state::FileState>,
 }
 
 /// A running connector. Dropping it does not stop it; call [`Connector::shutdown`].
@@ -69,7 +71,7 @@ impl Connector {
             identity.clone(),
             trust.clone(),
             options.callee,
-            audit,
+            audit.clone(),
         );
         tokio::spawn(runtime.run(incoming_rx));
         let caller = Caller::new(
@@ -78,6 +80,8 @@ impl Connector {
             trust,
             options.grant,
             options.caller_policy,
+            options.state,
+            audit,
         );
         Ok(Connector {
             caller,

@@ -12,6 +12,7 @@
 //! | [`nonce`] | request nonces and the callee's replay cache |
 //! | [`events`] | the event payloads on the relay's logs |
 //! | [`audit`] | the audit trail |
+//! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
 
 pub mod audit;
@@ -24,6 +25,7 @@ pub mod events;
 pub mod link;
 pub mod nonce;
 pub mod profile;
+pub mod state;
 pub mod trust;
 
 pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};

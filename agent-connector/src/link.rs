@@ -240,6 +240,9 @@ pub enum LinkError {
 pub(crate) enum Command {
     Open {
         open: Open,
+        /// Events already processed (0 for a new delegation; a restored
+        /// delegation resumes its up log after this).
+        cursor: u64,
         reply: oneshot::Sender<Result<(), LinkError>>,
     },
     Send {
@@ -403,6 +406,9 @@ struct Delegation {
     events: VecDeque<UpEvent>,
     subscribers: Vec<(mpsc::Sender<Result<UpEvent, EventError>>, u64)>,
     open_reply: Option<oneshot::Sender<Result<(), LinkError>>>,
+    /// Send a resume of the up log once the open is acknowledged (the relay
+    /// subscribes the caller by itself only when it creates the delegation).
+    resume_after_open: bool,
 }
 
 impl Delegation {
@@ -417,6 +423,7 @@ impl Delegation {
             events: VecDeque::new(),
             subscribers: Vec::new(),
             open_reply: None,
+            resume_after_open: false,
         }
     }
 
@@ -799,10 +806,13 @@ impl Link {
         };
         for c in list {
             match self.delegations.get_mut(&c.key) {
-                Some(d) if d.terminal.is_none() => {
+                // An unacknowledged open resumes once acknowledged (a resume
+                // before the open lands would be answered with a gap).
+                Some(d) if d.terminal.is_none() && !(d.is_caller && d.out.acked == 0) => {
                     d.resuming = true;
                     resume(&c.key, d.recv_dir(), d.cursor, out);
                 }
+                Some(d) if d.is_caller && d.out.acked == 0 => d.resume_after_open = true,
                 Some(_) => {}
                 None if !c.is_caller && c.terminal.is_none() => {
                     // New work for us that arrived while we were away.
@@ -852,7 +862,11 @@ impl Link {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Open { open, reply } => {
+            Command::Open {
+                open,
+                cursor,
+                reply,
+            } => {
                 if self.delegations.contains_key(&open.key) {
                     let _ = reply.send(Err(LinkError::Duplicate(open.key.request_id.to_string())));
                     return;
@@ -867,6 +881,10 @@ impl Link {
                     }
                 };
                 let mut d = Delegation::new(true, target);
+                d.cursor = cursor;
+                // A restored delegation may already exist at the relay, which
+                // then does not subscribe us by itself.
+                d.resume_after_open = cursor > 0;
                 d.out.next = 2;
                 d.out.unacked.push_back((1, bytes));
                 d.open_reply = Some(reply);
@@ -992,7 +1010,26 @@ impl Link {
     /// Handles one frame from the relay.
     async fn frame(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
         match frame {
-            Frame::Ack(a) => self.ack(&a.key, a.direction, a.seq),
+            Frame::Ack(a) => {
+                self.ack(&a.key, a.direction, a.seq);
+                // A caller's open is durable: start its up log (after the
+                // cursor a restored delegation already processed).
+                if let Some(d) = self.delegations.get_mut(&a.key)
+                    && d.is_caller
+                    && d.resume_after_open
+                    && d.out.acked >= 1
+                {
+                    d.resume_after_open = false;
+                    d.resuming = true;
+                    if let Ok(b) = encode(&Frame::Resume(Resume {
+                        key: a.key.clone(),
+                        direction: Direction::Up,
+                        after: d.cursor,
+                    })) {
+                        out.push(b);
+                    }
+                }
+            }
             Frame::Data(d) => self.data(d, out).await,
             Frame::Open(o) => {
                 let key = o.key.clone();

@@ -133,6 +133,10 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         // one, incoming delegations are refused with a signed `rejected`.
         callee: None,
         audit: None,
+        state: match &c.state_dir {
+            Some(dir) => Some(oab_connector::state::FileState::open(dir)?),
+            None => None,
+        },
     })?;
     tokio::select! {
         r = connector.connected() => { r?; tracing::info!("connected to the relay"); }

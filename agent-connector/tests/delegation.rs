@@ -121,6 +121,28 @@ async fn hundred_events_and_a_verified_result_in_order() {
         vec!["read:repo".to_string()]
     );
     assert_eq!(exec.runs.load(Ordering::SeqCst), 1);
+    // Tampering is caught: a result re-signed by another key of the same peer
+    // name, a different outcome on the frame, a doctored result.
+    let forged_key =
+        oab_wire::identity::Identity::generate(env.callee.peer.clone(), env.callee.key_id.clone());
+    let forged = oab_connector::profile::sign_result(&forged_key, &verified.result);
+    let mut t2 = terminal.clone();
+    t2.envelope = Some(forged);
+    assert_eq!(
+        a.caller().verify(&h, &t2).unwrap_err().code(),
+        "bad_signature"
+    );
+    let mut t3 = terminal.clone();
+    t3.outcome = Outcome::Failed;
+    assert!(a.caller().verify(&h, &t3).is_err());
+    let mut doctored = verified.result.clone();
+    doctored.usage.tokens = 1;
+    let mut t4 = terminal.clone();
+    t4.envelope = Some(oab_connector::profile::sign_result(&env.caller, &doctored));
+    assert!(
+        a.caller().verify(&h, &t4).is_err(),
+        "signed by the caller, not the callee"
+    );
     // `wait` gives the same terminal.
     let again = a.caller().wait(&h, Duration::from_secs(10)).await.unwrap();
     assert_eq!(again, terminal);

@@ -310,7 +310,7 @@ pub async fn pipelined_sender<W: Ws>(
     ));
     let started = Instant::now();
     let mut next = spec.first_seq;
-    let last_allowed = spec.first_seq + spec.max_frames.max(1) - 1;
+    let last_allowed = spec.first_seq.saturating_add(spec.max_frames.max(1) - 1);
     let mut unflushed = 0u64;
     let mut window_waits = 0u64;
     let mut failed = false;
@@ -473,16 +473,17 @@ pub async fn counting_receiver<W: Ws>(
     let mut payload_bytes = 0u64;
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut acked = 0u64;
+    let mut final_known = false;
     'outer: loop {
         if check.contiguous() >= *last_sent.borrow_and_update() {
             break;
         }
         tokio::select! {
             () = stop.cancelled() => break,
-            changed = last_sent.changed() => {
-                if changed.is_err() {
-                    break;
-                }
+            changed = last_sent.changed(), if !final_known => {
+                // The sender dropped its end after setting the last value:
+                // that value is final; keep reading up to it.
+                final_known = changed.is_err();
                 continue;
             }
             () = read_batch(&mut ws, &limits, &mut batch) => {}
@@ -668,16 +669,17 @@ where
     let mut rtt = latency_histogram();
     let mut rtt_from_schedule = latency_histogram();
     let mut errors = Vec::new();
+    let mut final_known = false;
     loop {
         if echoed.get() >= *last_sent.borrow_and_update() {
             break;
         }
         let msg = tokio::select! {
             () = stop.cancelled() => break,
-            changed = last_sent.changed() => {
-                if changed.is_err() {
-                    break;
-                }
+            changed = last_sent.changed(), if !final_known => {
+                // The sender dropped its end after setting the last value:
+                // that value is final; keep reading up to it.
+                final_known = changed.is_err();
                 continue;
             }
             m = stream.next() => m,

@@ -1,6 +1,7 @@
 //! `oab-loadtest`: parses flags, sets up tracing and the runtime, runs one
 //! scenario from the library, prints its tables and writes its JSON.
 
+use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -237,6 +238,7 @@ fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .without_time()
         .init();

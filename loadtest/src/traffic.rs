@@ -145,6 +145,10 @@ fn filler_intact(payload: &[u8]) -> bool {
         .all(|(i, b)| *b == filler(i))
 }
 
+/// How far ahead of the expected sequence a frame may be and still count as
+/// reordered (tracked), rather than corrupt: far beyond any send window.
+const MAX_SKIP: u64 = 1 << 20;
+
 /// What a receiver saw on one log, checked frame by frame.
 #[derive(Debug, Clone)]
 pub struct StreamCheck {
@@ -224,6 +228,11 @@ impl StreamCheck {
         }
         if seq == self.next {
             self.next += 1;
+        } else if seq > self.next && seq - self.next > MAX_SKIP {
+            // No sender in this crate runs that far ahead: a forged or
+            // mangled sequence, not a reordering.
+            self.corrupt += 1;
+            return false;
         } else if seq > self.next {
             self.reordered += 1;
             self.skipped.extend(self.next..seq);

@@ -209,11 +209,17 @@ where
     // A callee back with a new instance lost what it had accepted: end that
     // work as `unknown` before the welcome, so the new instance never sees it
     // as open.
+    //
+    // The session is registered first, so a delegation opened for this peer
+    // while the welcome is being built is either in the welcome's list or
+    // delivered on the session (after the welcome); never neither.
+    hub.register(me.clone());
     let listed = match hub.store.delegations_of(&me.peer).await {
         Ok(list) => list,
         Err(e) => {
             warn!(error = %e, "store unavailable at welcome");
             m.handshakes.with_label_values(&["store"]).inc();
+            hub.unregister(&me);
             close_ws(ws, CloseCode::StoreUnavailable, "store unavailable; retry").await;
             return None;
         }
@@ -249,16 +255,17 @@ where
         max_in_flight: hub.config.limits.max_in_flight,
         payload: Bytes::from(serde_json::to_vec(&cursors).unwrap_or_default()),
     });
-    let Ok(bytes) = encode(&welcome) else {
-        return None;
+    let sent = match encode(&welcome) {
+        Ok(bytes) => ws.send(Message::Binary(bytes)).await.is_ok(),
+        Err(_) => false,
     };
-    if ws.send(Message::Binary(bytes)).await.is_err() {
+    if !sent {
         m.handshakes.with_label_values(&["transport"]).inc();
+        hub.unregister(&me);
         return None;
     }
     m.handshakes.with_label_values(&["ok"]).inc();
     info!(peer = %me.peer, session = %me.id, instance = %me.instance, delegations = cursors.len(), "session authenticated");
-    hub.register(me.clone());
     Some(Session {
         hub: hub.clone(),
         env: env.clone(),

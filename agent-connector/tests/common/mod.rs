@@ -178,21 +178,46 @@ pub fn connector_with(
     link: LinkSettings,
     executor: Option<Arc<dyn TaskExecutor>>,
 ) -> Connector {
+    connector_full(env, link, executor, policy(), None)
+}
+
+/// A connector with an explicit caller policy and audit sink.
+pub fn connector_full(
+    env: &Env,
+    link: LinkSettings,
+    executor: Option<Arc<dyn TaskExecutor>>,
+    caller_policy: Policy,
+    audit: Option<Arc<dyn oab_connector::audit::AuditSink>>,
+) -> Connector {
+    connector_state(env, link, executor, caller_policy, audit, None)
+}
+
+/// A connector with everything explicit, including a caller state folder.
+pub fn connector_state(
+    env: &Env,
+    link: LinkSettings,
+    executor: Option<Arc<dyn TaskExecutor>>,
+    caller_policy: Policy,
+    audit: Option<Arc<dyn oab_connector::audit::AuditSink>>,
+    state: Option<oab_connector::state::FileState>,
+) -> Connector {
     Connector::start(ConnectorOptions {
         link,
         trust: env.trust(),
         grant: Grant {
-            capabilities: CapabilitySet::parse(["read:*", "run:tests", "write:*"]).unwrap(),
+            capabilities: CapabilitySet::parse(["read:*", "run:tests", "write:*", "deploy:*"])
+                .unwrap(),
             remaining: budgets(10_000_000),
         },
-        caller_policy: policy(),
+        caller_policy,
         callee: executor.map(|executor| CalleeOptions {
             executor,
             policy: Arc::new(policy()),
             max_concurrent: 512,
             max_concurrent_per_peer: 512,
         }),
-        audit: None,
+        audit,
+        state,
     })
     .unwrap()
 }

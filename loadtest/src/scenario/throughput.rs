@@ -63,8 +63,10 @@ pub struct CaseResult {
     pub window: u64,
     /// Frames sent.
     pub sent: u64,
+    /// The last sequence sent (the first is 2: the `Open` is 1).
+    pub last_seq: u64,
     /// Highest sequence acknowledged at the end.
-    pub acked: u64,
+    pub acked_seq: u64,
     /// First send to last receipt, seconds.
     pub seconds: f64,
     /// Distinct frames received per second.
@@ -417,7 +419,8 @@ async fn pair<A: Ws, B: Ws>(
             frame_bytes,
             window,
             sent: (sent.last_seq + 1).saturating_sub(2),
-            acked: sent.acked,
+            last_seq: sent.last_seq,
+            acked_seq: sent.acked,
             seconds,
             frames_per_sec: per_sec(frames as f64),
             payload_mb_per_sec: per_sec(recv.payload_bytes as f64) / 1e6,

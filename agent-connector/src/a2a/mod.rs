@@ -1,0 +1,39 @@
+//! A2A 1.0 at both ends of a delegation (see `docs/a2a.md`).
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`jsonrpc`] | the JSON-RPC 2.0 envelope, the A2A error codes, the `A2A-Version` check |
+//! | [`model`] | A2A 1.0 JSON shapes: task states, timestamps, messages, artifacts |
+//! | [`profile`] | the OAB Delegation Profile extension: URI, activation, cursor, contract, metadata |
+//! | `tasks` | the facade's task table: delegation events folded into A2A tasks and events |
+//! | [`facade`] | caller side: per-peer agent cards and the JSON-RPC binding with SSE |
+//! | [`server`] | serving the facade on an injected listener until a shutdown token fires |
+//! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server |
+//!
+//! Wiring, in a host process:
+//! - caller side: `Facade::new(connector.caller().clone(), FacadeOptions::default())`,
+//!   then [`server::serve`] on a loopback listener; an A2A client points at
+//!   `http://<addr>/peers/<namespace>/<name>/`;
+//! - callee side: `A2aDriver::new(DriverOptions::new(url))` as the
+//!   [`crate::CalleeOptions::executor`], and [`driver::A2aDriver::agent_card`]
+//!   published with [`crate::Connector::publish`] so callers' facades can show it.
+
+pub mod driver;
+pub mod facade;
+pub mod jsonrpc;
+pub mod model;
+pub mod profile;
+pub mod server;
+mod tasks;
+
+pub use driver::{A2aDriver, DriverError, DriverOptions};
+pub use facade::{DelegationDefaults, Facade, FacadeOptions};
+pub use jsonrpc::A2aError;
+pub use profile::PROFILE_URI;
+pub use server::serve;
+
+/// The A2A protocol version both ends speak (Major.Minor, never a patch).
+pub const PROTOCOL_VERSION: &str = "1.0";
+
+/// The one protocol binding implemented.
+pub const PROTOCOL_BINDING: &str = "JSONRPC";

@@ -1,0 +1,292 @@
+//! The connector under faults: links cut, stalled and half-open while a
+//! delegation streams; callee process restarts.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use futures_util::StreamExt as _;
+use oab_connector::EventKind;
+use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
+use oab_loadtest::proxy::{Fault, Proxy};
+use oab_relay::store::{MemoryStore, Retention};
+use oab_wire::Outcome;
+
+/// Streams `n` events, pacing itself like real work, then completes.
+struct Paced {
+    n: u64,
+    pause: Duration,
+    runs: AtomicUsize,
+}
+
+impl TaskExecutor for Paced {
+    fn execute(
+        &self,
+        run: TaskRun,
+    ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let (n, pause) = (self.n, self.pause);
+        Box::pin(async move {
+            for i in 1..=n {
+                tokio::select! {
+                    () = run.cancel.cancelled() => return Execution::stopped(StopReason::Cancelled),
+                    () = tokio::time::sleep(pause) => {}
+                }
+                if run
+                    .sink
+                    .status(
+                        "TASK_STATE_WORKING",
+                        None,
+                        Some(serde_json::json!({ "i": i })),
+                    )
+                    .await
+                    .is_err()
+                {
+                    return Execution::stopped(StopReason::Error("link stopped".into()));
+                }
+            }
+            Execution::stopped(StopReason::EndTurn)
+        })
+    }
+}
+
+const FAST_HEARTBEAT: &str = "heartbeat_ms = 100\nidle_timeout_ms = 600\n";
+
+fn env_fast() -> Env {
+    // The [relay] section is already open in the generated config; these
+    // keys land in it.
+    Env::new(FAST_HEARTBEAT)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuts_stalls_and_half_open_links_lose_and_repeat_nothing() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let pa = Proxy::start(relay.addr).await.unwrap();
+    let pb = Proxy::start(relay.addr).await.unwrap();
+    let exec = Arc::new(Paced {
+        n: 400,
+        pause: Duration::from_millis(2),
+        runs: AtomicUsize::new(0),
+    });
+    let b = connector(&env, &env.callee, pb.addr(), Some(exec.clone()));
+    let a = connector(&env, &env.caller, pa.addr(), None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("long job"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    let mut last = 0u64;
+    let mut terminals = 0;
+    let mut round = 0u32;
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(60), events.next())
+            .await
+            .expect("progress despite faults")
+            .expect("stream open")
+            .expect("no gap");
+        assert_eq!(ev.seq, last + 1, "every event exactly once, in order");
+        last = ev.seq;
+        if let EventKind::Terminal(t) = &ev.kind {
+            terminals += 1;
+            assert_eq!(t.outcome, Outcome::Completed);
+            a.caller().verify(&h, t).unwrap();
+            break;
+        }
+        // Every 25 events, break something.
+        if last % 25 == 0 {
+            round += 1;
+            match round % 4 {
+                0 => pa.handle().cut_all(),
+                1 => pb.handle().cut_all(),
+                2 => {
+                    // Half-open callee link: nothing flows, nobody sees a close
+                    // until heartbeats time out on both ends.
+                    let h = pb.handle();
+                    h.set_fault(Fault::Stall);
+                    let before = h.stats().accepted;
+                    h.wait_until(|s| s.accepted > before).await;
+                    h.set_fault(Fault::Pass);
+                    h.cut_all();
+                }
+                _ => {
+                    let h = pa.handle();
+                    h.set_fault(Fault::Reset);
+                    let before = h.stats().accepted;
+                    h.wait_until(|s| s.accepted > before).await;
+                    h.set_fault(Fault::Pass);
+                }
+            }
+        }
+    }
+    assert_eq!(terminals, 1);
+    assert_eq!(last, 402, "accepted + 400 events + terminal");
+    assert_eq!(
+        exec.runs.load(Ordering::SeqCst),
+        1,
+        "the executor ran exactly once"
+    );
+    assert!(round >= 10, "faults were injected ({round} rounds)");
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callee_restart_mid_task_ends_unknown_not_retried() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let exec = Arc::new(Paced {
+        n: 1_000_000,
+        pause: Duration::from_millis(5),
+        runs: AtomicUsize::new(0),
+    });
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("long job"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    // Wait until the callee accepted and made progress.
+    loop {
+        let ev = events.next().await.unwrap().unwrap();
+        if ev.seq >= 5 {
+            break;
+        }
+    }
+    // The callee process dies; a new process (new instance id) starts.
+    b.shutdown().await;
+    let exec2 = Arc::new(Paced {
+        n: 1,
+        pause: Duration::from_millis(1),
+        runs: AtomicUsize::new(0),
+    });
+    let b2 = connector(&env, &env.callee, relay.addr, Some(exec2.clone()));
+    b2.connected().await.unwrap();
+    let t = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let EventKind::Terminal(t) = ev.kind {
+            break t;
+        }
+    };
+    assert_eq!(t.outcome, Outcome::Unknown);
+    assert!(t.relay_origin, "the relay, not the callee, says unknown");
+    assert!(
+        a.caller().verify(&h, &t).is_err(),
+        "no signed result exists for unknown"
+    );
+    assert_eq!(
+        exec2.runs.load(Ordering::SeqCst),
+        0,
+        "never retried by the new process"
+    );
+    a.shutdown().await;
+    b2.shutdown().await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_restart_resumes_from_its_committed_cursor() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let exec = Arc::new(Paced {
+        n: 200,
+        pause: Duration::from_millis(1),
+        runs: AtomicUsize::new(0),
+    });
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let state = || Some(oab_connector::state::FileState::open(dir.path()).unwrap());
+    let a = connector_state(
+        &env,
+        settings(&env.caller, relay.addr, &env.cert_der),
+        None,
+        policy(),
+        None,
+        state(),
+    );
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("resumable"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    loop {
+        let ev = events.next().await.unwrap().unwrap();
+        a.caller().commit(&h, &ev).unwrap();
+        if ev.seq == 60 {
+            break;
+        }
+    }
+    drop(events);
+    a.shutdown().await;
+    // A new process of the caller: same identity and state, new instance id.
+    let a2 = connector_state(
+        &env,
+        settings(&env.caller, relay.addr, &env.cert_der),
+        None,
+        policy(),
+        None,
+        state(),
+    );
+    let restored = a2.caller().restore().await.unwrap();
+    assert_eq!(restored, vec![h.clone()]);
+    let mut events = a2.caller().events(&h, 60).await.unwrap();
+    let mut last = 60;
+    let t = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(ev.seq, last + 1, "exactly once after the cursor");
+        last = ev.seq;
+        a2.caller().commit(&h, &ev).unwrap();
+        if let EventKind::Terminal(t) = ev.kind {
+            break t;
+        }
+    };
+    assert_eq!(last, 202);
+    assert_eq!(t.outcome, Outcome::Completed);
+    a2.caller()
+        .verify(&h, &t)
+        .expect("verifies against the restored request");
+    assert_eq!(exec.runs.load(Ordering::SeqCst), 1);
+    // Finished: nothing left to restore.
+    a2.shutdown().await;
+    let a3 = connector_state(
+        &env,
+        settings(&env.caller, relay.addr, &env.cert_der),
+        None,
+        policy(),
+        None,
+        state(),
+    );
+    assert!(a3.caller().restore().await.unwrap().is_empty());
+    a3.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
