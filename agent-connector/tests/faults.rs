@@ -107,7 +107,7 @@ async fn cuts_stalls_and_half_open_links_lose_and_repeat_nothing() {
             break;
         }
         // Every 25 events, break something.
-        if last % 25 == 0 {
+        if last.is_multiple_of(25) {
             round += 1;
             match round % 4 {
                 0 => pa.handle().cut_all(),

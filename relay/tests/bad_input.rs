@@ -141,9 +141,22 @@ async fn oversized_and_malformed_frames_close_with_their_codes() {
 }
 
 #[tokio::test]
-async fn invalid_opens_and_log_frames_get_typed_errors() {
+async fn invalid_opens_and_log_frames_get_typed_errors_memory() {
+    invalid_opens(memory()).await;
+}
+
+#[tokio::test]
+async fn invalid_opens_and_log_frames_get_typed_errors_redis() {
+    let server = oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
+    let store = oab_relay::store::RedisStore::connect(&server.url(), Retention::default())
+        .await
+        .unwrap();
+    invalid_opens(Arc::new(store)).await;
+}
+
+async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
     let env = TestEnv::new("");
-    let relay = TestRelay::start(&env, memory()).await;
+    let relay = TestRelay::start(&env, store).await;
     let mut a = relay.client(&env.caller).await;
     let errs = |f: &Frame| match f {
         Frame::Error(e) => Some(e.code),

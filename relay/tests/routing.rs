@@ -350,3 +350,67 @@ async fn a_second_resume_restarts_the_replay_without_interleaving() {
     assert!(restarts <= 1, "{restarts} restarts");
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn peer_directory_lists_reachable_peers_and_pushes_presence() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let mut a = relay.client(&env.caller).await;
+    let peers = |f: &Frame| match f {
+        Frame::Peers(p) => Some(serde_json::from_slice::<Vec<oab_wire::PeerEntry>>(p).unwrap()),
+        _ => None,
+    };
+    a.send(&Frame::PeersQuery).await.unwrap();
+    let list = recv_until(&mut a, peers).await;
+    assert_eq!(list.len(), 1, "only peers on a route from the caller");
+    assert_eq!(list[0].peer, peer(CALLEE));
+    assert!(!list[0].online);
+    // The callee comes online and publishes its agent card: pushed to the caller.
+    let mut b = relay.client(&env.callee).await;
+    let card = serde_json::json!({"name": "callee", "version": "1.0"});
+    b.send(&Frame::Publish(Bytes::from(card.to_string()))).await.unwrap();
+    let list = recv_until(&mut a, |f| {
+        peers(f).filter(|l| l[0].online && l[0].descriptor.is_some())
+    })
+    .await;
+    assert_eq!(list[0].descriptor.as_ref().unwrap()["name"], "callee");
+    // Oversized and non-JSON descriptors are refused.
+    b.send(&Frame::Publish(Bytes::from_static(b"not json"))).await.unwrap();
+    let code = recv_until(&mut b, |f| match f {
+        Frame::Error(e) => Some(e.code),
+        _ => None,
+    })
+    .await;
+    assert_eq!(code, oab_wire::ErrorCode::ProtocolViolation.as_u16());
+    drop(b);
+    let list = recv_until(&mut a, |f| peers(f).filter(|l| !l[0].online)).await;
+    assert!(!list[0].online, "presence change pushed");
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_sends_drain_with_a_reconnect_hint_then_closes() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let mut a = relay.client(&env.caller).await;
+    relay.shutdown.cancel();
+    let drain = recv_until(&mut a, |f| match f {
+        Frame::Drain(d) => Some(*d),
+        _ => None,
+    })
+    .await;
+    assert_eq!(drain.reconnect_after_ms, env.config.relay.reconnect_hint_ms);
+    let closed = loop {
+        match a.recv().await {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    match closed {
+        oab_relay::raw_client::ClientError::Closed { code, .. } => {
+            assert_eq!(code, CloseCode::GoingAway.as_u16())
+        }
+        other => panic!("{other:?}"),
+    }
+    relay.task.await.unwrap();
+}

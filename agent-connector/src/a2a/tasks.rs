@@ -1,0 +1,670 @@
+//! The facade's task table: each delegation the facade started, folded from
+//! the connector's event log into an A2A task and a numbered list of A2A
+//! stream events.
+//!
+//! **Numbering.** Every A2A event the facade derives gets the next number of
+//! its task, 1, 2, 3... (the profile's `seq`). The derivation is a pure
+//! function of the delegation's up log, so the same log always gives the
+//! same numbers; `upSeq` names the up-log event it came from.
+//!
+//! **Bounds.** At most `max_tasks` tasks: past that the oldest finished one
+//! is forgotten (an unfinished one never is). At most `max_events` events
+//! per task: past that the oldest is dropped, and a cursor before the first
+//! kept event is reported as a gap, never skipped silently.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use oab_wire::{DelegationKey, Outcome, PeerId};
+use serde_json::{Map, Value, json};
+use tokio::sync::watch;
+
+use super::model::{
+    TaskState, agent_data_message, agent_text_message, artifact_to_a2a, iso_from_ms,
+    merge_artifact, normalise_message, now_ms, render_message,
+};
+use super::profile;
+use crate::caller::{CallerError, DelegationHandle, Terminal};
+use crate::profile::{Artifact, DelegationResult};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How a delegation ended, as the final status event shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct FinalInfo {
+    /// The delegation outcome (`completed`, ..., `expired`, `unknown`), or
+    /// `refused`/`gap`/`unverified` for ends the facade observed.
+    pub(crate) outcome: String,
+    /// The callee-signed result envelope, when there is one.
+    pub(crate) envelope: Option<Value>,
+    /// Whether the envelope verified against the callee's key.
+    pub(crate) verified: Option<bool>,
+    /// The relay's or the facade's reason, for ends without a result.
+    pub(crate) reason: Option<String>,
+}
+
+/// What an A2A stream event says.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum EventBody {
+    /// A `statusUpdate`.
+    Status {
+        state: TaskState,
+        message: Option<Value>,
+        data: Option<Value>,
+        end: Option<FinalInfo>,
+    },
+    /// An `artifactUpdate`.
+    Artifact {
+        artifact: Value,
+        append: bool,
+        last_chunk: bool,
+    },
+}
+
+/// One numbered A2A event of a task.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct FacadeEvent {
+    pub(crate) seq: u64,
+    pub(crate) up_seq: u64,
+    pub(crate) at_ms: u64,
+    pub(crate) body: EventBody,
+}
+
+impl FacadeEvent {
+    /// Whether a stream closes after this event: a terminal, or
+    /// input-required (the agent waits for the client; auth-required keeps
+    /// the stream open, SPEC §7.6.1).
+    pub(crate) fn closes_stream(&self) -> bool {
+        matches!(
+            &self.body,
+            EventBody::Status { state, .. }
+                if state.is_terminal() || *state == TaskState::InputRequired
+        )
+    }
+}
+
+/// The end of a delegation, prepared for folding (verification is done by
+/// the caller before the record is locked).
+#[derive(Debug, Clone)]
+pub(crate) struct TerminalView {
+    pub(crate) state: TaskState,
+    pub(crate) message: Option<Value>,
+    pub(crate) artifacts: Vec<Value>,
+    pub(crate) message_response: bool,
+    pub(crate) end: FinalInfo,
+}
+
+impl TerminalView {
+    /// Maps a terminal and the outcome of verifying its signed result.
+    pub(crate) fn new(terminal: &Terminal, verified: Result<DelegationResult, CallerError>) -> Self {
+        let outcome = terminal.outcome;
+        let envelope = terminal
+            .envelope
+            .as_ref()
+            .and_then(|e| serde_json::from_slice::<Value>(&e.to_json()).ok());
+        let mut state = match outcome {
+            Outcome::Completed => TaskState::Completed,
+            Outcome::Cancelled => TaskState::Canceled,
+            Outcome::Rejected => TaskState::Rejected,
+            Outcome::Failed | Outcome::Expired | Outcome::Unknown => TaskState::Failed,
+        };
+        let mut end = FinalInfo {
+            outcome: outcome.name().to_string(),
+            envelope,
+            verified: None,
+            reason: terminal.reason.clone(),
+        };
+        if terminal.relay_origin {
+            let text = format!(
+                "the delegation ended {}: {}",
+                outcome.name(),
+                terminal.reason.as_deref().unwrap_or("reported by the relay")
+            );
+            return TerminalView {
+                state,
+                message: Some(agent_text_message(&text)),
+                artifacts: Vec::new(),
+                message_response: false,
+                end,
+            };
+        }
+        let result = match verified {
+            Ok(r) => r,
+            Err(e) => {
+                end.verified = Some(false);
+                end.reason = Some(format!("{}: {e}", e.code()));
+                return TerminalView {
+                    state: TaskState::Failed,
+                    message: Some(agent_text_message(&format!(
+                        "the callee's signed result did not verify ({}); outcome claimed: {}",
+                        e.code(),
+                        outcome.name()
+                    ))),
+                    artifacts: Vec::new(),
+                    message_response: false,
+                    end,
+                };
+            }
+        };
+        end.verified = Some(true);
+        let a2a = result.output.as_ref().and_then(|o| o.get("a2a"));
+        if outcome == Outcome::Failed
+            && a2a
+                .and_then(|a| a.get("state"))
+                .and_then(Value::as_str)
+                .and_then(TaskState::parse)
+                == Some(TaskState::Rejected)
+        {
+            state = TaskState::Rejected;
+        }
+        let message = if let Some(m) = a2a.and_then(|a| a.get("message")).filter(|m| m.is_object()) {
+            normalise_message(m, "ROLE_AGENT")
+        } else if let Some(err) = &result.error {
+            Some(agent_text_message(err))
+        } else {
+            result
+                .output
+                .clone()
+                .filter(|_| a2a.is_none())
+                .map(agent_data_message)
+        };
+        let message_response = outcome == Outcome::Completed
+            && a2a.and_then(|a| a.get("kind")).and_then(Value::as_str) == Some("message")
+            && message.is_some();
+        TerminalView {
+            state,
+            message,
+            artifacts: result.artifacts.iter().map(artifact_to_a2a).collect(),
+            message_response,
+            end,
+        }
+    }
+}
+
+/// What the facade knows about one task.
+#[derive(Debug)]
+pub(crate) struct TaskRecord {
+    pub(crate) context_id: String,
+    pub(crate) callee_id: Option<String>,
+    pub(crate) request_id: String,
+    pub(crate) state: TaskState,
+    pub(crate) status_message: Option<Value>,
+    pub(crate) status_ms: u64,
+    pub(crate) created_ms: u64,
+    pub(crate) history: Vec<Value>,
+    pub(crate) artifacts: Vec<Value>,
+    pub(crate) events: VecDeque<FacadeEvent>,
+    pub(crate) last_seq: u64,
+    pub(crate) end: Option<FinalInfo>,
+    /// The agent answered with a message, not a task.
+    pub(crate) message_response: bool,
+    /// The connector stopped: no more events will come.
+    pub(crate) closed: Option<String>,
+    max_events: usize,
+}
+
+impl TaskRecord {
+    fn push(&mut self, up_seq: u64, body: EventBody) {
+        self.last_seq += 1;
+        self.events.push_back(FacadeEvent {
+            seq: self.last_seq,
+            up_seq,
+            at_ms: self.status_ms,
+            body,
+        });
+        while self.events.len() > self.max_events {
+            self.events.pop_front();
+        }
+    }
+
+    /// Whether the task reached a terminal state.
+    pub(crate) fn is_terminal(&self) -> bool {
+        self.state.is_terminal()
+    }
+
+    /// The first kept event sequence (`last_seq + 1` when none is kept).
+    pub(crate) fn first_kept(&self) -> u64 {
+        self.events.front().map_or(self.last_seq + 1, |e| e.seq)
+    }
+
+    /// Events after `after`, in order.
+    pub(crate) fn events_after(&self, after: u64) -> Vec<FacadeEvent> {
+        self.events.iter().filter(|e| e.seq > after).cloned().collect()
+    }
+
+    /// Folds a progress event.
+    pub(crate) fn status(&mut self, up_seq: u64, state: &str, message: Option<&Value>, data: Option<Value>) {
+        if self.is_terminal() {
+            return;
+        }
+        // Only the delegation's terminal ends the task: a terminal (or
+        // unknown) state in a progress event is shown as working.
+        let state = TaskState::parse(state)
+            .filter(|s| !s.is_terminal())
+            .unwrap_or(TaskState::Working);
+        let message = message.and_then(|m| normalise_message(m, "ROLE_AGENT"));
+        self.state = state;
+        self.status_ms = now_ms();
+        if let Some(m) = &message {
+            self.history.push(m.clone());
+        }
+        self.status_message = message.clone();
+        self.push(
+            up_seq,
+            EventBody::Status {
+                state,
+                message,
+                data,
+                end: None,
+            },
+        );
+    }
+
+    /// Folds an artifact event.
+    pub(crate) fn artifact(&mut self, up_seq: u64, artifact: &Artifact, append: bool, last_chunk: bool) {
+        if self.is_terminal() {
+            return;
+        }
+        let a2a = artifact_to_a2a(artifact);
+        merge_artifact(&mut self.artifacts, &a2a, append);
+        self.status_ms = self.status_ms.max(now_ms());
+        self.push(
+            up_seq,
+            EventBody::Artifact {
+                artifact: a2a,
+                append,
+                last_chunk,
+            },
+        );
+    }
+
+    /// Folds the terminal: the result's artifacts not streamed before, then
+    /// the final status.
+    pub(crate) fn terminal(&mut self, up_seq: u64, view: TerminalView) {
+        if self.is_terminal() {
+            return;
+        }
+        self.status_ms = now_ms();
+        for a in &view.artifacts {
+            let id = a.get("artifactId");
+            if !self.artifacts.iter().any(|x| x.get("artifactId") == id) {
+                self.artifacts.push(a.clone());
+                self.push(
+                    up_seq,
+                    EventBody::Artifact {
+                        artifact: a.clone(),
+                        append: false,
+                        last_chunk: true,
+                    },
+                );
+            }
+        }
+        self.message_response = view.message_response && self.last_seq == 0;
+        self.state = view.state;
+        if let Some(m) = &view.message {
+            self.history.push(m.clone());
+        }
+        self.status_message = view.message.clone();
+        self.end = Some(view.end.clone());
+        self.push(
+            up_seq,
+            EventBody::Status {
+                state: view.state,
+                message: view.message,
+                data: None,
+                end: Some(view.end),
+            },
+        );
+    }
+
+    /// Folds an end the facade observed without a terminal event: the relay
+    /// refused the delegation (`rejected`), or its events are gone (`failed`).
+    pub(crate) fn observed_end(&mut self, state: TaskState, outcome: &str, reason: String) {
+        if self.is_terminal() {
+            return;
+        }
+        let up_seq = self.events.back().map_or(0, |e| e.up_seq);
+        self.terminal(
+            up_seq,
+            TerminalView {
+                state,
+                message: Some(agent_text_message(&reason)),
+                artifacts: Vec::new(),
+                message_response: false,
+                end: FinalInfo {
+                    outcome: outcome.into(),
+                    envelope: None,
+                    verified: None,
+                    reason: Some(reason),
+                },
+            },
+        );
+    }
+
+    /// The profile metadata of the task itself.
+    fn task_metadata(&self, facade_id: &str, seq: u64) -> Value {
+        let mut f = Map::new();
+        f.insert("seq".into(), json!(seq));
+        f.insert("requestId".into(), json!(self.request_id));
+        f.insert("facadeTaskId".into(), json!(facade_id));
+        if let Some(c) = &self.callee_id {
+            f.insert("calleeTaskId".into(), json!(c));
+        }
+        if let Some(end) = &self.end {
+            end_fields(end, &mut f);
+        }
+        profile::metadata(f)
+    }
+
+    /// The task as A2A shows it.
+    pub(crate) fn render_task(
+        &self,
+        cell: &TaskCell,
+        task_id: &str,
+        history_length: Option<usize>,
+        include_artifacts: bool,
+        profile: bool,
+    ) -> Value {
+        let mut t = Map::new();
+        t.insert("id".into(), json!(task_id));
+        t.insert("contextId".into(), json!(self.context_id));
+        let mut status = Map::new();
+        status.insert("state".into(), json!(self.state.as_str()));
+        if let Some(m) = &self.status_message {
+            status.insert("message".into(), render_message(m, Some(task_id), &self.context_id));
+        }
+        status.insert("timestamp".into(), json!(iso_from_ms(self.status_ms)));
+        t.insert("status".into(), Value::Object(status));
+        if include_artifacts && !self.artifacts.is_empty() {
+            t.insert("artifacts".into(), Value::Array(self.artifacts.clone()));
+        }
+        let keep = history_length.unwrap_or(usize::MAX).min(self.history.len());
+        if keep > 0 {
+            let start = self.history.len() - keep;
+            let history = self
+                .history
+                .iter()
+                .skip(start)
+                .map(|m| render_message(m, Some(task_id), &self.context_id))
+                .collect();
+            t.insert("history".into(), Value::Array(history));
+        }
+        if profile {
+            t.insert(
+                "metadata".into(),
+                self.task_metadata(&cell.minted_id, self.last_seq),
+            );
+        }
+        Value::Object(t)
+    }
+
+    /// The task as it was created (before any event): the first element of
+    /// a new task's stream.
+    pub(crate) fn render_created(&self, cell: &TaskCell, task_id: &str, profile: bool) -> Value {
+        let mut t = json!({
+            "id": task_id,
+            "contextId": self.context_id,
+            "status": {
+                "state": TaskState::Submitted.as_str(),
+                "timestamp": iso_from_ms(self.created_ms),
+            },
+        });
+        if let (Some(first), Some(obj)) = (self.history.first(), t.as_object_mut()) {
+            obj.insert(
+                "history".into(),
+                json!([render_message(first, Some(task_id), &self.context_id)]),
+            );
+            if profile {
+                let mut f = Map::new();
+                f.insert("seq".into(), json!(0));
+                f.insert("requestId".into(), json!(self.request_id));
+                f.insert("facadeTaskId".into(), json!(cell.minted_id));
+                obj.insert("metadata".into(), profile::metadata(f));
+            }
+        }
+        t
+    }
+
+    /// One event as a StreamResponse.
+    pub(crate) fn render_event(&self, ev: &FacadeEvent, task_id: &str, profile: bool) -> Value {
+        let mut f = Map::new();
+        f.insert("seq".into(), json!(ev.seq));
+        f.insert("upSeq".into(), json!(ev.up_seq));
+        match &ev.body {
+            EventBody::Status {
+                state,
+                message,
+                data,
+                end,
+            } => {
+                let mut status = Map::new();
+                status.insert("state".into(), json!(state.as_str()));
+                if let Some(m) = message {
+                    status.insert("message".into(), render_message(m, Some(task_id), &self.context_id));
+                } else if let (Some(d), false) = (data, profile) {
+                    // A plain client would lose the data: show it as a message.
+                    status.insert(
+                        "message".into(),
+                        render_message(&agent_data_message(d.clone()), Some(task_id), &self.context_id),
+                    );
+                }
+                status.insert("timestamp".into(), json!(iso_from_ms(ev.at_ms)));
+                let mut u = Map::new();
+                u.insert("taskId".into(), json!(task_id));
+                u.insert("contextId".into(), json!(self.context_id));
+                u.insert("status".into(), Value::Object(status));
+                if profile {
+                    if let Some(d) = data {
+                        f.insert("data".into(), d.clone());
+                    }
+                    if let Some(end) = end {
+                        end_fields(end, &mut f);
+                    }
+                    u.insert("metadata".into(), profile::metadata(f));
+                }
+                json!({ "statusUpdate": u })
+            }
+            EventBody::Artifact {
+                artifact,
+                append,
+                last_chunk,
+            } => {
+                let mut u = Map::new();
+                u.insert("taskId".into(), json!(task_id));
+                u.insert("contextId".into(), json!(self.context_id));
+                u.insert("artifact".into(), artifact.clone());
+                if *append {
+                    u.insert("append".into(), json!(true));
+                }
+                if *last_chunk {
+                    u.insert("lastChunk".into(), json!(true));
+                }
+                if profile {
+                    u.insert("metadata".into(), profile::metadata(f));
+                }
+                json!({ "artifactUpdate": u })
+            }
+        }
+    }
+
+    /// The agent's direct message answer, when the agent answered with a
+    /// message instead of a task.
+    pub(crate) fn message_response(&self) -> Option<Value> {
+        if !self.message_response {
+            return None;
+        }
+        self.status_message
+            .as_ref()
+            .map(|m| render_message(m, None, &self.context_id))
+    }
+}
+
+fn end_fields(end: &FinalInfo, f: &mut Map<String, Value>) {
+    f.insert("outcome".into(), json!(end.outcome));
+    if let Some(e) = &end.envelope {
+        f.insert("result".into(), e.clone());
+    }
+    if let Some(v) = end.verified {
+        f.insert("verified".into(), json!(v));
+    }
+    if let Some(r) = &end.reason {
+        f.insert("reason".into(), json!(r));
+    }
+}
+
+/// One task: its identity, its record, and a counter that ticks on every
+/// change (streams wait on it).
+#[derive(Debug)]
+pub(crate) struct TaskCell {
+    pub(crate) peer: PeerId,
+    pub(crate) handle: DelegationHandle,
+    pub(crate) minted_id: String,
+    record: Mutex<TaskRecord>,
+    version: watch::Sender<u64>,
+}
+
+impl TaskCell {
+    /// The record, locked (never across an await).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, TaskRecord> {
+        lock(&self.record)
+    }
+
+    /// A receiver that sees every later change.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    /// Wakes every waiter.
+    pub(crate) fn notify(&self) {
+        self.version.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// The id A2A shows by default: the callee's task id once known.
+    pub(crate) fn public_id(&self) -> String {
+        self.lock()
+            .callee_id
+            .clone()
+            .unwrap_or_else(|| self.minted_id.clone())
+    }
+}
+
+/// A new task's first facts.
+#[derive(Debug)]
+pub(crate) struct NewTask {
+    pub(crate) peer: PeerId,
+    pub(crate) handle: DelegationHandle,
+    pub(crate) context_id: String,
+    pub(crate) first_message: Value,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    by_id: HashMap<String, Arc<TaskCell>>,
+    by_key: HashMap<DelegationKey, Arc<TaskCell>>,
+    order: VecDeque<Arc<TaskCell>>,
+}
+
+/// Every task of the facade, by id (facade-minted and callee) and by
+/// delegation.
+#[derive(Debug)]
+pub(crate) struct TaskTable {
+    index: Mutex<Index>,
+    max_tasks: usize,
+    max_events: usize,
+}
+
+impl TaskTable {
+    pub(crate) fn new(max_tasks: usize, max_events: usize) -> Self {
+        TaskTable {
+            index: Mutex::new(Index::default()),
+            max_tasks: max_tasks.max(1),
+            max_events: max_events.max(1),
+        }
+    }
+
+    /// The task of a delegation, if the facade has it.
+    pub(crate) fn by_key(&self, key: &DelegationKey) -> Option<Arc<TaskCell>> {
+        lock(&self.index).by_key.get(key).cloned()
+    }
+
+    /// The task with id `id` (minted or callee) delegated to `peer`.
+    pub(crate) fn find(&self, peer: &PeerId, id: &str) -> Option<Arc<TaskCell>> {
+        lock(&self.index)
+            .by_id
+            .get(id)
+            .filter(|c| &c.peer == peer)
+            .cloned()
+    }
+
+    /// Adds a task; returns the existing one when the delegation is known
+    /// (an idempotent re-send) and `false` then.
+    pub(crate) fn insert(&self, new: NewTask) -> (Arc<TaskCell>, bool) {
+        let mut index = lock(&self.index);
+        if let Some(c) = index.by_key.get(&new.handle.key) {
+            return (c.clone(), false);
+        }
+        let now = now_ms();
+        let minted_id = super::model::fresh_id("task");
+        let record = TaskRecord {
+            context_id: new.context_id,
+            callee_id: None,
+            request_id: new.handle.key.request_id.to_string(),
+            state: TaskState::Submitted,
+            status_message: None,
+            status_ms: now,
+            created_ms: now,
+            history: vec![new.first_message],
+            artifacts: Vec::new(),
+            events: VecDeque::new(),
+            last_seq: 0,
+            end: None,
+            message_response: false,
+            closed: None,
+            max_events: self.max_events,
+        };
+        let (version, _) = watch::channel(0);
+        let cell = Arc::new(TaskCell {
+            peer: new.peer,
+            handle: new.handle,
+            minted_id: minted_id.clone(),
+            record: Mutex::new(record),
+            version,
+        });
+        index.by_id.insert(minted_id, cell.clone());
+        index.by_key.insert(cell.handle.key.clone(), cell.clone());
+        index.order.push_back(cell.clone());
+        while index.by_key.len() > self.max_tasks {
+            let Some(pos) = index.order.iter().position(|c| c.lock().is_terminal()) else {
+                break;
+            };
+            if let Some(old) = index.order.remove(pos) {
+                index.by_key.remove(&old.handle.key);
+                index.by_id.retain(|_, c| !Arc::ptr_eq(c, &old));
+            }
+        }
+        (cell, true)
+    }
+
+    /// Records the callee's task id as another name of `cell`.
+    pub(crate) fn alias(&self, cell: &Arc<TaskCell>, callee_id: &str) {
+        let mut index = lock(&self.index);
+        if index.by_key.contains_key(&cell.handle.key) {
+            index
+                .by_id
+                .entry(callee_id.to_string())
+                .or_insert_with(|| cell.clone());
+        }
+    }
+
+    /// The tasks delegated to `peer`, oldest first.
+    pub(crate) fn of_peer(&self, peer: &PeerId) -> Vec<Arc<TaskCell>> {
+        lock(&self.index)
+            .order
+            .iter()
+            .filter(|c| &c.peer == peer)
+            .cloned()
+            .collect()
+    }
+}
