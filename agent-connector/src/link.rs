@@ -75,6 +75,9 @@ pub struct LinkSettings {
     pub max_events_per_delegation: usize,
     /// Capacity of the command channel and of each subscriber channel.
     pub queue: usize,
+    /// Finished delegations kept (for `events`/`get` after the end); older
+    /// ones are forgotten.
+    pub max_finished: usize,
 }
 
 impl LinkSettings {
@@ -94,6 +97,7 @@ impl LinkSettings {
             max_buffered_frames: 65_536,
             max_events_per_delegation: 10_000,
             queue: 1_024,
+            max_finished: 10_000,
         }
     }
 }
@@ -373,6 +377,8 @@ pub fn spawn(
         descriptor: None,
         retry_pending: false,
         heartbeat: Duration::from_secs(15),
+        ready: std::collections::HashSet::new(),
+        finished: VecDeque::new(),
     };
     let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
     let task = tokio::spawn(tracing::Instrument::instrument(link.run(shutdown), span));
@@ -482,6 +488,10 @@ struct Link {
     retry_pending: bool,
     /// Ping interval asked by the relay.
     heartbeat: Duration,
+    /// Delegations with frames to send.
+    ready: std::collections::HashSet<DelegationKey>,
+    /// Finished delegations, oldest first (bounded by `max_finished`).
+    finished: VecDeque<DelegationKey>,
 }
 
 enum Exit {
@@ -702,8 +712,11 @@ impl Link {
     ) -> Exit {
         let mut out: Vec<Bytes> = Vec::new();
         self.after_welcome(&list, &mut out);
-        for d in self.delegations.values_mut() {
+        for (key, d) in self.delegations.iter_mut() {
             d.out.sent = d.out.acked;
+            if !d.out.unacked.is_empty() {
+                self.ready.insert(key.clone());
+            }
         }
         self.pump(&mut out);
         if let Err(e) = write_all(&mut ws, &mut out).await {
@@ -846,16 +859,40 @@ impl Link {
             return;
         }
         let window = u64::from(self.max_in_flight);
-        for d in self.delegations.values_mut() {
+        // Only logs with something new to send (or a window that opened).
+        for key in self.ready.drain() {
+            let Some(d) = self.delegations.get_mut(&key) else {
+                continue;
+            };
             for (seq, bytes) in d.out.unacked.iter() {
                 if *seq <= d.out.sent {
                     continue;
                 }
                 if *seq > d.out.acked + window {
+                    // Window full: the next ack makes this log ready again.
                     break;
                 }
                 out.push(bytes.clone());
                 d.out.sent = *seq;
+            }
+        }
+    }
+
+    /// Remembers a finished delegation; the oldest beyond
+    /// `max_finished` are forgotten (their events can no longer be replayed
+    /// locally).
+    fn finished(&mut self, key: &DelegationKey) {
+        self.finished.push_back(key.clone());
+        while self.finished.len() > self.settings.max_finished {
+            let Some(old) = self.finished.pop_front() else {
+                break;
+            };
+            if self
+                .delegations
+                .get(&old)
+                .is_some_and(|d| d.terminal.is_some() && d.out.unacked.is_empty())
+            {
+                self.delegations.remove(&old);
             }
         }
     }
@@ -889,6 +926,7 @@ impl Link {
                 d.out.unacked.push_back((1, bytes));
                 d.open_reply = Some(reply);
                 self.buffered += 1;
+                self.ready.insert(key.clone());
                 self.delegations.insert(key, d);
             }
             Command::Send {
@@ -937,6 +975,7 @@ impl Link {
                         d.out.next += 1;
                         d.out.unacked.push_back((seq, bytes));
                         self.buffered += 1;
+                        self.ready.insert(key.clone());
                         if let SendKind::Terminal(o) = kind {
                             d.terminal = Some(o);
                         }
@@ -1136,6 +1175,15 @@ impl Link {
         for (s, w) in done {
             let _ = w.send(Ok(s));
         }
+        let sent_all = d.out.unacked.is_empty();
+        let our_terminal_durable = sent_all && d.terminal.is_some() && !d.is_caller;
+        if !sent_all {
+            // The window moved: more may go out.
+            self.ready.insert(key.clone());
+        }
+        if our_terminal_durable {
+            self.finished(key);
+        }
     }
 
     async fn data(&mut self, f: Data, out: &mut Vec<Bytes>) {
@@ -1162,7 +1210,11 @@ impl Link {
             while d.events.len() > self.settings.max_events_per_delegation {
                 d.events.pop_front();
             }
+            let done = ev.terminal.is_some();
             d.notify(&Ok(ev));
+            if done {
+                self.finished(&f.key);
+            }
         } else {
             let _ = self
                 .incoming
@@ -1196,14 +1248,16 @@ impl Link {
                 }
                 d.out.acked = d.out.acked.max(tail);
                 d.out.sent = d.out.acked;
+                self.ready.insert(key.clone());
             }
             Some(
                 ErrorCode::StoreUnavailable
                 | ErrorCode::RateLimited
                 | ErrorCode::TooManyDelegations,
             ) => {
-                // Retryable: resend from the acked point on the next pump.
+                // Retryable: resend from the acked point after a pause.
                 d.out.sent = d.out.acked;
+                self.ready.insert(key.clone());
                 self.retry_pending = true;
             }
             Some(ErrorCode::AlreadyTerminal) => {

@@ -65,7 +65,6 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
     };
     let config = dir.join("relay.toml");
     let cert = dir.join("relay-cert.pem");
-    let key = dir.join("relay-key.pem");
     let identities: Vec<(PeerId, PathBuf)> = DEV_PEERS
         .iter()
         .map(|p| {
@@ -84,6 +83,9 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
         });
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    // Absolute paths in the generated config, so it works from any folder.
+    let abs = std::fs::canonicalize(dir).map_err(io(dir))?;
+    let (cert, key) = (abs.join("relay-cert.pem"), abs.join("relay-key.pem"));
     let ss = tls::self_signed(&["localhost", "127.0.0.1"])?;
     tls::write_file(&cert, &ss.cert_pem, false)?;
     tls::write_file(&key, &ss.key_pem, true)?;

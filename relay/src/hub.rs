@@ -451,10 +451,7 @@ impl<S: EventStore> Hub<S> {
         if seq == sub.delivered + 1 {
             if sub.outbox.push(frame) {
                 sub.delivered = seq;
-                self.metrics
-                    .frames
-                    .with_label_values(&["data", "out"])
-                    .inc();
+                self.metrics.hot.data_out.inc();
             } else {
                 *slot = None;
             }

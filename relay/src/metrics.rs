@@ -50,6 +50,31 @@ pub struct Metrics {
     pub rate_limited: IntCounterVec,
     /// Connections refused before the handshake, by reason.
     pub refused: IntCounterVec,
+    /// Hot-path handles, resolved once: frames in by type (indexed by the
+    /// type byte), data frames out, bytes in and out.
+    pub hot: HotCounters,
+}
+
+/// Counters of the frame path, resolved once so a frame costs an atomic add
+/// instead of a label lookup.
+#[derive(Debug, Clone)]
+pub struct HotCounters {
+    frames_in: Vec<prometheus::IntCounter>,
+    /// Data frames delivered live.
+    pub data_out: prometheus::IntCounter,
+    /// Bytes received.
+    pub bytes_in: prometheus::IntCounter,
+    /// Bytes sent.
+    pub bytes_out: prometheus::IntCounter,
+    /// Store `append` latency.
+    pub append_latency: prometheus::Histogram,
+}
+
+impl HotCounters {
+    /// The counter of frames received of a type.
+    pub fn frame_in(&self, t: oab_wire::FrameType) -> Option<&prometheus::IntCounter> {
+        self.frames_in.get(t as usize)
+    }
 }
 
 // Metric names and labels are compile-time constants, so construction can
@@ -119,7 +144,24 @@ impl Metrics {
         .expect("valid metric");
         reg.register(Box::new(store_latency.clone()))
             .expect("unique metric");
+        let frames = counter_vec(&reg, "oab_frames_total", "Frames by type and direction.", &["type", "direction"]);
+        let bytes = counter_vec(&reg, "oab_bytes_total", "Frame bytes by direction.", &["direction"]);
+        let mut frames_in = vec![frames.with_label_values(&["unknown", "in"])];
+        for t in 1..=u8::MAX {
+            match oab_wire::FrameType::from_u8(t) {
+                Some(ft) => frames_in.push(frames.with_label_values(&[ft.name(), "in"])),
+                None => break,
+            }
+        }
+        let hot = HotCounters {
+            frames_in,
+            data_out: frames.with_label_values(&["data", "out"]),
+            bytes_in: bytes.with_label_values(&["in"]),
+            bytes_out: bytes.with_label_values(&["out"]),
+            append_latency: store_latency.with_label_values(&["append"]),
+        };
         Metrics {
+            hot,
             sessions: gauge(&reg, "oab_sessions", "Authenticated sessions."),
             connections: gauge(&reg, "oab_connections", "Open connections in any phase."),
             handshakes: counter_vec(
@@ -128,18 +170,8 @@ impl Metrics {
                 "Session handshakes by result.",
                 &["result"],
             ),
-            frames: counter_vec(
-                &reg,
-                "oab_frames_total",
-                "Frames by type and direction.",
-                &["type", "direction"],
-            ),
-            bytes: counter_vec(
-                &reg,
-                "oab_bytes_total",
-                "Frame bytes by direction.",
-                &["direction"],
-            ),
+            frames,
+            bytes,
             delegations_opened: counter(
                 &reg,
                 "oab_delegations_opened_total",

@@ -402,14 +402,12 @@ impl<S: EventStore> Session<S> {
             )),
             Some(Err(_)) => Ok(false),
             Some(Ok(Message::Binary(bytes))) => {
-                m.bytes
-                    .with_label_values(&["in"])
-                    .inc_by(bytes.len() as u64);
+                m.hot.bytes_in.inc_by(bytes.len() as u64);
                 match decode_message(bytes.clone(), limits) {
                     Ok(frame) => {
-                        m.frames
-                            .with_label_values(&[frame.frame_type().name(), "in"])
-                            .inc();
+                        if let Some(c) = m.hot.frame_in(frame.frame_type()) {
+                            c.inc();
+                        }
                         batch.push((bytes, frame));
                         Ok(true)
                     }
@@ -585,7 +583,14 @@ impl<S: EventStore> Session<S> {
         let reqs: Vec<AppendRequest> = pending.iter().map(|p| p.req.clone()).collect();
         let started = Instant::now();
         let res = self.hub.store.append(reqs).await;
-        self.hub.observe_store("append", started, res.is_ok());
+        self.hub
+            .metrics
+            .hot
+            .append_latency
+            .observe(started.elapsed().as_secs_f64());
+        if res.is_err() {
+            self.hub.metrics.store_errors.with_label_values(&["append"]).inc();
+        }
         let outcomes = match res {
             Ok(o) => o,
             Err(e) => {
@@ -914,9 +919,6 @@ where
         bytes += frame.len();
         ws.feed(Message::Binary(frame)).await?;
     }
-    hub.metrics
-        .bytes
-        .with_label_values(&["out"])
-        .inc_by(bytes as u64);
+    hub.metrics.hot.bytes_out.inc_by(bytes as u64);
     ws.flush().await
 }
