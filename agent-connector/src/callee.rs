@@ -74,6 +74,8 @@ pub enum StopReason {
     Deadline,
     /// The cancel token stopped the work: `cancelled`.
     Cancelled,
+    /// The agent declined the task before doing anything: `rejected`.
+    Rejected(String),
 }
 
 impl StopReason {
@@ -86,6 +88,7 @@ impl StopReason {
             }
             StopReason::Deadline => Outcome::Expired,
             StopReason::Cancelled => Outcome::Cancelled,
+            StopReason::Rejected(_) => Outcome::Rejected,
         }
     }
 
@@ -96,6 +99,7 @@ impl StopReason {
             StopReason::Error(m) => Some(m.clone()),
             StopReason::Deadline => Some("deadline passed".into()),
             StopReason::Cancelled => Some("cancelled".into()),
+            StopReason::Rejected(m) => Some(format!("rejected: {m}")),
             StopReason::EndTurn => None,
         }
     }

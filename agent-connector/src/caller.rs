@@ -102,7 +102,7 @@ pub struct Terminal {
     pub outcome: Outcome,
     /// Appended by the relay (`expired`, `unknown`): no signed result exists.
     pub relay_origin: bool,
-    /// The callee's signed result (unverified until [`Connector::verify`]).
+    /// The callee's signed result (unverified until [`Caller::verify`]).
     pub envelope: Option<Envelope>,
     /// The relay's reason, for relay-originated terminals.
     pub reason: Option<String>,
@@ -298,6 +298,14 @@ impl Caller {
             state,
             audit,
         }
+    }
+
+    /// The signed request of a delegation this connector started (or
+    /// restored).
+    pub fn request(&self, handle: &DelegationHandle) -> Option<DelegationRequest> {
+        lock(&self.records)
+            .get(&handle.key)
+            .map(|r| r.request.clone())
     }
 
     /// Resumes every unfinished delegation saved in the state folder (after a

@@ -39,6 +39,33 @@ pub struct ConnectorConfig {
     /// What this host allows delegations it serves to do.
     #[serde(default)]
     pub policy: PolicySection,
+    /// The A2A 1.0 endpoints: the facade for local A2A clients (caller side)
+    /// and the driver towards a local A2A server (callee side).
+    #[serde(default)]
+    pub a2a: A2aSection,
+}
+
+/// `[a2a]`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct A2aSection {
+    /// Loopback address of the caller-side facade (A2A JSON-RPC, one agent
+    /// per remote peer under `/peers/{namespace}/{name}/`). Unset: no facade.
+    #[serde(default)]
+    pub facade_listen: Option<std::net::SocketAddr>,
+    /// The base URL local clients use to reach the facade (in agent cards).
+    #[serde(default)]
+    pub public_url: Option<String>,
+    /// Capabilities requested for delegations from plain A2A clients.
+    #[serde(default)]
+    pub default_capabilities: Vec<String>,
+    /// Deadline for delegations from plain A2A clients, ms from the request.
+    #[serde(default)]
+    pub default_timeout_ms: Option<u64>,
+    /// The local A2A 1.0 server that serves delegations for this host
+    /// (`http://127.0.0.1:9999`). Unset: incoming delegations are refused.
+    #[serde(default)]
+    pub driver_url: Option<String>,
 }
 
 /// `[connector]`
@@ -191,6 +218,18 @@ impl ConnectorConfig {
             if p.keys.is_empty() {
                 errors.push(format!("peers[{i}].keys: at least one key is required"));
             }
+        }
+        if let Some(addr) = self.a2a.facade_listen
+            && !addr.ip().is_loopback()
+        {
+            errors.push(format!(
+                "a2a.facade_listen: {addr} is not a loopback address; the facade has no authentication of its own"
+            ));
+        }
+        if let Some(url) = &self.a2a.driver_url
+            && !url.starts_with("http://")
+        {
+            errors.push("a2a.driver_url: must be an http:// URL of a local A2A server".into());
         }
         if self.policy.max_concurrent == 0 {
             errors.push("policy.max_concurrent: must be greater than 0".into());

@@ -14,7 +14,9 @@
 //! | [`audit`] | the audit trail |
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
+//! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
 
+pub mod a2a;
 pub mod audit;
 pub mod authority;
 pub mod callee;

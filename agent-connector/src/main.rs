@@ -6,7 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use std::sync::Arc;
+
+use oab_connector::a2a::{A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions};
 use oab_connector::authority::{CapabilitySet, Grant, Policy};
+use oab_connector::callee::CalleeOptions;
 use oab_connector::config::ConnectorConfig;
 use oab_connector::link::LinkSettings;
 use oab_connector::profile::{Budgets, RiskLevel};
@@ -121,6 +125,18 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         },
         max_deadline_ms: p.max_deadline_ms,
     };
+    // Callee side: the A2A driver forwards delegations to the local A2A
+    // server; without one, incoming delegations get a signed `rejected`.
+    let driver = match &config.a2a.driver_url {
+        Some(url) => Some(A2aDriver::new(DriverOptions::new(url.clone()))?),
+        None => None,
+    };
+    let callee = driver.as_ref().map(|d| CalleeOptions {
+        executor: Arc::new(d.clone()),
+        policy: Arc::new(policy.clone()),
+        max_concurrent: p.max_concurrent,
+        max_concurrent_per_peer: p.max_concurrent_per_peer,
+    });
     let connector = Connector::start(ConnectorOptions {
         link,
         trust: config.trust(),
@@ -129,20 +145,51 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
             remaining: policy.budgets,
         },
         caller_policy: policy,
-        // The A2A driver (or an in-process executor) plugs in here; without
-        // one, incoming delegations are refused with a signed `rejected`.
-        callee: None,
+        callee,
         audit: None,
         state: match &c.state_dir {
             Some(dir) => Some(oab_connector::state::FileState::open(dir)?),
             None => None,
         },
     })?;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    // Caller side: the A2A facade for local A2A clients.
+    if let Some(addr) = config.a2a.facade_listen {
+        let mut defaults = DelegationDefaults::default();
+        defaults.capabilities = config.a2a.default_capabilities.clone();
+        if let Some(ms) = config.a2a.default_timeout_ms {
+            defaults.timeout = Duration::from_millis(ms);
+        }
+        let options = FacadeOptions {
+            public_url: config.a2a.public_url.clone(),
+            defaults,
+            ..FacadeOptions::default()
+        };
+        let facade = Facade::new(connector.caller().clone(), options);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding a2a.facade_listen {addr}"))?;
+        tracing::info!(%addr, "A2A facade listening (agents under /peers/<namespace>/<name>/)");
+        tokio::spawn(oab_connector::a2a::serve(
+            listener,
+            facade,
+            shutdown.child_token(),
+        ));
+    }
     tokio::select! {
         r = connector.connected() => { r?; tracing::info!("connected to the relay"); }
         () = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("still connecting to the relay"),
     }
+    if let Some(d) = &driver {
+        match d.agent_card().await {
+            Ok(card) => connector.publish(&card).await?,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the local A2A server's card; not published")
+            }
+        }
+    }
     wait_for_signal().await;
+    shutdown.cancel();
     connector.shutdown().await;
     Ok(())
 }

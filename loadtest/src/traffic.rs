@@ -61,7 +61,7 @@ impl DataTemplate {
             payload_len >= STAMP_LEN,
             "payloads carry a {STAMP_LEN}-byte stamp: {payload_len} B is too small"
         );
-        let payload: Bytes = (0..payload_len).map(filler).collect::<Vec<u8>>().into();
+        let payload = filler_payload(payload_len);
         let probe = 0x0102_0304_0506_0708u64;
         let frame = Frame::Data(Data {
             key: key.clone(),
@@ -136,13 +136,9 @@ pub fn stamp_of(payload: &[u8]) -> Option<(u64, u64, u64)> {
     Some((word(0)?, word(8)?, word(16)?))
 }
 
-/// Whether the bytes after the stamp are the filler the sender wrote.
-fn filler_intact(payload: &[u8]) -> bool {
-    payload
-        .iter()
-        .enumerate()
-        .skip(STAMP_LEN)
-        .all(|(i, b)| *b == filler(i))
+/// The payload a sender builds for `len` bytes, before the stamp is written.
+fn filler_payload(len: usize) -> Bytes {
+    (0..len).map(filler).collect::<Vec<u8>>().into()
 }
 
 /// How far ahead of the expected sequence a frame may be and still count as
@@ -152,7 +148,9 @@ const MAX_SKIP: u64 = 1 << 20;
 /// What a receiver saw on one log, checked frame by frame.
 #[derive(Debug, Clone)]
 pub struct StreamCheck {
-    payload_len: usize,
+    /// The payload every frame must carry after its stamp (compared with
+    /// one `memcmp`, so checking costs little next to TLS).
+    expected: Bytes,
     /// The payload stamp's sequence minus the header's (an echo on the up
     /// log carries the down frame's stamp: +1).
     stamp_offset: u64,
@@ -207,7 +205,7 @@ impl StreamCheck {
     /// whose stamp sequence is the header's plus `stamp_offset`.
     pub fn new(first: u64, payload_len: usize, stamp_offset: u64) -> StreamCheck {
         StreamCheck {
-            payload_len,
+            expected: filler_payload(payload_len),
             stamp_offset,
             next: first,
             received: 0,
@@ -220,9 +218,9 @@ impl StreamCheck {
 
     /// Checks one frame. Returns whether it was new (not a duplicate).
     pub fn observe(&mut self, seq: u64, payload: &[u8]) -> bool {
-        let intact = payload.len() == self.payload_len
+        let intact = payload.len() == self.expected.len()
             && stamp_of(payload).is_some_and(|(s, _, _)| s == seq.wrapping_add(self.stamp_offset))
-            && filler_intact(payload);
+            && payload.get(STAMP_LEN..) == self.expected.get(STAMP_LEN..);
         if !intact {
             self.corrupt += 1;
         }

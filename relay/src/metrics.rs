@@ -144,8 +144,18 @@ impl Metrics {
         .expect("valid metric");
         reg.register(Box::new(store_latency.clone()))
             .expect("unique metric");
-        let frames = counter_vec(&reg, "oab_frames_total", "Frames by type and direction.", &["type", "direction"]);
-        let bytes = counter_vec(&reg, "oab_bytes_total", "Frame bytes by direction.", &["direction"]);
+        let frames = counter_vec(
+            &reg,
+            "oab_frames_total",
+            "Frames by type and direction.",
+            &["type", "direction"],
+        );
+        let bytes = counter_vec(
+            &reg,
+            "oab_bytes_total",
+            "Frame bytes by direction.",
+            &["direction"],
+        );
         let mut frames_in = vec![frames.with_label_values(&["unknown", "in"])];
         for t in 1..=u8::MAX {
             match oab_wire::FrameType::from_u8(t) {

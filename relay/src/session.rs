@@ -589,7 +589,11 @@ impl<S: EventStore> Session<S> {
             .append_latency
             .observe(started.elapsed().as_secs_f64());
         if res.is_err() {
-            self.hub.metrics.store_errors.with_label_values(&["append"]).inc();
+            self.hub
+                .metrics
+                .store_errors
+                .with_label_values(&["append"])
+                .inc();
         }
         let outcomes = match res {
             Ok(o) => o,

@@ -147,7 +147,8 @@ async fn invalid_opens_and_log_frames_get_typed_errors_memory() {
 
 #[tokio::test]
 async fn invalid_opens_and_log_frames_get_typed_errors_redis() {
-    let server = oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
+    let server =
+        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
     let store = oab_relay::store::RedisStore::connect(&server.url(), Retention::default())
         .await
         .unwrap();

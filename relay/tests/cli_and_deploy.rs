@@ -35,7 +35,13 @@ fn check_config_names_every_bad_field_and_exits_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    for field in ["relay.tls_cert", "relay.heartbeat_ms", "store.url", "routes[0].from", "routes[0].to"] {
+    for field in [
+        "relay.tls_cert",
+        "relay.heartbeat_ms",
+        "store.url",
+        "routes[0].from",
+        "routes[0].to",
+    ] {
         assert!(err.contains(field), "{field} missing from: {err}");
     }
     let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/relay/relay.toml");
@@ -44,7 +50,11 @@ fn check_config_names_every_bad_field_and_exits_2() {
         .arg(&good)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

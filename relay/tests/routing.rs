@@ -368,14 +368,18 @@ async fn peer_directory_lists_reachable_peers_and_pushes_presence() {
     // The callee comes online and publishes its agent card: pushed to the caller.
     let mut b = relay.client(&env.callee).await;
     let card = serde_json::json!({"name": "callee", "version": "1.0"});
-    b.send(&Frame::Publish(Bytes::from(card.to_string()))).await.unwrap();
+    b.send(&Frame::Publish(Bytes::from(card.to_string())))
+        .await
+        .unwrap();
     let list = recv_until(&mut a, |f| {
         peers(f).filter(|l| l[0].online && l[0].descriptor.is_some())
     })
     .await;
     assert_eq!(list[0].descriptor.as_ref().unwrap()["name"], "callee");
     // Oversized and non-JSON descriptors are refused.
-    b.send(&Frame::Publish(Bytes::from_static(b"not json"))).await.unwrap();
+    b.send(&Frame::Publish(Bytes::from_static(b"not json")))
+        .await
+        .unwrap();
     let code = recv_until(&mut b, |f| match f {
         Frame::Error(e) => Some(e.code),
         _ => None,

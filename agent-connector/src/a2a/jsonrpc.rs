@@ -178,8 +178,12 @@ pub struct RpcRequest {
 /// and notifications included: A2A defines neither), -32602 for params
 /// that are not an object.
 pub fn parse_request(body: &[u8]) -> Result<RpcRequest, (Value, A2aError)> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| (Value::Null, A2aError::Parse(format!("the body is not JSON: {e}"))))?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        (
+            Value::Null,
+            A2aError::Parse(format!("the body is not JSON: {e}")),
+        )
+    })?;
     let Value::Object(mut obj) = value else {
         return Err((
             Value::Null,
@@ -218,7 +222,10 @@ pub fn parse_request(body: &[u8]) -> Result<RpcRequest, (Value, A2aError)> {
     };
     let params = match obj.remove("params") {
         None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(p)) => p,
+        Some(Value::Object(mut p)) => {
+            camelize(&mut p);
+            p
+        }
         Some(_) => {
             return Err((
                 id,
@@ -227,6 +234,49 @@ pub fn parse_request(body: &[u8]) -> Result<RpcRequest, (Value, A2aError)> {
         }
     };
     Ok(RpcRequest { id, method, params })
+}
+
+/// Renames `snake_case` members to their `lowerCamelCase` JSON names, at
+/// every depth except inside `metadata` and `data` (free-form values):
+/// ProtoJSON parsers accept both the JSON name and the proto field name,
+/// and some clients send the latter (`history_length`).
+pub fn camelize(map: &mut Map<String, Value>) {
+    let keys: Vec<String> = map.keys().filter(|k| k.contains('_')).cloned().collect();
+    for k in keys {
+        let mut camel = String::with_capacity(k.len());
+        let mut upper = false;
+        for c in k.chars() {
+            if c == '_' {
+                upper = true;
+            } else if upper {
+                camel.extend(c.to_uppercase());
+                upper = false;
+            } else {
+                camel.push(c);
+            }
+        }
+        if !map.contains_key(&camel)
+            && let Some(v) = map.remove(&k)
+        {
+            map.insert(camel, v);
+        }
+    }
+    for (k, v) in map.iter_mut() {
+        if k == "metadata" || k == "data" {
+            continue;
+        }
+        match v {
+            Value::Object(o) => camelize(o),
+            Value::Array(items) => {
+                for item in items {
+                    if let Value::Object(o) = item {
+                        camelize(o);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// A JSON-RPC success response.
@@ -247,13 +297,17 @@ pub fn check_version(header: Option<&str>, query: Option<&str>) -> Result<(), A2
     let mut parts = given.split('.');
     let major = parts.next().unwrap_or_default();
     let minor = parts.next().unwrap_or_default();
-    let wanted = PROTOCOL_VERSION.split_once('.').unwrap_or((PROTOCOL_VERSION, "0"));
+    let wanted = PROTOCOL_VERSION
+        .split_once('.')
+        .unwrap_or((PROTOCOL_VERSION, "0"));
     let numeric = |s: &str| s.parse::<u32>().ok();
     match (numeric(major), numeric(minor)) {
         (Some(a), Some(b)) if Some(a) == numeric(wanted.0) && Some(b) == numeric(wanted.1) => {
             Ok(())
         }
-        _ => Err(A2aError::VersionNotSupported(given.chars().take(32).collect())),
+        _ => Err(A2aError::VersionNotSupported(
+            given.chars().take(32).collect(),
+        )),
     }
 }
 
@@ -269,18 +323,41 @@ mod tests {
             (b"{not json", -32700),
             (b"[1,2]", -32600),
             (b"{\"jsonrpc\":\"2.0\",\"method\":\"GetTask\"}", -32600),
-            (b"{\"jsonrpc\":\"1.0\",\"id\":1,\"method\":\"GetTask\"}", -32600),
-            (b"{\"jsonrpc\":\"2.0\",\"id\":{},\"method\":\"GetTask\"}", -32600),
+            (
+                b"{\"jsonrpc\":\"1.0\",\"id\":1,\"method\":\"GetTask\"}",
+                -32600,
+            ),
+            (
+                b"{\"jsonrpc\":\"2.0\",\"id\":{},\"method\":\"GetTask\"}",
+                -32600,
+            ),
             (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":7}", -32600),
-            (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"GetTask\",\"params\":[1]}", -32602),
+            (
+                b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"GetTask\",\"params\":[1]}",
+                -32602,
+            ),
         ];
         for (body, code) in cases {
             let (_, e) = parse_request(body).unwrap_err();
             assert_eq!(e.code(), *code, "{}", String::from_utf8_lossy(body));
         }
-        let ok = parse_request(b"{\"jsonrpc\":\"2.0\",\"id\":\"a\",\"method\":\"GetTask\"}").unwrap();
+        let ok =
+            parse_request(b"{\"jsonrpc\":\"2.0\",\"id\":\"a\",\"method\":\"GetTask\"}").unwrap();
         assert_eq!(ok.id, Value::String("a".into()));
         assert!(ok.params.is_empty());
+    }
+
+    #[test]
+    fn proto_field_names_are_accepted() {
+        let r = parse_request(
+            br#"{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"t","history_length":1,
+            "message":{"message_id":"m","parts":[{"media_type":"x","text":"y"}],"metadata":{"a_b":1}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.params["historyLength"], 1);
+        assert_eq!(r.params["message"]["messageId"], "m");
+        assert_eq!(r.params["message"]["parts"][0]["mediaType"], "x");
+        assert_eq!(r.params["message"]["metadata"]["a_b"], 1);
     }
 
     #[test]
@@ -288,7 +365,14 @@ mod tests {
         assert!(check_version(Some("1.0"), None).is_ok());
         assert!(check_version(Some(" 1.0.1 "), None).is_ok());
         assert!(check_version(None, Some("1.0")).is_ok());
-        for bad in [None, Some(""), Some("0.3"), Some("1.1"), Some("2.0"), Some("x")] {
+        for bad in [
+            None,
+            Some(""),
+            Some("0.3"),
+            Some("1.1"),
+            Some("2.0"),
+            Some("x"),
+        ] {
             let e = check_version(bad, None).unwrap_err();
             assert_eq!(e.code(), -32009);
         }
@@ -309,6 +393,9 @@ mod tests {
             code: "capability_denied".into(),
             message: "no".into(),
         };
-        assert_eq!(r.to_error_object()["data"][0]["reason"], "CAPABILITY_DENIED");
+        assert_eq!(
+            r.to_error_object()["data"][0]["reason"],
+            "CAPABILITY_DENIED"
+        );
     }
 }

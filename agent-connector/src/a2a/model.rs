@@ -326,7 +326,9 @@ pub fn artifact_to_a2a(a: &Artifact) -> Value {
     {
         out.insert(
             "parts".into(),
-            data.get("parts").cloned().unwrap_or(Value::Array(Vec::new())),
+            data.get("parts")
+                .cloned()
+                .unwrap_or(Value::Array(Vec::new())),
         );
         for key in ["description", "metadata", "extensions"] {
             if let Some(v) = data.get(key) {
@@ -412,7 +414,10 @@ pub fn artifact_from_a2a(v: &Value) -> Option<Artifact> {
     let mut data = Map::new();
     data.insert(
         "parts".into(),
-        parts.cloned().map(Value::Array).unwrap_or(Value::Array(Vec::new())),
+        parts
+            .cloned()
+            .map(Value::Array)
+            .unwrap_or(Value::Array(Vec::new())),
     );
     for key in ["description", "metadata", "extensions"] {
         if let Some(v) = obj.get(key) {
@@ -466,9 +471,20 @@ mod tests {
         for ms in [0, 951_782_400_000, 1_800_000_000_123, 4_102_444_800_999] {
             assert_eq!(ms_from_iso(&iso_from_ms(ms)), Some(ms));
         }
-        assert_eq!(ms_from_iso("2027-01-15T09:00:00+01:00"), Some(1_800_000_000_000));
-        assert_eq!(ms_from_iso("2027-01-15T08:00:00.5Z"), Some(1_800_000_000_500));
-        for bad in ["", "2027-01-15", "2027-13-01T00:00:00Z", "2027-01-15T08:00:00"] {
+        assert_eq!(
+            ms_from_iso("2027-01-15T09:00:00+01:00"),
+            Some(1_800_000_000_000)
+        );
+        assert_eq!(
+            ms_from_iso("2027-01-15T08:00:00.5Z"),
+            Some(1_800_000_000_500)
+        );
+        for bad in [
+            "",
+            "2027-01-15",
+            "2027-13-01T00:00:00Z",
+            "2027-01-15T08:00:00",
+        ] {
             assert_eq!(ms_from_iso(bad), None, "{bad}");
         }
     }
@@ -518,10 +534,25 @@ mod tests {
     #[test]
     fn appends_extend_parts() {
         let mut arts = Vec::new();
-        merge_artifact(&mut arts, &json!({"artifactId":"a","parts":[{"text":"1"}]}), true);
-        merge_artifact(&mut arts, &json!({"artifactId":"a","parts":[{"text":"2"}]}), true);
-        assert_eq!(arts, vec![json!({"artifactId":"a","parts":[{"text":"1"},{"text":"2"}]})]);
-        merge_artifact(&mut arts, &json!({"artifactId":"a","parts":[{"text":"3"}]}), false);
+        merge_artifact(
+            &mut arts,
+            &json!({"artifactId":"a","parts":[{"text":"1"}]}),
+            true,
+        );
+        merge_artifact(
+            &mut arts,
+            &json!({"artifactId":"a","parts":[{"text":"2"}]}),
+            true,
+        );
+        assert_eq!(
+            arts,
+            vec![json!({"artifactId":"a","parts":[{"text":"1"},{"text":"2"}]})]
+        );
+        merge_artifact(
+            &mut arts,
+            &json!({"artifactId":"a","parts":[{"text":"3"}]}),
+            false,
+        );
         assert_eq!(arts, vec![json!({"artifactId":"a","parts":[{"text":"3"}]})]);
     }
 }

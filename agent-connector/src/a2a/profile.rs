@@ -171,9 +171,8 @@ pub fn contract(message: &Value, request_metadata: Option<&Value>) -> Result<Con
     let Some(raw) = raw else {
         return Ok(Contract::default());
     };
-    let c: Contract = serde_json::from_value(raw.clone()).map_err(|e| {
-        A2aError::InvalidParams(format!("metadata[{PROFILE_URI}]: {e}"))
-    })?;
+    let c: Contract = serde_json::from_value(raw.clone())
+        .map_err(|e| A2aError::InvalidParams(format!("metadata[{PROFILE_URI}]: {e}")))?;
     if c.depth.is_some_and(|d| d != 1) {
         return Err(A2aError::Refused {
             code: "nested_delegation".into(),
@@ -221,7 +220,10 @@ mod tests {
         let m = json!({"metadata": {PROFILE_URI: {"capabilities": ["read:repo"], "timeoutMs": 5000,
             "budgets": {"tokens": 10, "risk": "low"}}}});
         let c = contract(&m, None).unwrap();
-        assert_eq!(c.capabilities.unwrap(), vec!["read:repo".to_string()]);
+        assert_eq!(
+            c.capabilities.clone().unwrap(),
+            vec!["read:repo".to_string()]
+        );
         assert_eq!(c.timeout(), Some(Duration::from_secs(5)));
         assert_eq!(c.budgets.unwrap().risk, Some(RiskLevel::Low));
         let bad = json!({"metadata": {PROFILE_URI: {"capability": []}}});

@@ -98,7 +98,10 @@ pub(crate) struct TerminalView {
 
 impl TerminalView {
     /// Maps a terminal and the outcome of verifying its signed result.
-    pub(crate) fn new(terminal: &Terminal, verified: Result<DelegationResult, CallerError>) -> Self {
+    pub(crate) fn new(
+        terminal: &Terminal,
+        verified: Result<DelegationResult, CallerError>,
+    ) -> Self {
         let outcome = terminal.outcome;
         let envelope = terminal
             .envelope
@@ -120,7 +123,10 @@ impl TerminalView {
             let text = format!(
                 "the delegation ended {}: {}",
                 outcome.name(),
-                terminal.reason.as_deref().unwrap_or("reported by the relay")
+                terminal
+                    .reason
+                    .as_deref()
+                    .unwrap_or("reported by the relay")
             );
             return TerminalView {
                 state,
@@ -159,7 +165,8 @@ impl TerminalView {
         {
             state = TaskState::Rejected;
         }
-        let message = if let Some(m) = a2a.and_then(|a| a.get("message")).filter(|m| m.is_object()) {
+        let message = if let Some(m) = a2a.and_then(|a| a.get("message")).filter(|m| m.is_object())
+        {
             normalise_message(m, "ROLE_AGENT")
         } else if let Some(err) = &result.error {
             Some(agent_text_message(err))
@@ -202,6 +209,8 @@ pub(crate) struct TaskRecord {
     pub(crate) message_response: bool,
     /// The connector stopped: no more events will come.
     pub(crate) closed: Option<String>,
+    /// The delegation's deadline (Unix ms).
+    pub(crate) deadline_ms: u64,
     max_events: usize,
 }
 
@@ -231,11 +240,21 @@ impl TaskRecord {
 
     /// Events after `after`, in order.
     pub(crate) fn events_after(&self, after: u64) -> Vec<FacadeEvent> {
-        self.events.iter().filter(|e| e.seq > after).cloned().collect()
+        self.events
+            .iter()
+            .filter(|e| e.seq > after)
+            .cloned()
+            .collect()
     }
 
     /// Folds a progress event.
-    pub(crate) fn status(&mut self, up_seq: u64, state: &str, message: Option<&Value>, data: Option<Value>) {
+    pub(crate) fn status(
+        &mut self,
+        up_seq: u64,
+        state: &str,
+        message: Option<&Value>,
+        data: Option<Value>,
+    ) {
         if self.is_terminal() {
             return;
         }
@@ -263,7 +282,13 @@ impl TaskRecord {
     }
 
     /// Folds an artifact event.
-    pub(crate) fn artifact(&mut self, up_seq: u64, artifact: &Artifact, append: bool, last_chunk: bool) {
+    pub(crate) fn artifact(
+        &mut self,
+        up_seq: u64,
+        artifact: &Artifact,
+        append: bool,
+        last_chunk: bool,
+    ) {
         if self.is_terminal() {
             return;
         }
@@ -373,7 +398,10 @@ impl TaskRecord {
         let mut status = Map::new();
         status.insert("state".into(), json!(self.state.as_str()));
         if let Some(m) = &self.status_message {
-            status.insert("message".into(), render_message(m, Some(task_id), &self.context_id));
+            status.insert(
+                "message".into(),
+                render_message(m, Some(task_id), &self.context_id),
+            );
         }
         status.insert("timestamp".into(), json!(iso_from_ms(self.status_ms)));
         t.insert("status".into(), Value::Object(status));
@@ -442,12 +470,19 @@ impl TaskRecord {
                 let mut status = Map::new();
                 status.insert("state".into(), json!(state.as_str()));
                 if let Some(m) = message {
-                    status.insert("message".into(), render_message(m, Some(task_id), &self.context_id));
+                    status.insert(
+                        "message".into(),
+                        render_message(m, Some(task_id), &self.context_id),
+                    );
                 } else if let (Some(d), false) = (data, profile) {
                     // A plain client would lose the data: show it as a message.
                     status.insert(
                         "message".into(),
-                        render_message(&agent_data_message(d.clone()), Some(task_id), &self.context_id),
+                        render_message(
+                            &agent_data_message(d.clone()),
+                            Some(task_id),
+                            &self.context_id,
+                        ),
                     );
                 }
                 status.insert("timestamp".into(), json!(iso_from_ms(ev.at_ms)));
@@ -557,6 +592,7 @@ pub(crate) struct NewTask {
     pub(crate) handle: DelegationHandle,
     pub(crate) context_id: String,
     pub(crate) first_message: Value,
+    pub(crate) deadline_ms: u64,
 }
 
 #[derive(Debug, Default)]
@@ -582,11 +618,6 @@ impl TaskTable {
             max_tasks: max_tasks.max(1),
             max_events: max_events.max(1),
         }
-    }
-
-    /// The task of a delegation, if the facade has it.
-    pub(crate) fn by_key(&self, key: &DelegationKey) -> Option<Arc<TaskCell>> {
-        lock(&self.index).by_key.get(key).cloned()
     }
 
     /// The task with id `id` (minted or callee) delegated to `peer`.
@@ -622,6 +653,7 @@ impl TaskTable {
             end: None,
             message_response: false,
             closed: None,
+            deadline_ms: new.deadline_ms,
             max_events: self.max_events,
         };
         let (version, _) = watch::channel(0);

@@ -33,9 +33,8 @@ pub struct Common {
     pub tuning: Tuning,
 }
 
-/// Where a case's frames go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+/// Where a case's frames go. Serialized as its [name](Path::name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     /// Endpoint A to endpoint B over one direct WSS connection.
     Direct,
@@ -51,6 +50,12 @@ impl Path {
             Path::Relay(StoreKind::Memory) => "relay-memory",
             Path::Relay(StoreKind::Redis) => "relay-redis",
         }
+    }
+}
+
+impl Serialize for Path {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 

@@ -1,0 +1,611 @@
+//! The A2A facade over a real relay and a Rust callee (no Python): the
+//! JSON-RPC error codes, blocking and streaming sends, and the profile's
+//! cursor replay after a client dropped its stream (which never cancels).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod a2a_support;
+mod common;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use a2a_support::*;
+use common::*;
+use oab_connector::a2a::PROFILE_URI;
+use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
+use oab_connector::profile::{Artifact, Usage};
+use oab_relay::store::{MemoryStore, Retention};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+/// A callee that acts on the task text:
+/// - `complete`: one artifact, then completed;
+/// - `gated`: two progress events, then waits for a permit of `gate`, two
+///   more, an artifact, completed;
+/// - `hold`: one progress event, then waits for a cancel;
+/// - `ask`: input-required, then completes with the answer's text.
+struct Script {
+    gate: Arc<Semaphore>,
+    runs: AtomicUsize,
+    cancels: AtomicUsize,
+}
+
+fn artifact(text: &str) -> Artifact {
+    Artifact {
+        artifact_id: "report".into(),
+        name: "report".into(),
+        media_type: "text/plain".into(),
+        text: Some(text.into()),
+        data: None,
+        url: None,
+    }
+}
+
+fn done(text: &str) -> Execution {
+    Execution {
+        stop: StopReason::EndTurn,
+        output: Some(json!({ "summary": text })),
+        artifacts: vec![artifact(text)],
+        side_effects: vec![],
+        usage: Usage::default(),
+    }
+}
+
+fn agent_msg(text: &str) -> Option<Value> {
+    Some(
+        json!({ "messageId": format!("m-{text}"), "role": "ROLE_AGENT", "parts": [{ "text": text }] }),
+    )
+}
+
+/// The executor handle the callee runtime owns.
+struct ScriptExec(Arc<Script>);
+
+impl TaskExecutor for ScriptExec {
+    fn execute(
+        &self,
+        mut run: TaskRun,
+    ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
+        self.0.runs.fetch_add(1, Ordering::SeqCst);
+        let me = self.0.clone();
+        Box::pin(async move {
+            let text = run.request.task.text.clone();
+            let working = "TASK_STATE_WORKING";
+            match text.as_str() {
+                "complete" => done("all good"),
+                "gated" => {
+                    for i in 1..=2 {
+                        run.sink
+                            .status(working, agent_msg(&format!("step {i}")), None)
+                            .await
+                            .unwrap();
+                    }
+                    tokio::select! {
+                        p = me.gate.acquire() => p.unwrap().forget(),
+                        () = run.cancel.cancelled() => {
+                            me.cancels.fetch_add(1, Ordering::SeqCst);
+                            return Execution::stopped(StopReason::Cancelled);
+                        }
+                    }
+                    for i in 3..=4 {
+                        run.sink
+                            .status(working, agent_msg(&format!("step {i}")), None)
+                            .await
+                            .unwrap();
+                    }
+                    run.sink
+                        .artifact(artifact("gated result"), false, true)
+                        .await
+                        .unwrap();
+                    done("gated result")
+                }
+                "hold" => {
+                    run.sink
+                        .status(working, agent_msg("holding"), None)
+                        .await
+                        .unwrap();
+                    run.cancel.cancelled().await;
+                    me.cancels.fetch_add(1, Ordering::SeqCst);
+                    Execution::stopped(StopReason::Cancelled)
+                }
+                "ask" => {
+                    run.sink
+                        .status(
+                            "TASK_STATE_INPUT_REQUIRED",
+                            agent_msg("which branch?"),
+                            None,
+                        )
+                        .await
+                        .unwrap();
+                    let answer = run.messages.recv().await.unwrap();
+                    let branch = answer["parts"][0]["text"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    done(&format!("branch {branch}"))
+                }
+                _ => Execution::stopped(StopReason::Error(format!("unknown script {text}"))),
+            }
+        })
+    }
+}
+
+struct World {
+    relay: Relay,
+    a: oab_connector::Connector,
+    b: oab_connector::Connector,
+    facade: FacadeServer,
+    rpc: Rpc,
+    script: Arc<Script>,
+}
+
+async fn world() -> World {
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let script = Arc::new(Script {
+        gate: Arc::new(Semaphore::new(0)),
+        runs: AtomicUsize::new(0),
+        cancels: AtomicUsize::new(0),
+    });
+    let b = connector(
+        &env,
+        &env.callee,
+        relay.addr,
+        Some(Arc::new(ScriptExec(script.clone()))),
+    );
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
+    let rpc = Rpc::new(facade.url(CALLEE));
+    World {
+        relay,
+        a,
+        b,
+        facade,
+        rpc,
+        script,
+    }
+}
+
+impl World {
+    async fn stop(self) {
+        self.facade.stop().await;
+        self.a.shutdown().await;
+        self.b.shutdown().await;
+        self.relay.stop().await;
+    }
+}
+
+fn code(v: &Value) -> i64 {
+    v["error"]["code"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("not an error: {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_codes_follow_the_spec() {
+    let w = world().await;
+    let rpc = &w.rpc;
+    let none: &[(&str, &str)] = &[];
+
+    // No A2A-Version means 0.3, which is not served.
+    let r = rpc.call("GetTask", json!({ "id": "x" }), none).await;
+    assert_eq!(code(&r), -32009, "{r}");
+    let info = &r["error"]["data"][0];
+    assert_eq!(info["@type"], "type.googleapis.com/google.rpc.ErrorInfo");
+    assert_eq!(info["reason"], "VERSION_NOT_SUPPORTED");
+    assert_eq!(info["domain"], "a2a-protocol.org");
+    assert!(r["error"]["data"].is_array());
+    let r = rpc
+        .call("GetTask", json!({ "id": "x" }), &[("A2A-Version", "0.3")])
+        .await;
+    assert_eq!(code(&r), -32009);
+    // The query parameter works too.
+    let q = Rpc::new(format!("{}?A2A-Version=1.0", rpc.url));
+    assert_eq!(
+        code(&q.call("GetTask", json!({ "id": "x" }), none).await),
+        -32001
+    );
+
+    // Envelope errors.
+    assert_eq!(code(&rpc.raw("{not json", V1).await.0), -32700);
+    assert_eq!(code(&rpc.raw("[]", V1).await.0), -32600);
+    assert_eq!(
+        code(
+            &rpc.raw(r#"{"jsonrpc":"2.0","method":"GetTask"}"#, V1)
+                .await
+                .0
+        ),
+        -32600
+    );
+    assert_eq!(
+        code(&rpc.raw(r#"{"jsonrpc":"2.0","id":1}"#, V1).await.0),
+        -32600
+    );
+    let text_plain = [("A2A-Version", "1.0"), ("content-type", "text/plain")];
+    assert_eq!(code(&rpc.raw("{}", &text_plain).await.0), -32005);
+    assert_eq!(code(&rpc.call("tasks/get", json!({}), V1).await), -32601);
+    assert_eq!(code(&rpc.call("NoSuchMethod", json!({}), V1).await), -32601);
+    assert_eq!(code(&rpc.call("GetTask", json!({}), V1).await), -32602);
+    assert_eq!(
+        code(
+            &rpc.call(
+                "SendMessage",
+                json!({ "message": { "role": "ROLE_USER" } }),
+                V1
+            )
+            .await
+        ),
+        -32602
+    );
+
+    // Unknown tasks, unsupported features.
+    assert_eq!(
+        code(&rpc.call("GetTask", json!({ "id": "nope" }), V1).await),
+        -32001
+    );
+    assert_eq!(
+        code(&rpc.call("CancelTask", json!({ "id": "nope" }), V1).await),
+        -32001
+    );
+    let s = rpc
+        .stream("SubscribeToTask", json!({ "id": "nope" }), V1)
+        .await;
+    assert_eq!(code(&s.json().await), -32001);
+    let follow = json!({ "message": { "messageId": "f1", "role": "ROLE_USER", "taskId": "nope", "parts": [{ "text": "x" }] } });
+    assert_eq!(code(&rpc.call("SendMessage", follow, V1).await), -32001);
+    assert_eq!(
+        code(&rpc.call("GetExtendedAgentCard", json!({}), V1).await),
+        -32007
+    );
+    for m in [
+        "CreateTaskPushNotificationConfig",
+        "GetTaskPushNotificationConfig",
+        "ListTaskPushNotificationConfigs",
+        "DeleteTaskPushNotificationConfig",
+    ] {
+        assert_eq!(
+            code(&rpc.call(m, json!({ "taskId": "t" }), V1).await),
+            -32003,
+            "{m}"
+        );
+    }
+
+    // A finished task: not cancelable; not subscribable without the profile.
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-complete", "complete") }),
+            V1,
+        )
+        .await;
+    let task = &r["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{r}");
+    assert_eq!(task["artifacts"][0]["parts"][0]["text"], "all good");
+    assert!(
+        task.get("metadata").is_none(),
+        "no profile metadata for a plain client"
+    );
+    let id = task["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("task-"), "the callee's task id: {id}");
+    assert_eq!(
+        code(&rpc.call("CancelTask", json!({ "id": id }), V1).await),
+        -32002
+    );
+    let s = rpc.stream("SubscribeToTask", json!({ "id": id }), V1).await;
+    assert_eq!(code(&s.json().await), -32004);
+    // A message to a finished task is an unsupported operation.
+    let again = json!({ "message": { "messageId": "m2", "role": "ROLE_USER", "taskId": id, "parts": [{ "text": "more" }] } });
+    assert_eq!(code(&rpc.call("SendMessage", again, V1).await), -32004);
+    // A mismatching contextId is refused.
+    let mismatch = json!({ "message": { "messageId": "m3", "role": "ROLE_USER", "taskId": id, "contextId": "other", "parts": [{ "text": "x" }] } });
+    assert_eq!(code(&rpc.call("SendMessage", mismatch, V1).await), -32602);
+
+    // With the profile, a finished task replays after the cursor.
+    let h = with_profile(&[("Last-Event-ID", "0".to_string())]);
+    let s = rpc.stream("SubscribeToTask", json!({ "id": id }), &h).await;
+    assert!(s.sse);
+    assert_eq!(
+        s.headers
+            .get("A2A-Extensions")
+            .and_then(|v| v.to_str().ok()),
+        Some(PROFILE_URI),
+        "the activated profile is echoed"
+    );
+    let items = s.collect().await;
+    let kinds: Vec<&str> = items.iter().map(kind).collect();
+    assert_eq!(
+        kinds,
+        ["task", "artifactUpdate", "statusUpdate"],
+        "{items:?}"
+    );
+    let last = &items[2].data["result"]["statusUpdate"];
+    assert_eq!(last["status"]["state"], "TASK_STATE_COMPLETED");
+    let meta = &last["metadata"][PROFILE_URI];
+    assert_eq!(meta["outcome"], "completed");
+    assert_eq!(meta["verified"], true);
+    assert_eq!(
+        meta["result"]["payloadType"]
+            .as_str()
+            .map(|t| t.contains("result")),
+        Some(true),
+        "{meta}"
+    );
+    let seqs: Vec<Option<u64>> = items.iter().map(seq).collect();
+    assert_eq!(seqs, [Some(2), Some(1), Some(2)]);
+    assert_eq!(
+        items[1].id.as_deref(),
+        Some("1"),
+        "the SSE id is the sequence"
+    );
+    // A cursor at the end replays nothing but the snapshot.
+    let h = with_profile(&[("OAB-Cursor", "2".to_string())]);
+    let items = rpc
+        .stream("SubscribeToTask", json!({ "id": id }), &h)
+        .await
+        .collect()
+        .await;
+    assert_eq!(items.iter().map(kind).collect::<Vec<_>>(), ["task"]);
+
+    // ListTasks: newest first, artifacts only on request, pagination.
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-complete-2", "complete") }),
+            V1,
+        )
+        .await;
+    let second = r["result"]["task"]["id"].as_str().unwrap().to_string();
+    let page = rpc.call("ListTasks", json!({ "pageSize": 1 }), V1).await;
+    let res = &page["result"];
+    assert_eq!(res["totalSize"], 2, "{page}");
+    assert_eq!(res["pageSize"], 1);
+    assert_eq!(res["tasks"][0]["id"], second.as_str());
+    assert!(res["tasks"][0].get("artifacts").is_none());
+    let token = res["nextPageToken"].as_str().unwrap().to_string();
+    assert!(!token.is_empty());
+    let page = rpc
+        .call("ListTasks", json!({ "pageSize": 1, "pageToken": token, "includeArtifacts": true, "historyLength": 0 }), V1)
+        .await;
+    let res = &page["result"];
+    assert_eq!(res["tasks"][0]["id"], id.as_str());
+    assert_eq!(res["nextPageToken"], "");
+    assert!(res["tasks"][0]["artifacts"].is_array());
+    assert!(res["tasks"][0].get("history").is_none());
+    assert_eq!(
+        code(&rpc.call("ListTasks", json!({ "pageSize": 500 }), V1).await),
+        -32602
+    );
+    let got = rpc
+        .call("GetTask", json!({ "id": id, "historyLength": 1 }), V1)
+        .await;
+    assert_eq!(
+        got["result"]["history"].as_array().map(Vec::len),
+        Some(1),
+        "{got}"
+    );
+    // The proto field name is accepted too (ProtoJSON).
+    let got = rpc
+        .call("GetTask", json!({ "id": id, "history_length": 0 }), V1)
+        .await;
+    assert!(got["result"].get("history").is_none(), "{got}");
+
+    // The agent card of the peer.
+    let card: Value = reqwest::get(format!(
+        "{}.well-known/agent-card.json",
+        w.facade.url(CALLEE)
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let iface = &card["supportedInterfaces"][0];
+    assert_eq!(iface["url"], w.facade.url(CALLEE).as_str());
+    assert_eq!(iface["protocolBinding"], "JSONRPC");
+    assert_eq!(iface["protocolVersion"], "1.0");
+    assert_eq!(card["capabilities"]["streaming"], true);
+    assert_eq!(card["capabilities"]["pushNotifications"], false);
+    assert_eq!(card["capabilities"]["extensions"][0]["uri"], PROFILE_URI);
+    assert_eq!(card["capabilities"]["extensions"][0]["required"], false);
+    let missing = reqwest::get(format!(
+        "{}/peers/acme/nobody/.well-known/agent-card.json",
+        w.facade.base
+    ))
+    .await
+    .unwrap();
+    assert_eq!(missing.status(), 404);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_stream_never_cancels_and_the_cursor_replays_exactly_what_was_missed() {
+    let w = world().await;
+    let rpc = &w.rpc;
+    let h = with_profile(&[]);
+    let mut s = rpc
+        .stream(
+            "SendStreamingMessage",
+            json!({ "message": message("m-gated", "gated") }),
+            &h,
+        )
+        .await;
+    assert!(s.sse);
+    let first = s.next().await.unwrap();
+    assert_eq!(kind(&first), "task");
+    assert_eq!(state(&first).as_deref(), Some("TASK_STATE_SUBMITTED"));
+    assert_eq!(seq(&first), Some(0));
+    let id = first.data["result"]["task"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let ev = s.next().await.unwrap();
+        assert_eq!(kind(&ev), "statusUpdate");
+        seen.push(seq(&ev).unwrap());
+    }
+    assert_eq!(seen, [1, 2]);
+    // The client goes away mid-task.
+    drop(s);
+    // The work goes on while nobody listens, and finishes.
+    w.script.gate.add_permits(1);
+    let done = wait_state(rpc, &id, "TASK_STATE_COMPLETED").await;
+    assert_eq!(done["artifacts"][0]["parts"][0]["text"], "gated result");
+    assert_eq!(
+        w.script.cancels.load(Ordering::SeqCst),
+        0,
+        "a disconnect is not a cancel"
+    );
+    assert_eq!(w.script.runs.load(Ordering::SeqCst), 1);
+
+    // Reconnect with the cursor: the snapshot, then exactly what was missed.
+    let h = with_profile(&[("Last-Event-ID", "2".to_string())]);
+    let items = rpc
+        .stream("SubscribeToTask", json!({ "id": id }), &h)
+        .await
+        .collect()
+        .await;
+    assert_eq!(kind(&items[0]), "task");
+    assert_eq!(state(&items[0]).as_deref(), Some("TASK_STATE_COMPLETED"));
+    let missed: Vec<(u64, &str)> = items[1..]
+        .iter()
+        .map(|e| (seq(e).unwrap(), kind(e)))
+        .collect();
+    assert_eq!(
+        missed,
+        [
+            (3, "statusUpdate"),
+            (4, "statusUpdate"),
+            (5, "artifactUpdate"),
+            (6, "statusUpdate")
+        ],
+        "{items:?}"
+    );
+    let texts: Vec<String> = items[1..3]
+        .iter()
+        .map(|e| {
+            e.data["result"]["statusUpdate"]["status"]["message"]["parts"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(texts, ["step 3", "step 4"]);
+    let ids: Vec<Option<&str>> = items[1..].iter().map(|e| e.id.as_deref()).collect();
+    assert_eq!(ids, [Some("3"), Some("4"), Some("5"), Some("6")]);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_subscribe_is_snapshot_then_live_and_cancel_and_input_required_work() {
+    let w = world().await;
+    let rpc = &w.rpc;
+    // returnImmediately: the task comes back before the work ends.
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-gated-2", "gated"), "configuration": { "returnImmediately": true } }),
+            V1,
+        )
+        .await;
+    let id = r["result"]["task"]["id"].as_str().unwrap().to_string();
+    assert!(
+        !r["result"]["task"]["status"]["state"]
+            .as_str()
+            .unwrap()
+            .contains("COMPLETED")
+    );
+    // Wait until both first steps are in, then subscribe without the profile.
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let t = rpc.call("GetTask", json!({ "id": id }), V1).await;
+        if t["result"]["history"].as_array().map_or(0, Vec::len) >= 3 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < until, "no progress: {t}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let mut s = rpc.stream("SubscribeToTask", json!({ "id": id }), V1).await;
+    let snap = s.next().await.unwrap();
+    assert_eq!(kind(&snap), "task");
+    assert_eq!(state(&snap).as_deref(), Some("TASK_STATE_WORKING"));
+    assert!(
+        snap.id.is_none() && seq(&snap).is_none(),
+        "no profile fields"
+    );
+    w.script.gate.add_permits(1);
+    let rest = s.collect().await;
+    let kinds: Vec<&str> = rest.iter().map(kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            "statusUpdate",
+            "statusUpdate",
+            "artifactUpdate",
+            "statusUpdate"
+        ]
+    );
+    assert_eq!(
+        state(rest.last().unwrap()).as_deref(),
+        Some("TASK_STATE_COMPLETED")
+    );
+
+    // CancelTask: the callee stops, the task is canceled.
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-hold", "hold"), "configuration": { "returnImmediately": true } }),
+            V1,
+        )
+        .await;
+    let hold = r["result"]["task"]["id"].as_str().unwrap().to_string();
+    wait_state(rpc, &hold, "TASK_STATE_WORKING").await;
+    let r = rpc.call("CancelTask", json!({ "id": hold }), V1).await;
+    assert_eq!(r["result"]["status"]["state"], "TASK_STATE_CANCELED", "{r}");
+    assert_eq!(w.script.cancels.load(Ordering::SeqCst), 1);
+
+    // Input required: the blocking send returns at the interruption; the
+    // answer goes down as a follow-up and the stream runs to the end.
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-ask", "ask") }),
+            V1,
+        )
+        .await;
+    let task = &r["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_INPUT_REQUIRED", "{r}");
+    assert_eq!(
+        task["status"]["message"]["parts"][0]["text"],
+        "which branch?"
+    );
+    let ask = task["id"].as_str().unwrap().to_string();
+    let ctx = task["contextId"].as_str().unwrap().to_string();
+    let answer = json!({ "message": { "messageId": "m-answer", "role": "ROLE_USER", "taskId": ask, "contextId": ctx, "parts": [{ "text": "main" }] } });
+    let items = rpc
+        .stream("SendStreamingMessage", answer, V1)
+        .await
+        .collect()
+        .await;
+    let last = items.last().unwrap();
+    assert_eq!(
+        state(last).as_deref(),
+        Some("TASK_STATE_COMPLETED"),
+        "{items:?}"
+    );
+    let t = rpc.call("GetTask", json!({ "id": ask }), V1).await;
+    assert_eq!(
+        t["result"]["artifacts"][0]["parts"][0]["text"],
+        "branch main"
+    );
+    let history = t["result"]["history"].as_array().unwrap();
+    assert!(history.iter().any(|m| m["messageId"] == "m-answer"), "{t}");
+    w.stop().await;
+}

@@ -1,0 +1,281 @@
+//! Interop with the official Python A2A SDK at both ends:
+//!
+//! ```text
+//! a2a-sdk client -> connector A facade -> relay (TLS) -> connector B driver -> a2a-sdk server
+//! (client.py)       (in-process)          (in-process)    (in-process)         (sample_agent.py)
+//! ```
+//!
+//! Needs the virtualenv made by `scripts/python-env` (`.venv` at the
+//! repository root).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod a2a_support;
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a_support::*;
+use common::*;
+use oab_connector::a2a::{A2aDriver, DriverOptions, PROFILE_URI};
+use oab_relay::store::{MemoryStore, Retention};
+use serde_json::Value;
+use tokio::io::AsyncBufReadExt as _;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> PathBuf {
+    let p = repo().join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/python-env first (it creates .venv with the official a2a-sdk)",
+        p.display()
+    );
+    p
+}
+
+/// Starts the SDK sample server; returns it and its port.
+async fn sample_agent() -> (tokio::process::Child, u16) {
+    let script = repo().join("agent-connector/tests/interop/sample_agent.py");
+    let mut child = tokio::process::Command::new(python())
+        .arg(script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the sample agent starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("the sample agent is ready in time")
+        .unwrap()
+        .expect("the sample agent printed READY");
+    let port = line
+        .strip_prefix("READY ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    (child, port)
+}
+
+fn states(events: &Value) -> Vec<String> {
+    events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["state"].as_str().map(str::to_string))
+        .collect()
+}
+
+fn texts(events: &Value) -> Vec<String> {
+    events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_sdk_client_and_server_through_the_relay() {
+    let python = python();
+    let (mut agent, port) = sample_agent().await;
+    let agent_url = format!("http://127.0.0.1:{port}");
+
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let driver = A2aDriver::new(DriverOptions::new(agent_url.clone())).unwrap();
+    let card = driver
+        .agent_card()
+        .await
+        .expect("the driver resolves the sample's card");
+    assert_eq!(card["name"], "OAB interop sample agent");
+    let b = connector(&env, &env.callee, relay.addr, Some(Arc::new(driver)));
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    b.publish(&card).await.unwrap();
+    // The published card reaches A's peer list (bounded poll).
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let peers = a.caller().list_peers().await.unwrap();
+        if peers
+            .iter()
+            .any(|p| p.peer.as_str() == CALLEE && p.descriptor.is_some())
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the card never reached the caller: {peers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
+    let facade_url = facade.url(CALLEE);
+
+    let client = repo().join("agent-connector/tests/interop/client.py");
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(&python)
+            .arg(client)
+            .arg("--facade-url")
+            .arg(&facade_url)
+            .arg("--agent-url")
+            .arg(&agent_url)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the SDK client finishes in time")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "client.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "client.py printed no JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    println!("{}", serde_json::to_string_pretty(&r).unwrap());
+
+    // The card the SDK resolved through the facade.
+    assert_eq!(r["card"]["name"], "OAB interop sample agent");
+    assert_eq!(r["card"]["interface"]["url"], facade_url.as_str());
+    assert_eq!(r["card"]["interface"]["protocolBinding"], "JSONRPC");
+    assert_eq!(r["card"]["interface"]["protocolVersion"], "1.0");
+    assert_eq!(r["card"]["extensions"][0], PROFILE_URI);
+
+    // Streamed: task first, progress in order, the chunked artifact, completed.
+    let streamed = &r["streamed"];
+    assert_eq!(streamed[0]["kind"], "task", "{streamed}");
+    let t = texts(streamed);
+    let progress: Vec<&String> = t.iter().filter(|x| x.starts_with("progress")).collect();
+    assert_eq!(
+        progress,
+        ["progress 1", "progress 2", "progress 3"],
+        "{streamed}"
+    );
+    let chunks: Vec<&Value> = streamed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "artifactUpdate")
+        .collect();
+    assert_eq!(chunks.len(), 2, "{streamed}");
+    assert_eq!(chunks[0]["parts"][0], "chunk-1 ");
+    assert_eq!(chunks[1]["parts"][0], "chunk-2");
+    assert_eq!(chunks[1]["append"], true);
+    assert_eq!(chunks[1]["lastChunk"], true);
+    assert_eq!(states(streamed).last().unwrap(), "TASK_STATE_COMPLETED");
+    assert_eq!(t.last().unwrap(), "streamed");
+
+    // Blocking send and GetTask.
+    let blocking = &r["blocking"];
+    assert_eq!(
+        blocking["events"][0]["state"], "TASK_STATE_COMPLETED",
+        "{blocking}"
+    );
+    assert_eq!(blocking["get"]["artifacts"][0][0], "echo: hello");
+    assert_eq!(blocking["get"]["history"], 1);
+
+    // A direct message answer stays a message.
+    assert_eq!(r["message"][0]["kind"], "message", "{}", r["message"]);
+    assert_eq!(r["message"][0]["text"], "direct answer to hi");
+    assert_eq!(r["message"].as_array().unwrap().len(), 1);
+
+    // Cancel reaches the SDK server's executor.
+    let cancel = &r["cancel"];
+    assert_eq!(cancel["task"]["state"], "TASK_STATE_CANCELED", "{cancel}");
+    assert_eq!(cancel["again"], "TaskNotCancelableError");
+
+    // Input required, then the follow-up completes the same task.
+    let ir = &r["input_required"];
+    assert_eq!(ir["first"][0]["state"], "TASK_STATE_INPUT_REQUIRED", "{ir}");
+    assert_eq!(
+        states(&ir["follow"]).last().unwrap(),
+        "TASK_STATE_COMPLETED",
+        "{ir}"
+    );
+    assert_eq!(ir["final"]["state"], "TASK_STATE_COMPLETED");
+    assert!(
+        ir["final"]["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a[0] == "branch main"),
+        "{ir}"
+    );
+
+    // A failing task.
+    assert_eq!(states(&r["failed"]).last().unwrap(), "TASK_STATE_FAILED");
+    assert_eq!(texts(&r["failed"]).last().unwrap(), "it broke");
+
+    // With the profile: the cursor resumes exactly after the last event seen.
+    let rp = &r["resubscribe_profile"];
+    let cursor = rp["cursor"].as_u64().unwrap();
+    let before: Vec<u64> = rp["before"].as_array().unwrap()[1..]
+        .iter()
+        .map(|e| e["seq"].as_u64().unwrap())
+        .collect();
+    let after = rp["after"].as_array().unwrap();
+    assert_eq!(after[0]["kind"], "task", "{rp}");
+    let resumed: Vec<u64> = after[1..]
+        .iter()
+        .map(|e| e["seq"].as_u64().unwrap())
+        .collect();
+    let all: Vec<u64> = before.iter().chain(&resumed).copied().collect();
+    assert_eq!(
+        all,
+        (1..=all.len() as u64).collect::<Vec<_>>(),
+        "nothing missed, nothing twice: {rp}"
+    );
+    assert_eq!(*before.last().unwrap(), cursor);
+    assert_eq!(states(&rp["after"]).last().unwrap(), "TASK_STATE_COMPLETED");
+    let after_texts = texts(&rp["after"]);
+    assert!(
+        after_texts.contains(&"step 3".to_string()) && after_texts.contains(&"step 4".to_string()),
+        "{rp}"
+    );
+
+    // Without it: the snapshot, then live; a finished task cannot be subscribed to.
+    let plain = &r["resubscribe_plain"];
+    assert_eq!(plain["snapshot"]["kind"], "task", "{plain}");
+    assert_eq!(plain["snapshot"]["state"], "TASK_STATE_WORKING");
+    assert!(plain["snapshot"].get("seq").is_none());
+    assert_eq!(texts(&plain["live"])[..2], ["step 3", "step 4"], "{plain}");
+    assert_eq!(
+        states(&plain["live"]).last().unwrap(),
+        "TASK_STATE_COMPLETED"
+    );
+    assert_eq!(plain["terminal"], "UnsupportedOperationError");
+
+    // ListTasks pages.
+    let list = &r["list"];
+    let total = list["total"].as_u64().unwrap();
+    assert!(total >= 8, "{list}");
+    assert_eq!(list["page1"].as_array().unwrap().len(), 2);
+    assert_ne!(list["next"], "");
+    assert_eq!(list["page2"].as_array().unwrap().len() as u64, total - 2);
+    assert_eq!(list["next2"], "");
+    assert_eq!(list["artifacts_in_list"], false);
+
+    facade.stop().await;
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    agent.kill().await.unwrap();
+}

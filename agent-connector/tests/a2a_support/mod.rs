@@ -1,0 +1,292 @@
+//! Test support for the A2A facade: serve it on loopback, call it with
+//! JSON-RPC, read its SSE streams. Every wait is bounded.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt as _};
+use oab_connector::Caller;
+use oab_connector::a2a::{Facade, FacadeOptions, PROFILE_URI};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// How long any single read of the tests may take.
+pub const STEP: Duration = Duration::from_secs(20);
+
+pub struct FacadeServer {
+    pub base: String,
+    pub facade: Facade,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl FacadeServer {
+    pub async fn start(caller: Caller, options: FacadeOptions) -> FacadeServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let facade = Facade::new(caller, options);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(oab_connector::a2a::serve(
+            listener,
+            facade.clone(),
+            shutdown.clone(),
+        ));
+        FacadeServer {
+            base,
+            facade,
+            shutdown,
+            task,
+        }
+    }
+
+    /// The JSON-RPC URL of a peer.
+    pub fn url(&self, peer: &str) -> String {
+        format!("{}/peers/{peer}/", self.base)
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(STEP, self.task)
+            .await
+            .expect("the facade drains in time")
+            .unwrap()
+            .unwrap();
+        self.facade.close();
+    }
+}
+
+pub fn facade_options() -> FacadeOptions {
+    let mut o = FacadeOptions::default();
+    o.defaults.capabilities = vec!["read:repo".into()];
+    o
+}
+
+/// Headers of a plain A2A 1.0 client.
+pub const V1: &[(&str, &str)] = &[("A2A-Version", "1.0")];
+
+/// Headers of a client that activates the profile.
+pub fn with_profile(extra: &[(&'static str, String)]) -> Vec<(&'static str, String)> {
+    let mut h = vec![
+        ("A2A-Version", "1.0".to_string()),
+        ("A2A-Extensions", PROFILE_URI.to_string()),
+    ];
+    h.extend(extra.iter().cloned());
+    h
+}
+
+pub struct Rpc {
+    pub http: reqwest::Client,
+    pub url: String,
+}
+
+pub fn message(id: &str, text: &str) -> Value {
+    json!({ "messageId": id, "role": "ROLE_USER", "parts": [{ "text": text }] })
+}
+
+impl Rpc {
+    pub fn new(url: String) -> Rpc {
+        Rpc {
+            http: reqwest::Client::new(),
+            url,
+        }
+    }
+
+    fn request<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        body: String,
+        headers: &[(K, V)],
+    ) -> reqwest::RequestBuilder {
+        let mut r = self.http.post(&self.url).body(body);
+        if !headers
+            .iter()
+            .any(|(k, _)| k.as_ref().eq_ignore_ascii_case("content-type"))
+        {
+            r = r.header("content-type", "application/json");
+        }
+        for (k, v) in headers {
+            r = r.header(k.as_ref(), v.as_ref());
+        }
+        r
+    }
+
+    /// Posts a raw body; returns the response's JSON and headers.
+    pub async fn raw<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        body: &str,
+        headers: &[(K, V)],
+    ) -> (Value, reqwest::header::HeaderMap) {
+        let resp = tokio::time::timeout(STEP, self.request(body.to_string(), headers).send())
+            .await
+            .expect("answer in time")
+            .unwrap();
+        assert_eq!(resp.status(), 200, "JSON-RPC answers with HTTP 200");
+        let h = resp.headers().clone();
+        (resp.json().await.unwrap(), h)
+    }
+
+    /// Calls a method; returns the whole response object.
+    pub async fn call<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        method: &str,
+        params: Value,
+        headers: &[(K, V)],
+    ) -> Value {
+        let body = json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params });
+        self.raw(&body.to_string(), headers).await.0
+    }
+
+    /// Calls a streaming method.
+    pub async fn stream<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        method: &str,
+        params: Value,
+        headers: &[(K, V)],
+    ) -> Sse {
+        let body = json!({ "jsonrpc": "2.0", "id": 7, "method": method, "params": params });
+        let resp = tokio::time::timeout(STEP, self.request(body.to_string(), headers).send())
+            .await
+            .expect("answer in time")
+            .unwrap();
+        let headers = resp.headers().clone();
+        let sse = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        Sse {
+            headers,
+            sse,
+            body: Box::pin(resp.bytes_stream()),
+            buf: String::new(),
+        }
+    }
+}
+
+/// One SSE event.
+#[derive(Debug, Clone)]
+pub struct SseItem {
+    pub id: Option<String>,
+    pub event: String,
+    pub data: Value,
+}
+
+pub struct Sse {
+    pub headers: reqwest::header::HeaderMap,
+    /// Whether the answer is an event stream (else a JSON error).
+    pub sse: bool,
+    body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    buf: String,
+}
+
+impl Sse {
+    /// The JSON body of an answer that is not a stream.
+    pub async fn json(mut self) -> Value {
+        assert!(!self.sse, "expected a JSON answer, got a stream");
+        let mut all = Vec::new();
+        while let Some(c) = tokio::time::timeout(STEP, self.body.next()).await.unwrap() {
+            all.extend_from_slice(&c.unwrap());
+        }
+        serde_json::from_slice(&all).unwrap()
+    }
+
+    /// The next event, or `None` when the server closed the stream.
+    pub async fn next(&mut self) -> Option<SseItem> {
+        loop {
+            if let Some(pos) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..pos + 2).collect();
+                let mut id = None;
+                let mut event = "message".to_string();
+                let mut data = Vec::new();
+                for line in block.lines() {
+                    if line.starts_with(':') || line.is_empty() {
+                        continue;
+                    }
+                    let (k, v) = line.split_once(':').unwrap_or((line, ""));
+                    let v = v.strip_prefix(' ').unwrap_or(v);
+                    match k {
+                        "id" => id = Some(v.to_string()),
+                        "event" => event = v.to_string(),
+                        "data" => data.push(v.to_string()),
+                        _ => {}
+                    }
+                }
+                if data.is_empty() {
+                    continue;
+                }
+                return Some(SseItem {
+                    id,
+                    event,
+                    data: serde_json::from_str(&data.join("\n")).unwrap(),
+                });
+            }
+            let chunk = tokio::time::timeout(STEP, self.body.next())
+                .await
+                .expect("the stream moves in time")?;
+            self.buf
+                .push_str(&String::from_utf8_lossy(&chunk.unwrap()).replace("\r\n", "\n"));
+        }
+    }
+
+    /// Every event until the server closes the stream.
+    pub async fn collect(mut self) -> Vec<SseItem> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next().await {
+            out.push(e);
+        }
+        out
+    }
+}
+
+/// The StreamResponse member an event carries: `task`, `message`,
+/// `statusUpdate` or `artifactUpdate`.
+pub fn kind(item: &SseItem) -> &'static str {
+    let r = &item.data["result"];
+    for k in ["task", "message", "statusUpdate", "artifactUpdate"] {
+        if r.get(k).is_some() {
+            return k;
+        }
+    }
+    "error"
+}
+
+/// The profile sequence number of an event.
+pub fn seq(item: &SseItem) -> Option<u64> {
+    let r = &item.data["result"];
+    ["task", "statusUpdate", "artifactUpdate"]
+        .iter()
+        .find_map(|k| r.get(*k))
+        .and_then(|v| v["metadata"][PROFILE_URI]["seq"].as_u64())
+}
+
+/// The state an event shows (task or status update).
+pub fn state(item: &SseItem) -> Option<String> {
+    let r = &item.data["result"];
+    r.get("task")
+        .or_else(|| r.get("statusUpdate"))
+        .and_then(|v| v["status"]["state"].as_str())
+        .map(str::to_string)
+}
+
+/// Polls `GetTask` until the task is in `want` (bounded).
+pub async fn wait_state(rpc: &Rpc, id: &str, want: &str) -> Value {
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let r = rpc.call("GetTask", json!({ "id": id }), V1).await;
+        if r["result"]["status"]["state"] == want {
+            return r["result"].clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "task {id} never reached {want}: {r}"
+        );
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,197 @@
+"""An A2A 1.0 server built with the official a2a-sdk, unmodified.
+
+Run by agent-connector/tests/a2a_interop.rs as the local A2A server behind
+connector B's driver. It binds 127.0.0.1 on a free port and prints
+``READY <port>`` on stdout once it serves.
+
+What it does is chosen by the prefix of the message id:
+
+- ``stream-``: working, three progress updates, a text artifact in two
+  chunks (append, lastChunk), completed with a message;
+- ``gated-``: working, ``step 1``, ``step 2``, then waits until
+  ``POST /test/gates/<messageId>`` is called, then ``step 3``, ``step 4``,
+  an artifact, completed (lets a client drop its stream mid-task without
+  any timing guess);
+- ``hold-``: working, then waits to be canceled;
+- ``ask-``: input-required ("which branch?"); the follow-up message's text
+  completes the task with an artifact ``branch <text>``;
+- ``message-``: answers with a message, no task;
+- ``fail-``: failed with a message;
+- anything else: completed, echoing the text.
+"""
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from a2a.server.agent_execution.agent_executor import AgentExecutor
+from a2a.server.agent_execution.context import RequestContext
+from a2a.server.events.event_queue import EventQueue
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks.inmemory_task_store import InMemoryTaskStore
+from a2a.server.tasks.task_updater import TaskUpdater
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Message,
+    Part,
+    Role,
+    Task,
+    TaskState,
+    TaskStatus,
+)
+
+logger = logging.getLogger("sample_agent")
+
+GATES: dict[str, asyncio.Event] = {}
+
+
+def gate(name: str) -> asyncio.Event:
+    return GATES.setdefault(name, asyncio.Event())
+
+
+class SampleExecutor(AgentExecutor):
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        message = context.message
+        task_id = context.task_id
+        context_id = context.context_id
+        if message is None or not task_id or not context_id:
+            return
+        mid = message.message_id
+        updater = TaskUpdater(event_queue=event_queue, task_id=task_id, context_id=context_id)
+        current = context.current_task
+
+        if mid.startswith("message-"):
+            await event_queue.enqueue_event(
+                Message(
+                    role=Role.ROLE_AGENT,
+                    message_id=f"reply-{mid}",
+                    context_id=context_id,
+                    parts=[Part(text=f"direct answer to {context.get_user_input()}")],
+                )
+            )
+            return
+
+        if current is not None and current.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
+            # The answer to "which branch?".
+            branch = context.get_user_input()
+            await updater.start_work(updater.new_agent_message([Part(text="resuming")]))
+            await updater.add_artifact([Part(text=f"branch {branch}")], name="answer", last_chunk=True)
+            await updater.complete(updater.new_agent_message([Part(text="done")]))
+            return
+
+        if current is None:
+            await event_queue.enqueue_event(
+                Task(
+                    id=task_id,
+                    context_id=context_id,
+                    status=TaskStatus(state=TaskState.TASK_STATE_SUBMITTED),
+                    history=[message],
+                )
+            )
+
+        if mid.startswith("stream-"):
+            await updater.start_work(updater.new_agent_message([Part(text="starting")]))
+            for i in range(1, 4):
+                await updater.update_status(
+                    TaskState.TASK_STATE_WORKING,
+                    updater.new_agent_message([Part(text=f"progress {i}")]),
+                )
+            await updater.add_artifact([Part(text="chunk-1 ")], artifact_id="out", name="out")
+            await updater.add_artifact(
+                [Part(text="chunk-2")], artifact_id="out", name="out", append=True, last_chunk=True
+            )
+            await updater.complete(updater.new_agent_message([Part(text="streamed")]))
+        elif mid.startswith("gated-"):
+            await updater.start_work()
+            for i in (1, 2):
+                await updater.update_status(
+                    TaskState.TASK_STATE_WORKING, updater.new_agent_message([Part(text=f"step {i}")])
+                )
+            await gate(mid).wait()
+            for i in (3, 4):
+                await updater.update_status(
+                    TaskState.TASK_STATE_WORKING, updater.new_agent_message([Part(text=f"step {i}")])
+                )
+            await updater.add_artifact([Part(text="gated result")], artifact_id="result", name="result", last_chunk=True)
+            await updater.complete()
+        elif mid.startswith("hold-"):
+            await updater.start_work(updater.new_agent_message([Part(text="holding")]))
+            # Held until canceled: the framework cancels this coroutine.
+            await asyncio.Event().wait()
+        elif mid.startswith("ask-"):
+            await updater.requires_input(updater.new_agent_message([Part(text="which branch?")]))
+        elif mid.startswith("fail-"):
+            await updater.start_work()
+            await updater.failed(updater.new_agent_message([Part(text="it broke")]))
+        else:
+            await updater.add_artifact([Part(text=f"echo: {context.get_user_input()}")], name="echo")
+            await updater.complete(updater.new_agent_message([Part(text="Hello from the sample agent")]))
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        updater = TaskUpdater(
+            event_queue=event_queue, task_id=context.task_id or "", context_id=context.context_id or ""
+        )
+        await updater.cancel(updater.new_agent_message([Part(text="canceled as asked")]))
+
+
+async def open_gate(request: Request) -> JSONResponse:
+    gate(request.path_params["name"]).set()
+    return JSONResponse({"opened": request.path_params["name"]})
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, 0))
+    port = sock.getsockname()[1]
+    base = f"http://{args.host}:{port}"
+    card = AgentCard(
+        name="OAB interop sample agent",
+        description="An official a2a-sdk server used by the OAB relay's interop test.",
+        version="1.0.0",
+        supported_interfaces=[
+            AgentInterface(protocol_binding="JSONRPC", protocol_version="1.0", url=f"{base}/a2a/jsonrpc"),
+        ],
+        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        default_input_modes=["text/plain"],
+        default_output_modes=["text/plain"],
+        skills=[AgentSkill(id="sample", name="Sample", description="Streams, asks, holds.", tags=["test"])],
+    )
+    handler = DefaultRequestHandler(agent_executor=SampleExecutor(), task_store=InMemoryTaskStore(), agent_card=card)
+    routes = [
+        *create_agent_card_routes(agent_card=card),
+        *create_jsonrpc_routes(request_handler=handler, rpc_url="/a2a/jsonrpc"),
+        Route("/test/gates/{name}", open_gate, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()
+            return
+        await asyncio.sleep(0.01)
+    print(f"READY {port}", flush=True)
+    await serving
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(main())
