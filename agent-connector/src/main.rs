@@ -155,11 +155,15 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
     let shutdown = tokio_util::sync::CancellationToken::new();
     // Caller side: the A2A facade for local A2A clients.
     if let Some(addr) = config.a2a.facade_listen {
-        let mut defaults = DelegationDefaults::default();
-        defaults.capabilities = config.a2a.default_capabilities.clone();
-        if let Some(ms) = config.a2a.default_timeout_ms {
-            defaults.timeout = Duration::from_millis(ms);
-        }
+        let base = DelegationDefaults::default();
+        let defaults = DelegationDefaults {
+            capabilities: config.a2a.default_capabilities.clone(),
+            timeout: config
+                .a2a
+                .default_timeout_ms
+                .map_or(base.timeout, Duration::from_millis),
+            ..base
+        };
         let options = FacadeOptions {
             public_url: config.a2a.public_url.clone(),
             defaults,
