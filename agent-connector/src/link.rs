@@ -628,7 +628,7 @@ impl Link {
         let limits = Limits::default();
         let cfg = WebSocketConfig::default()
             .read_buffer_size(16 * 1024)
-            .write_buffer_size(0)
+            .write_buffer_size(32 * 1024)
             .max_write_buffer_size(4 * limits.max_frame())
             .max_message_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2))
             .max_frame_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2));

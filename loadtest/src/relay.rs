@@ -27,6 +27,10 @@ use crate::setup::{RELAY_ID, Setup};
 /// How long a relay child process may take to print its listen address.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How often [`RelayUnderTest::kill_and_restart`] retries a start that
+/// failed (the port not yet released by the killed process).
+const RESTART_ATTEMPTS: u32 = 40;
+
 /// Which durable store the relay uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -104,6 +108,7 @@ pub struct RelayUnderTest {
     addr: SocketAddr,
     cert_der: Vec<u8>,
     store: StoreKind,
+    store_url: String,
     running: Running,
     // Held only to keep redis-server alive; dropped after the relay (field
     // order), so the relay never sees its store vanish while it still runs.
@@ -147,13 +152,14 @@ impl RelayUnderTest {
             .as_ref()
             .map_or_else(|| "memory".to_string(), RedisServer::url);
         let (addr, running) = match mode {
-            RelayMode::Process(bin) => start_process(setup, bin, &store_url).await?,
-            RelayMode::InProcess => start_in_process(setup, store, &store_url).await?,
+            RelayMode::Process(bin) => start_process(setup, bin, &store_url, None).await?,
+            RelayMode::InProcess => start_in_process(setup, store, &store_url, None).await?,
         };
         Ok(RelayUnderTest {
             addr,
             cert_der: setup.cert_der.clone(),
             store,
+            store_url,
             running,
             _redis: redis,
         })
@@ -198,6 +204,53 @@ impl RelayUnderTest {
     /// Whether [`RelayUnderTest::rss_bytes`] measures the relay alone.
     pub fn rss_is_relay_only(&self) -> bool {
         matches!(self.running, Running::Process { .. })
+    }
+
+    /// Kills the relay and starts it again on the same address and store
+    /// (the `redis-server` keeps running). A child process is killed with
+    /// SIGKILL: no drain, no goodbye frames, exactly like a crash. An
+    /// in-process relay cannot be killed that way; it is stopped through its
+    /// shutdown token instead (a graceful stop, bounded by its drain).
+    pub async fn kill_and_restart(&mut self, setup: &Setup, mode: &RelayMode) -> anyhow::Result<()> {
+        match &mut self.running {
+            Running::Process { child, .. } => {
+                let _ = child.start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+            }
+            Running::InProcess { stop, done } => {
+                stop.cancel();
+                if let Some(done) = done.take() {
+                    let _ = tokio::time::timeout(Duration::from_secs(15), done).await;
+                }
+            }
+        }
+        // The old listener is gone once the process is reaped; a rebind can
+        // still race the kernel's cleanup, so retry briefly.
+        let mut attempt = 0u32;
+        let (addr, running) = loop {
+            let started = match mode {
+                RelayMode::Process(bin) => {
+                    start_process(setup, bin, &self.store_url, Some(self.addr)).await
+                }
+                RelayMode::InProcess => {
+                    start_in_process(setup, self.store, &self.store_url, Some(self.addr)).await
+                }
+            };
+            match started {
+                Ok(r) => break r,
+                Err(e) if attempt < RESTART_ATTEMPTS => {
+                    attempt += 1;
+                    tracing::warn!(error = %format!("{e:#}"), attempt, "relay restart failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if addr != self.addr {
+            bail!("the restarted relay listens on {addr}, not {}", self.addr);
+        }
+        self.running = running;
+        Ok(())
     }
 
     /// Stops the relay and waits for it (bounded), then its redis-server.
@@ -253,6 +306,7 @@ async fn start_process(
     setup: &Setup,
     bin: &Path,
     store_url: &str,
+    listen: Option<SocketAddr>,
 ) -> anyhow::Result<(SocketAddr, Running)> {
     let stderr_log = setup
         .dir
@@ -264,6 +318,11 @@ async fn start_process(
         .arg("--config")
         .arg(&setup.config_path)
         .args(["--store", store_url])
+        .args(
+            listen
+                .map(|a| vec!["--set".to_string(), format!("relay.listen={a}")])
+                .unwrap_or_default(),
+        )
         .env("OAB_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -305,6 +364,16 @@ async fn start_process(
     Ok((addr, running))
 }
 
+/// A listener with `SO_REUSEADDR`, as tokio's own `bind` sets it, so a
+/// restarted relay can take its predecessor's port while old connections sit
+/// in `TIME_WAIT`.
+fn bind_reusable(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    Ok(socket.listen(1024)?.into_std()?)
+}
+
 /// The address in a line like `relay localhost listening on wss://127.0.0.1:40123`.
 fn listen_addr_in(line: &str) -> Option<SocketAddr> {
     let rest = line.split("listening on ").nth(1)?;
@@ -316,8 +385,10 @@ async fn start_in_process(
     setup: &Setup,
     store: StoreKind,
     store_url: &str,
+    listen: Option<SocketAddr>,
 ) -> anyhow::Result<(SocketAddr, Running)> {
-    let std_listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the relay")?;
+    let bind_to = listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let std_listener = bind_reusable(bind_to).context("binding the relay")?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
     let mut config = setup.config.clone();

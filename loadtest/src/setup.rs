@@ -176,7 +176,8 @@ impl Setup {
         }
         let _ = write!(
             text,
-            "\n[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\nmax_open = 100000\n"
+            "\n[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\nmax_open = 100000\n\
+             ceiling = [\"read:*\"]\n"
         );
         let config = Config::from_toml_with_overrides(&text, "generated loadtest config", &[])
             .context("the generated relay config does not validate")?;

@@ -78,7 +78,7 @@ impl std::fmt::Debug for Connection {
 pub fn client_ws_config(limits: &Limits) -> WebSocketConfig {
     WebSocketConfig::default()
         .read_buffer_size(8 * 1024)
-        .write_buffer_size(0)
+        .write_buffer_size(32 * 1024)
         .max_write_buffer_size(4 * limits.max_frame())
         .max_message_size(Some(limits.max_frame()))
         .max_frame_size(Some(limits.max_frame()))

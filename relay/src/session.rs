@@ -273,6 +273,9 @@ where
         inbox,
         pending: Vec::new(),
         acks: Vec::new(),
+        batch_at: (Instant::now(), oab_wire::identity::now_ms()),
+        batch_limited: false,
+        last_live: None,
     })
 }
 
@@ -289,6 +292,12 @@ struct Session<S> {
     inbox: Inbox,
     pending: Vec<Pending>,
     acks: Vec<(DelegationKey, Direction, u64)>,
+    /// When the current batch was read (monotonic, and ms since the epoch).
+    batch_at: (Instant, u64),
+    /// The current batch is over the peer's frame rate.
+    batch_limited: bool,
+    /// The last delegation looked up (consecutive frames mostly share one).
+    last_live: Option<(DelegationKey, LiveRef)>,
 }
 
 enum End {
@@ -343,6 +352,17 @@ impl<S: EventStore> Session<S> {
                             Err(end) => { stop = Some(end); break; }
                         }
                     }
+                    // One clock read and one rate-limit check per batch.
+                    self.batch_at = (Instant::now(), oab_wire::identity::now_ms());
+                    // The lookup cache lives for one batch only, so it never
+                    // outlives the hub's eviction of a finished delegation.
+                    self.last_live = None;
+                    let log_frames = batch
+                        .iter()
+                        .filter(|(_, f)| matches!(f, Frame::Data(_) | Frame::Cancel(_) | Frame::Open(_)))
+                        .count();
+                    self.batch_limited = std::num::NonZeroU32::new(u32::try_from(log_frames).unwrap_or(u32::MAX))
+                        .is_some_and(|n| !matches!(self.env.peer_limiter.check_key_n(&self.me.peer, n), Ok(Ok(()))));
                     for frame in batch {
                         self.handle(frame).await;
                     }
@@ -493,8 +513,8 @@ impl<S: EventStore> Session<S> {
         len: usize,
         raw: Bytes,
     ) {
-        let received = Instant::now();
-        if self.env.peer_limiter.check_key(&self.me.peer).is_err() {
+        let received = self.batch_at.0;
+        if self.batch_limited {
             self.hub
                 .metrics
                 .rate_limited
@@ -509,8 +529,20 @@ impl<S: EventStore> Session<S> {
             );
             return;
         }
-        let live = match self.hub.live(&key).await {
-            Ok(Some(l)) => l,
+        let cached = self
+            .last_live
+            .as_ref()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, l)| l.clone());
+        let looked_up = match cached {
+            Some(l) => Ok(Some(l)),
+            None => self.hub.live(&key).await,
+        };
+        let live = match looked_up {
+            Ok(Some(l)) => {
+                self.last_live = Some((key.clone(), l.clone()));
+                l
+            }
             Ok(None) => {
                 self.error(
                     ErrorCode::UnknownDelegation,
@@ -567,7 +599,7 @@ impl<S: EventStore> Session<S> {
                 terminal,
                 origin: Origin::Peer(self.me.instance),
                 frame: raw,
-                now_ms: oab_wire::identity::now_ms(),
+                now_ms: self.batch_at.1,
             },
             received,
         });
@@ -755,7 +787,7 @@ impl<S: EventStore> Session<S> {
                 "digest is not the SHA-256 of the payload",
             );
         }
-        if self.env.peer_limiter.check_key(&self.me.peer).is_err() {
+        if self.batch_limited {
             hub.metrics.rate_limited.with_label_values(&["peer"]).inc();
             return refuse(
                 self,

@@ -206,7 +206,10 @@ impl Lcg {
 
 async fn cancel_race<S: EventStore>(store: Arc<S>) {
     const N: u64 = 1000;
-    let env = TestEnv::new(FAST);
+    // These raw clients never reconnect, so give their queues room for every
+    // open and cancel at once (slow consumers are tested elsewhere).
+    let mut env = TestEnv::new(FAST);
+    env.config.limits.session_queue = 8192;
     let relay = TestRelay::start(&env, store).await;
     let mut a = relay.client(&env.caller).await;
     let mut b = relay.client(&env.callee).await;

@@ -418,3 +418,55 @@ async fn shutdown_sends_drain_with_a_reconnect_hint_then_closes() {
     }
     relay.task.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
+    let mut env = TestEnv::new("");
+    env.config.limits.session_queue = 16;
+    let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    a.send(&open_frame("slow", b"{}")).await.unwrap();
+    await_ack(&mut a, "slow", Direction::Down, 1).await;
+    // The caller stops reading while the callee sends 32 MiB.
+    let big = |i: u64| Bytes::from(format!("{i:08}{}", "x".repeat(16 * 1024)));
+    let sender = tokio::spawn(async move {
+        for seq in 1..=2000u64 {
+            b.feed(&data("slow", Direction::Up, seq, None, big(seq))).await.unwrap();
+        }
+        b.flush().await.unwrap();
+        await_ack(&mut b, "slow", Direction::Up, 2000).await;
+        b
+    });
+    let _b = sender.await.unwrap();
+    // Now read: what was buffered, then the close.
+    let mut last = 0;
+    let code = loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(20), a.recv()).await.unwrap() {
+            Ok(Frame::Data(d)) => {
+                assert_eq!(d.seq, last + 1);
+                last = d.seq;
+            }
+            Ok(_) => {}
+            Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => break code,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(code, CloseCode::SlowConsumer.as_u16());
+    assert!(CloseCode::SlowConsumer.should_reconnect());
+    assert!(last < 2000, "cut before it got everything");
+    let mut a = relay.client(&env.caller).await;
+    a.send(&Frame::Resume(Resume { key: key("slow"), direction: Direction::Up, after: last }))
+        .await
+        .unwrap();
+    while last < 2000 {
+        if let Frame::Data(d) = recv(&mut a).await {
+            assert_eq!(d.seq, last + 1, "resumed with nothing lost");
+            assert_eq!(d.payload, big(d.seq));
+            last = d.seq;
+        }
+    }
+    let m = relay.metrics().await;
+    assert!(m.contains("oab_disconnects_total{reason=\"slow_consumer\"} 1"), "{m}");
+    relay.stop().await;
+}

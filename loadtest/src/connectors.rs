@@ -1,0 +1,275 @@
+//! Real connectors (`oab_connector::Connector`) against the relay under
+//! test, for the scenarios that measure and check whole delegations
+//! (`delegations`, `cancel-race`, `reconnect-storm`): their options, the
+//! request every benchmark delegation sends, an audit sink whose changes can
+//! be awaited, and a small seeded random generator for fault timing.
+//!
+//! Both connectors use the [`Setup`]'s identities and trust each other's
+//! configured key; the callee's policy admits `read:*` (the route's ceiling),
+//! and its concurrency cap is above every in-flight level the scenarios use,
+//! so a delegation is never refused for `saturated`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use oab_connector::audit::{AuditEvent, AuditRecord, AuditSink, MemoryAuditSink};
+use oab_connector::authority::{CapabilitySet, Grant, Policy};
+use oab_connector::callee::{CalleeOptions, TaskExecutor};
+use oab_connector::link::LinkSettings;
+use oab_connector::profile::{Budgets, ParentContext, RiskLevel, Task};
+use oab_connector::trust::RelayTrust;
+use oab_connector::{Connector, ConnectorOptions, NewDelegation};
+use oab_wire::identity::{Identity, PeerKey};
+use oab_wire::{DelegationKey, Outcome, PeerId};
+use tokio::sync::Notify;
+
+use crate::setup::Setup;
+
+/// Delegations one callee runs at once at most: above the largest in-flight
+/// level a scenario offers, so none is refused as `saturated`.
+pub const CALLEE_MAX_CONCURRENT: usize = 4_096;
+
+/// Audit records the callee's sink keeps: five or so per delegation for the
+/// largest default run (cancel-race, 1,000), with a wide margin.
+pub const AUDIT_CAPACITY: usize = 1_000_000;
+
+/// First reconnect backoff of the scenarios' connectors (the library default
+/// is 100 ms; a fault scenario reconnects hundreds of times).
+pub const BACKOFF_INITIAL: Duration = Duration::from_millis(20);
+
+/// Largest reconnect backoff of the scenarios' connectors.
+pub const BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+fn budgets(n: u64) -> Budgets {
+    Budgets {
+        tokens: n,
+        cost_micros: n,
+        risk: RiskLevel::Medium,
+        output_bytes: n,
+    }
+}
+
+fn policy() -> anyhow::Result<Policy> {
+    Ok(Policy {
+        allowed_capabilities: CapabilitySet::parse(["read:*"]).context("capability set")?,
+        allow_writes: false,
+        max_depth: 1,
+        budgets: budgets(u64::MAX / 4),
+        max_deadline_ms: 3_600_000,
+    })
+}
+
+fn key_of(id: &Identity) -> PeerKey {
+    PeerKey {
+        key_id: id.key_id.clone(),
+        public_key: id.public_key(),
+        not_before_ms: None,
+        not_after_ms: None,
+    }
+}
+
+/// Link settings for `id` dialing `relay` (the relay, or a proxy in front of
+/// it), trusting the run's certificate.
+pub fn link_settings(setup: &Setup, id: &Identity, relay: SocketAddr) -> LinkSettings {
+    let mut s = LinkSettings::new(
+        format!("wss://localhost:{}/", relay.port()),
+        RelayTrust::Ca(vec![rustls_pki_types::CertificateDer::from(
+            setup.cert_der.clone(),
+        )]),
+        id.clone(),
+    );
+    s.backoff_initial = BACKOFF_INITIAL;
+    s.backoff_max = BACKOFF_MAX;
+    s
+}
+
+/// Starts a connector for the run's caller (no callee side) dialing `relay`.
+pub fn start_caller(setup: &Setup, relay: SocketAddr) -> anyhow::Result<Connector> {
+    start(setup, link_settings(setup, &setup.caller, relay), None, None)
+}
+
+/// Starts a connector for the run's callee dialing `relay`, serving
+/// delegations with `executor` and auditing into `audit`.
+pub fn start_callee(
+    setup: &Setup,
+    relay: SocketAddr,
+    executor: Arc<dyn TaskExecutor>,
+    audit: Arc<dyn AuditSink>,
+) -> anyhow::Result<Connector> {
+    start(
+        setup,
+        link_settings(setup, &setup.callee, relay),
+        Some(executor),
+        Some(audit),
+    )
+}
+
+fn start(
+    setup: &Setup,
+    link: LinkSettings,
+    executor: Option<Arc<dyn TaskExecutor>>,
+    audit: Option<Arc<dyn AuditSink>>,
+) -> anyhow::Result<Connector> {
+    let trust: HashMap<PeerId, Vec<PeerKey>> = [&setup.caller, &setup.callee]
+        .into_iter()
+        .map(|i| (i.peer.clone(), vec![key_of(i)]))
+        .collect();
+    let callee = match executor {
+        Some(executor) => Some(CalleeOptions {
+            executor,
+            policy: Arc::new(policy()?),
+            max_concurrent: CALLEE_MAX_CONCURRENT,
+            max_concurrent_per_peer: CALLEE_MAX_CONCURRENT,
+        }),
+        None => None,
+    };
+    Connector::start(ConnectorOptions {
+        link,
+        trust,
+        grant: Grant {
+            capabilities: CapabilitySet::parse(["read:*"]).context("capability set")?,
+            remaining: budgets(u64::MAX / 4),
+        },
+        caller_policy: policy()?,
+        callee,
+        audit,
+        state: None,
+    })
+    .context("starting a connector")
+}
+
+/// The request every benchmark delegation sends: read-only, `read:repo`,
+/// small budgets, a deadline far beyond the run.
+pub fn new_delegation(text: String) -> NewDelegation {
+    NewDelegation {
+        request_id: None,
+        task: Task {
+            text,
+            context: Default::default(),
+            a2a_message: None,
+        },
+        capabilities: vec!["read:repo".into()],
+        read_only: true,
+        deadline: Duration::from_secs(600),
+        budgets: budgets(1_000),
+        parent: ParentContext {
+            agent: "oab-loadtest".into(),
+            trace_id: "loadtest".into(),
+            execution_id: None,
+        },
+    }
+}
+
+/// A [`MemoryAuditSink`] that also wakes waiters on every record, so a
+/// scenario can wait for the callee's acknowledged terminals without polling.
+#[derive(Debug)]
+pub struct WatchedAudit {
+    records: MemoryAuditSink,
+    changed: Notify,
+}
+
+impl WatchedAudit {
+    /// A sink keeping at most `capacity` records.
+    pub fn new(capacity: usize) -> WatchedAudit {
+        WatchedAudit {
+            records: MemoryAuditSink::new(capacity),
+            changed: Notify::new(),
+        }
+    }
+
+    /// The terminals the callee recorded as acknowledged by the relay
+    /// (`completed`, `cancelled`, `failed`, `rejected` without an error
+    /// code), per delegation, in order.
+    pub fn terminals(&self) -> HashMap<DelegationKey, Vec<Outcome>> {
+        let mut out: HashMap<DelegationKey, Vec<Outcome>> = HashMap::new();
+        for rec in self.records.records() {
+            let terminal = matches!(
+                rec.event,
+                AuditEvent::Completed
+                    | AuditEvent::Cancelled
+                    | AuditEvent::Failed
+                    | AuditEvent::Rejected
+            );
+            if terminal && rec.code.is_none() {
+                if let Some(o) = rec.outcome {
+                    out.entry(rec.key()).or_default().push(o);
+                }
+            }
+        }
+        out
+    }
+
+    /// Waits until `condition` holds for [`WatchedAudit::terminals`], or
+    /// `timeout` passes; returns the last view either way.
+    pub async fn wait_terminals(
+        &self,
+        timeout: Duration,
+        mut condition: impl FnMut(&HashMap<DelegationKey, Vec<Outcome>>) -> bool,
+    ) -> HashMap<DelegationKey, Vec<Outcome>> {
+        let wait = async {
+            loop {
+                let notified = self.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let view = self.terminals();
+                if condition(&view) {
+                    return view;
+                }
+                notified.await;
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(view) => view,
+            Err(_) => self.terminals(),
+        }
+    }
+}
+
+impl AuditSink for WatchedAudit {
+    fn record(&self, record: &AuditRecord) {
+        self.records.record(record);
+        self.changed.notify_waiters();
+    }
+}
+
+/// A xorshift64 generator, seeded per run (the seed is reported, so a run's
+/// fault timing can be reproduced). Not for anything but test timing.
+#[derive(Debug)]
+pub struct Rng(AtomicU64);
+
+impl Rng {
+    /// A generator from `seed` (0 is replaced: xorshift would stay at 0).
+    pub fn new(seed: u64) -> Rng {
+        Rng(AtomicU64::new(if seed == 0 { 0x9E37_79B9_7F4A_7C15 } else { seed }))
+    }
+
+    /// A value in `0..n` (0 when `n` is 0).
+    pub fn below(&self, n: u64) -> u64 {
+        let mut x = self.0.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0.store(x, Ordering::Relaxed);
+        x.checked_rem(n).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rng_stays_in_range_and_is_reproducible() {
+        let (a, b) = (Rng::new(7), Rng::new(7));
+        for _ in 0..1000 {
+            let x = a.below(10);
+            assert!(x < 10);
+            assert_eq!(x, b.below(10));
+        }
+        assert_eq!(Rng::new(0).below(0), 0);
+    }
+}
