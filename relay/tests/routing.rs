@@ -432,7 +432,9 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
     let big = |i: u64| Bytes::from(format!("{i:08}{}", "x".repeat(16 * 1024)));
     let sender = tokio::spawn(async move {
         for seq in 1..=2000u64 {
-            b.feed(&data("slow", Direction::Up, seq, None, big(seq))).await.unwrap();
+            b.feed(&data("slow", Direction::Up, seq, None, big(seq)))
+                .await
+                .unwrap();
         }
         b.flush().await.unwrap();
         await_ack(&mut b, "slow", Direction::Up, 2000).await;
@@ -442,7 +444,10 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
     // Now read: what was buffered, then the close.
     let mut last = 0;
     let code = loop {
-        match tokio::time::timeout(std::time::Duration::from_secs(20), a.recv()).await.unwrap() {
+        match tokio::time::timeout(std::time::Duration::from_secs(20), a.recv())
+            .await
+            .unwrap()
+        {
             Ok(Frame::Data(d)) => {
                 assert_eq!(d.seq, last + 1);
                 last = d.seq;
@@ -456,9 +461,13 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
     assert!(CloseCode::SlowConsumer.should_reconnect());
     assert!(last < 2000, "cut before it got everything");
     let mut a = relay.client(&env.caller).await;
-    a.send(&Frame::Resume(Resume { key: key("slow"), direction: Direction::Up, after: last }))
-        .await
-        .unwrap();
+    a.send(&Frame::Resume(Resume {
+        key: key("slow"),
+        direction: Direction::Up,
+        after: last,
+    }))
+    .await
+    .unwrap();
     while last < 2000 {
         if let Frame::Data(d) = recv(&mut a).await {
             assert_eq!(d.seq, last + 1, "resumed with nothing lost");
@@ -467,6 +476,9 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
         }
     }
     let m = relay.metrics().await;
-    assert!(m.contains("oab_disconnects_total{reason=\"slow_consumer\"} 1"), "{m}");
+    assert!(
+        m.contains("oab_disconnects_total{reason=\"slow_consumer\"} 1"),
+        "{m}"
+    );
     relay.stop().await;
 }
