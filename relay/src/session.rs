@@ -76,7 +76,10 @@ pub async fn serve<S, IO>(
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let limits = hub.config.wire_limits();
-    let Some(session) = handshake(&hub, &env, &mut ws, &binding, deadline, &limits).await else {
+    // Boxed: the handshake's state is freed when it ends instead of being
+    // reserved for the whole life of the session (idle sessions are cheap).
+    let handshake = Box::pin(handshake(&hub, &env, &mut ws, &binding, deadline, &limits));
+    let Some(session) = handshake.await else {
         return;
     };
     drop(handshake_permit);
@@ -363,10 +366,11 @@ impl<S: EventStore> Session<S> {
                         .count();
                     self.batch_limited = std::num::NonZeroU32::new(u32::try_from(log_frames).unwrap_or(u32::MAX))
                         .is_some_and(|n| !matches!(self.env.peer_limiter.check_key_n(&self.me.peer, n), Ok(Ok(()))));
-                    for frame in batch {
-                        self.handle(frame).await;
-                    }
-                    self.flush().await;
+                    // Boxed per batch (one allocation for up to MAX_BATCH
+                    // frames): the processing state then lives only while a
+                    // batch is processed, not for the whole idle life of the
+                    // session.
+                    Box::pin(self.process(batch)).await;
                     if let Some(end) = stop {
                         break end;
                     }
@@ -442,6 +446,13 @@ impl<S: EventStore> Session<S> {
         }
     }
 
+    async fn process(&mut self, batch: Vec<(Bytes, Frame)>) {
+        for frame in batch {
+            self.handle(frame).await;
+        }
+        self.flush().await;
+    }
+
     fn push(&self, frame: &Frame) {
         if let Ok(bytes) = encode(frame) {
             self.me.outbox.push(bytes);
@@ -473,21 +484,23 @@ impl<S: EventStore> Session<S> {
                 self.stage(c.key, Direction::Down, c.seq, None, c.flags, len, raw)
                     .await;
             }
+            // Rare frames: boxed, so their state does not enlarge every
+            // session's task for its whole life.
             Frame::Open(open) => {
                 self.flush().await;
-                self.open(open, raw).await;
+                Box::pin(self.open(open, raw)).await;
             }
             Frame::Resume(r) => {
                 self.flush().await;
-                self.resume(r.key, r.direction, r.after).await;
+                Box::pin(self.resume(r.key, r.direction, r.after)).await;
             }
             Frame::Ping(p) => self.push(&Frame::Pong(p)),
             Frame::Pong(_) => {}
             Frame::PeersQuery => {
-                let payload = self.hub.peers_payload(&self.me.peer).await;
+                let payload = Box::pin(self.hub.peers_payload(&self.me.peer)).await;
                 self.push(&Frame::Peers(payload));
             }
-            Frame::Publish(descriptor) => self.publish(descriptor).await,
+            Frame::Publish(descriptor) => Box::pin(self.publish(descriptor)).await,
             other => self.error(
                 ErrorCode::ProtocolViolation,
                 None,
