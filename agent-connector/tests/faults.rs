@@ -290,3 +290,46 @@ async fn caller_restart_resumes_from_its_committed_cursor() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_certificate_pin_is_enforced() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let pinned = |digest| {
+        let mut s = settings(&env.caller, relay.addr, &env.cert_der);
+        s.trust = oab_connector::trust::RelayTrust::Pin(digest);
+        s
+    };
+    // The right pin connects.
+    let good = connector_with(&env, pinned(oab_wire::Digest::of(&env.cert_der)), None);
+    good.connected().await.unwrap();
+    good.shutdown().await;
+    // A wrong pin never gets past TLS: the link keeps retrying, never connects.
+    let bad = connector_with(
+        &env,
+        pinned(oab_wire::Digest::of(b"another certificate")),
+        None,
+    );
+    let mut attempts_seen = 0;
+    for _ in 0..200 {
+        match bad.state() {
+            oab_connector::link::LinkState::Connected { .. } => {
+                panic!("connected with a wrong pin")
+            }
+            oab_connector::link::LinkState::Connecting { attempt } => {
+                attempts_seen = attempts_seen.max(attempt)
+            }
+            oab_connector::link::LinkState::Stopped(r) => panic!("stopped: {r}"),
+        }
+        if attempts_seen >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        attempts_seen >= 3,
+        "retried and failed {attempts_seen} times"
+    );
+    bad.shutdown().await;
+    relay.stop().await;
+}

@@ -482,3 +482,57 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
     );
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn behind_a_load_balancer_the_relay_speaks_plain_websocket_with_challenge_binding() {
+    let mut env = TestEnv::new("");
+    env.config.relay.tls_mode = oab_relay::config::TlsMode::BehindLoadBalancer;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let (config, stop) = (Arc::new(env.config.clone()), shutdown.clone());
+    let store = Arc::new(MemoryStore::new(Retention::default()));
+    let task = tokio::spawn(async move {
+        oab_relay::run(listener, None, config, store, None, stop)
+            .await
+            .unwrap();
+    });
+    // The load balancer terminated TLS; the connector binds to the challenge.
+    let target = oab_relay::raw_client::Target {
+        addr: addr.to_string(),
+        server_name: None,
+        root_der: Vec::new(),
+    };
+    let mut a = oab_relay::raw_client::RawClient::connect(
+        &target,
+        &env.caller,
+        oab_wire::InstanceId::random(),
+    )
+    .await
+    .unwrap();
+    a.send(&open_frame("lb", b"{}")).await.unwrap();
+    await_ack(&mut a, "lb", Direction::Down, 1).await;
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_relay_terminating_tls_refuses_an_unbound_hello() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    // TLS to the relay, but a hello bound to the challenge only.
+    let mut conn = oab_relay::raw_client::connect(&relay.target())
+        .await
+        .unwrap();
+    conn.binding = oab_wire::handshake::ChannelBinding::ChallengeOnly;
+    match conn
+        .handshake(&env.caller, oab_wire::InstanceId::random())
+        .await
+    {
+        Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => {
+            assert_eq!(code, CloseCode::BindingRequired.as_u16())
+        }
+        other => panic!("expected binding_required, got {other:?}"),
+    }
+    relay.stop().await;
+}
