@@ -333,3 +333,67 @@ async fn relay_certificate_pin_is_enforced() {
     bad.shutdown().await;
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_drain_and_restart_on_redis_loses_nothing() {
+    let env = env_fast();
+    let redis =
+        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::Aof).unwrap();
+    let store = || async {
+        Arc::new(
+            oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
+                .await
+                .unwrap(),
+        )
+    };
+    let relay = Relay::start(&env, store().await).await;
+    let addr = relay.addr;
+    let exec = Arc::new(Paced {
+        n: 300,
+        pause: Duration::from_millis(2),
+        runs: AtomicUsize::new(0),
+    });
+    let b = connector(&env, &env.callee, addr, Some(exec.clone()));
+    let a = connector(&env, &env.caller, addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("survive a relay restart"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    let mut last = 0;
+    while last < 50 {
+        let ev = events.next().await.unwrap().unwrap();
+        assert_eq!(ev.seq, last + 1);
+        last = ev.seq;
+    }
+    // Graceful stop (Drain + going_away), then a new relay process on the same
+    // address and store.
+    relay.stop().await;
+    let relay = Relay::start_on(&env, store().await, &addr.to_string()).await;
+    let t = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            ev.seq,
+            last + 1,
+            "nothing lost or repeated across the restart"
+        );
+        last = ev.seq;
+        if let EventKind::Terminal(t) = ev.kind {
+            break t;
+        }
+    };
+    assert_eq!(t.outcome, Outcome::Completed);
+    assert_eq!(last, 302);
+    a.caller().verify(&h, &t).unwrap();
+    assert_eq!(exec.runs.load(Ordering::SeqCst), 1);
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
