@@ -44,6 +44,22 @@ pub const BACKOFF_INITIAL: Duration = Duration::from_millis(20);
 /// Largest reconnect backoff of the scenarios' connectors.
 pub const BACKOFF_MAX: Duration = Duration::from_millis(500);
 
+/// `store.finished_ttl_ms` of the connector scenarios: ten minutes instead of
+/// the benchmarks' one second. A connector reads a finished delegation's
+/// events after the relay appended its terminal; with the 1 s TTL a caller
+/// that falls more than a second behind under load (256 in flight on the
+/// Redis store does) finds the delegation gone and gets a gap, which would
+/// measure the retention setting instead of the delegation path.
+pub const FINISHED_TTL_MS: u64 = 600_000;
+
+/// `common` with the relay settings the connector scenarios need
+/// ([`FINISHED_TTL_MS`]); the JSON header records them.
+pub fn connector_common(common: &crate::scenario::Common) -> crate::scenario::Common {
+    let mut c = common.clone();
+    c.tuning.finished_ttl_ms = c.tuning.finished_ttl_ms.max(FINISHED_TTL_MS);
+    c
+}
+
 fn budgets(n: u64) -> Budgets {
     Budgets {
         tokens: n,
@@ -89,7 +105,12 @@ pub fn link_settings(setup: &Setup, id: &Identity, relay: SocketAddr) -> LinkSet
 
 /// Starts a connector for the run's caller (no callee side) dialing `relay`.
 pub fn start_caller(setup: &Setup, relay: SocketAddr) -> anyhow::Result<Connector> {
-    start(setup, link_settings(setup, &setup.caller, relay), None, None)
+    start(
+        setup,
+        link_settings(setup, &setup.caller, relay),
+        None,
+        None,
+    )
 }
 
 /// Starts a connector for the run's callee dialing `relay`, serving
@@ -194,10 +215,11 @@ impl WatchedAudit {
                     | AuditEvent::Failed
                     | AuditEvent::Rejected
             );
-            if terminal && rec.code.is_none() {
-                if let Some(o) = rec.outcome {
-                    out.entry(rec.key()).or_default().push(o);
-                }
+            if terminal
+                && rec.code.is_none()
+                && let Some(o) = rec.outcome
+            {
+                out.entry(rec.key()).or_default().push(o);
             }
         }
         out
@@ -244,7 +266,11 @@ pub struct Rng(AtomicU64);
 impl Rng {
     /// A generator from `seed` (0 is replaced: xorshift would stay at 0).
     pub fn new(seed: u64) -> Rng {
-        Rng(AtomicU64::new(if seed == 0 { 0x9E37_79B9_7F4A_7C15 } else { seed }))
+        Rng(AtomicU64::new(if seed == 0 {
+            0x9E37_79B9_7F4A_7C15
+        } else {
+            seed
+        }))
     }
 
     /// A value in `0..n` (0 when `n` is 0).

@@ -12,12 +12,14 @@
 //! | [`direct`] | the physical baseline: a direct WSS connection between the two endpoints |
 //! | [`traffic`] | benchmark frames, their stamps, and the receivers' correctness checks |
 //! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
-//! | [`scenario`] | `throughput`, `latency`, `sessions` |
+//! | [`connectors`] | real connectors against the relay under test: options, requests, a waitable audit sink |
+//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm` |
 //! | [`report`] | tables, JSON documents, violations |
 //!
 //! The binary `oab-loadtest` parses flags and calls [`scenario`]; `--help`
 //! explains each scenario.
 
+pub mod connectors;
 pub mod direct;
 pub mod endpoint;
 pub mod proxy;

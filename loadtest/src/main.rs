@@ -9,7 +9,10 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind, find_relay_bin};
 use oab_loadtest::report::Report;
+use oab_loadtest::scenario::cancel_race::CancelRaceOptions;
+use oab_loadtest::scenario::delegations::DelegationsOptions;
 use oab_loadtest::scenario::latency::LatencyOptions;
+use oab_loadtest::scenario::reconnect_storm::ReconnectStormOptions;
 use oab_loadtest::scenario::sessions::SessionsOptions;
 use oab_loadtest::scenario::throughput::ThroughputOptions;
 use oab_loadtest::scenario::{self, Common};
@@ -43,17 +46,35 @@ Scenarios:
   latency     round-trip p50/p90/p99/p99.9 at several offered loads,
               relay against direct
   sessions    relay memory per idle authenticated session, handshakes/s
+  delegations whole delegations/s connector -> relay -> connector (open,
+              10 events, signed result, verify) at 1 and 256 in flight,
+              round-trip p50/p99, connector overhead per event vs raw frames
+  cancel-race delegations cancelled at random around completion: caller
+              and callee must agree on exactly one terminal each
+  reconnect-storm
+              delegations streaming while proxies cut both connectors' links
+              at random (and --kill-relay-every SIGKILLs and restarts the
+              relay): no event lost, duplicated or reordered, one terminal,
+              one executor run each; reconnect-to-replay p50/p99
+
+Short correctness smoke runs (each well under 20 s in a debug build):
+  oab-loadtest --check cancel-race --count 200
+  oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
-(frames lost, duplicated, reordered or corrupt; sessions lost; never a
+(frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
+without exactly one verified terminal; caller and callee disagreeing; an
+event lost, duplicated or reordered; an executor run twice; never a
 timing); 2 the run could not be carried out; 130 interrupted.";
 
 #[derive(Debug, Parser)]
 #[command(name = "oab-loadtest", version, about = ABOUT, long_about = LONG_ABOUT)]
 struct Cli {
     /// Exit with status 1 if a correctness invariant fails: a frame lost,
-    /// duplicated, reordered or corrupt, or a session lost. Timings never fail
-    /// a run.
+    /// duplicated, reordered or corrupt, or a session lost; a delegation
+    /// without exactly one verified terminal, caller and callee disagreeing
+    /// on it, an event lost, duplicated or reordered, or an executor run
+    /// more than once. Timings never fail a run.
     #[arg(long, global = true)]
     check: bool,
     /// Where to write the JSON results [default: loadtest-results/<scenario>.json].
@@ -145,6 +166,124 @@ enum Command {
     /// challenge, signed hello, welcome), reads VmRSS again, checks each
     /// session answers a Ping, closes them and reads VmRSS once more.
     Sessions(SessionsArgs),
+    /// End-to-end delegations per second through the relay, connector to
+    /// connector, and the connector's overhead per event against raw frames.
+    ///
+    /// A caller connector delegates to a callee connector whose in-process
+    /// executor emits --events status events and completes; each delegation
+    /// is open -> accepted -> events -> signed result -> verify() on the
+    /// caller. Per --in-flight level (closed loop), for --seconds: verified
+    /// delegations/s and delegate-to-verified round-trip p50/p99. The same
+    /// run measures raw pipelined Data frames of one event's payload size
+    /// through the same relay; overhead/event = 1/(connector events/s) -
+    /// 1/(raw frames/s). --check fails on any delegation without exactly one
+    /// verified terminal.
+    Delegations(DelegationsArgs),
+    /// Cancels racing completion: both sides agree on exactly one terminal.
+    ///
+    /// --count delegations (--in-flight at once); the callee's executor
+    /// finishes after a random 0..--turns scheduler turns, the caller cancels
+    /// after a random 0..--turns turns. The caller's view (the terminal
+    /// wait() returns, verified when signed) is compared with the callee's
+    /// (the terminal its audit trail recorded once the relay acknowledged
+    /// it). Reports the split between outcomes; --check fails on a
+    /// disagreement or a missing or duplicate terminal.
+    CancelRace(CancelRaceArgs),
+    /// Link cuts and relay kills while delegations stream events.
+    ///
+    /// Each connector reaches the relay through its own fault proxy.
+    /// --delegations delegations stream --events paced status events each
+    /// while the proxies cut links at random (--cuts cuts with a live
+    /// connection); with --kill-relay-every the relay child is killed
+    /// (SIGKILL) and restarted on the same port and Redis store. Per
+    /// delegation: events lost, duplicated, reordered (must be 0),
+    /// terminals on both sides (exactly 1), executor runs (exactly 1); and
+    /// the time from a reconnect to the first replayed event, p50/p99.
+    /// --check fails on any invariant, never on timing.
+    ReconnectStorm(ReconnectStormArgs),
+}
+
+#[derive(Debug, Args)]
+struct DelegationsArgs {
+    /// Delegations in flight at once, comma-separated: one measurement each.
+    #[arg(long, value_delimiter = ',', default_value = "1,256")]
+    in_flight: Vec<usize>,
+    /// Status events each delegation's executor emits.
+    #[arg(long, default_value_t = 10)]
+    events: u32,
+    /// Time per in-flight level, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Delegations per level at most.
+    #[arg(long, default_value_t = 1_000_000)]
+    max_delegations: u64,
+    /// Time of the raw-frame baseline per store, seconds.
+    #[arg(long, default_value_t = 2.0)]
+    baseline_seconds: f64,
+    /// Relay store(s) to measure.
+    #[arg(long, value_enum, default_value_t = StoreArg::Redis)]
+    store: StoreArg,
+}
+
+#[derive(Debug, Args)]
+struct CancelRaceArgs {
+    /// Delegations, each cancelled around its completion.
+    #[arg(long, default_value_t = 1000)]
+    count: u32,
+    /// Delegations in flight at once.
+    #[arg(long, default_value_t = 256)]
+    in_flight: usize,
+    /// Upper bound of the random scheduler turns before the executor
+    /// completes and before the caller cancels.
+    #[arg(long, default_value_t = 400)]
+    turns: u64,
+    /// Seed of the random timing (0: from the clock; the seed used is reported).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// How long to wait for each terminal, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    wait_seconds: f64,
+    /// The relay's store.
+    #[arg(long, value_enum, default_value_t = StoreArg::Redis)]
+    store: StoreArg,
+}
+
+#[derive(Debug, Args)]
+struct ReconnectStormArgs {
+    /// Delegations streaming at once.
+    #[arg(long, default_value_t = 20)]
+    delegations: u32,
+    /// Status events per delegation.
+    #[arg(long, default_value_t = 500)]
+    events: u32,
+    /// Executor pause before each event, milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    event_interval_ms: f64,
+    /// Link cuts (each closes every live connection of one connector's proxy).
+    #[arg(long, default_value_t = 200)]
+    cuts: u32,
+    /// Kill the relay child (SIGKILL) and restart it every SECS seconds
+    /// (needs --store redis).
+    #[arg(long, value_name = "SECS")]
+    kill_relay_every: Option<f64>,
+    /// Seed of the random fault timing (0: from the clock; reported).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The whole run's time limit, seconds; unfinished delegations count as
+    /// missing their terminal.
+    #[arg(long, default_value_t = 300.0)]
+    timeout_seconds: f64,
+    /// The relay's store.
+    #[arg(long, value_enum, default_value_t = StoreArg::Redis)]
+    store: StoreArg,
+}
+
+fn one_store(store: StoreArg, scenario: &str) -> anyhow::Result<StoreKind> {
+    match store {
+        StoreArg::Memory => Ok(StoreKind::Memory),
+        StoreArg::Redis => Ok(StoreKind::Redis),
+        StoreArg::Both => anyhow::bail!("{scenario} runs on one store: memory or redis"),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -320,17 +459,56 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
             scenario::latency::run(&opts, common).await
         }
         Command::Sessions(a) => {
-            let store = match a.store {
-                StoreArg::Memory => StoreKind::Memory,
-                StoreArg::Redis => StoreKind::Redis,
-                StoreArg::Both => anyhow::bail!("sessions runs on one store: memory or redis"),
-            };
+            let store = one_store(a.store, "sessions")?;
             let opts = SessionsOptions {
                 sessions: a.sessions.max(1),
                 concurrency: a.concurrency.max(1),
                 store,
             };
             scenario::sessions::run(&opts, common).await
+        }
+        Command::Delegations(a) => {
+            positive("--seconds", a.seconds).map_err(anyhow::Error::msg)?;
+            positive("--baseline-seconds", a.baseline_seconds).map_err(anyhow::Error::msg)?;
+            let opts = DelegationsOptions {
+                stores: a.store.stores(),
+                in_flight: a.in_flight.iter().map(|n| (*n).max(1)).collect(),
+                events: a.events,
+                seconds: a.seconds,
+                max_delegations: a.max_delegations.max(1),
+                baseline_seconds: a.baseline_seconds,
+            };
+            scenario::delegations::run(&opts, common).await
+        }
+        Command::CancelRace(a) => {
+            positive("--wait-seconds", a.wait_seconds).map_err(anyhow::Error::msg)?;
+            let opts = CancelRaceOptions {
+                store: one_store(a.store, "cancel-race")?,
+                count: a.count.max(1),
+                in_flight: a.in_flight.max(1),
+                turns: a.turns.max(1),
+                seed: a.seed,
+                wait_seconds: a.wait_seconds,
+            };
+            scenario::cancel_race::run(&opts, common).await
+        }
+        Command::ReconnectStorm(a) => {
+            positive("--event-interval-ms", a.event_interval_ms).map_err(anyhow::Error::msg)?;
+            positive("--timeout-seconds", a.timeout_seconds).map_err(anyhow::Error::msg)?;
+            if let Some(k) = a.kill_relay_every {
+                positive("--kill-relay-every", k).map_err(anyhow::Error::msg)?;
+            }
+            let opts = ReconnectStormOptions {
+                store: one_store(a.store, "reconnect-storm")?,
+                delegations: a.delegations.max(1),
+                events: a.events.max(1),
+                event_interval: Duration::from_secs_f64(a.event_interval_ms / 1000.0),
+                cuts: a.cuts,
+                kill_relay_every: a.kill_relay_every.map(Duration::from_secs_f64),
+                seed: a.seed,
+                timeout: Duration::from_secs_f64(a.timeout_seconds),
+            };
+            scenario::reconnect_storm::run(&opts, common).await
         }
     }
 }

@@ -211,7 +211,11 @@ impl RelayUnderTest {
     /// SIGKILL: no drain, no goodbye frames, exactly like a crash. An
     /// in-process relay cannot be killed that way; it is stopped through its
     /// shutdown token instead (a graceful stop, bounded by its drain).
-    pub async fn kill_and_restart(&mut self, setup: &Setup, mode: &RelayMode) -> anyhow::Result<()> {
+    pub async fn kill_and_restart(
+        &mut self,
+        setup: &Setup,
+        mode: &RelayMode,
+    ) -> anyhow::Result<()> {
         match &mut self.running {
             Running::Process { child, .. } => {
                 let _ = child.start_kill();
@@ -371,7 +375,7 @@ fn bind_reusable(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let socket = tokio::net::TcpSocket::new_v4()?;
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    Ok(socket.listen(1024)?.into_std()?)
+    socket.listen(1024)?.into_std()
 }
 
 /// The address in a line like `relay localhost listening on wss://127.0.0.1:40123`.

@@ -7,8 +7,14 @@
 //! | [`throughput`] | frames/s and MB/s per payload size, relay vs direct |
 //! | [`latency`] | round-trip percentiles at several offered loads, relay vs direct |
 //! | [`sessions`] | relay memory per idle session, handshakes per second |
+//! | [`delegations`] | whole delegations per second connector to connector, connector overhead per event |
+//! | [`cancel_race`] | cancels racing completion: both sides agree on one terminal |
+//! | [`reconnect_storm`] | link cuts and relay kills while delegations stream: nothing lost, repeated or rerun |
 
+pub mod cancel_race;
+pub mod delegations;
 pub mod latency;
+pub mod reconnect_storm;
 pub mod sessions;
 pub mod throughput;
 

@@ -1,0 +1,104 @@
+//! Short smoke runs of the connector correctness scenarios, in-process (the
+//! relay in-process on the Redis store, real connectors over TLS on
+//! loopback): the same as `oab-loadtest --check cancel-race --count 200` and
+//! `oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20`,
+//! plus a tiny `delegations` run. Asserts the correctness checks and the shape
+//! of the JSON, never a timing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::time::Duration;
+
+use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind};
+use oab_loadtest::scenario::Common;
+use oab_loadtest::scenario::cancel_race::{self, CancelRaceOptions};
+use oab_loadtest::scenario::delegations::{self, DelegationsOptions};
+use oab_loadtest::scenario::reconnect_storm::{self, ReconnectStormOptions};
+use oab_loadtest::setup::Tuning;
+
+fn common() -> Common {
+    Common {
+        relay: RelayMode::InProcess,
+        redis_persistence: RedisPersistence::None,
+        drain: Duration::from_secs(30),
+        tuning: Tuning::default(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_race_smoke_agrees_on_one_terminal_each() {
+    let opts = CancelRaceOptions {
+        store: StoreKind::Redis,
+        count: 200,
+        in_flight: 64,
+        turns: 400,
+        seed: 0,
+        wait_seconds: 60.0,
+    };
+    let report = cancel_race::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let r = &report.json["result"];
+    assert_eq!(r["delegations"], 200, "{r}");
+    assert_eq!(r["agreed"], 200, "{r}");
+    let outcomes = r["outcomes"].as_object().unwrap();
+    let total: u64 = outcomes.values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(total, 200, "{r}");
+    assert!(report.json["seed"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_smoke_loses_repeats_and_reruns_nothing() {
+    let opts = ReconnectStormOptions {
+        store: StoreKind::Redis,
+        delegations: 4,
+        events: 100,
+        event_interval: Duration::from_millis(10),
+        cuts: 20,
+        kill_relay_every: None,
+        seed: 0,
+        timeout: Duration::from_secs(60),
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let ds = report.json["delegations"].as_array().unwrap();
+    assert_eq!(ds.len(), 4);
+    for d in ds {
+        assert_eq!(d["received"], 100, "{d}");
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["callee_terminals"], 1, "{d}");
+        assert_eq!(d["executor_runs"], 1, "{d}");
+        assert_eq!(d["verified"], true, "{d}");
+    }
+    // The cutter stops early only if every delegation already ended.
+    assert!(report.json["result"]["cuts"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegations_smoke_verifies_every_delegation() {
+    let opts = DelegationsOptions {
+        stores: vec![StoreKind::Memory],
+        in_flight: vec![1, 8],
+        events: 10,
+        seconds: 0.3,
+        max_delegations: 200,
+        baseline_seconds: 0.2,
+    };
+    let report = delegations::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let levels = report.json["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2);
+    for l in levels {
+        assert!(l["verified"].as_u64().unwrap() > 0, "{l}");
+        assert_eq!(l["failed"], 0, "{l}");
+    }
+    assert!(
+        report.json["baselines"][0]["frames_per_sec"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}
