@@ -116,11 +116,15 @@ pub struct LimitsSection {
     /// direction (published in the welcome; frames beyond are a hole).
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
-    /// Frames queued towards one session. Overflow policy: the session is
-    /// closed with `slow_consumer` (4001); its frames stay in the log and
-    /// replay when it resumes.
+    /// Delegation frames queued towards one session. Overflow policy: a live
+    /// frame that does not fit is delivered from the log instead, at the
+    /// receiver's pace (nothing is dropped); see `slow_consumer_ms`.
     #[serde(default = "default_session_queue")]
     pub session_queue: usize,
+    /// A session whose full queue drains nothing for this long is closed
+    /// with `slow_consumer` (4001); it resumes from its cursor later, ms.
+    #[serde(default = "default_slow_consumer_ms")]
+    pub slow_consumer_ms: u64,
     /// Open (non-terminal) delegations per caller peer.
     #[serde(default = "default_max_open_per_peer")]
     pub max_open_per_peer: u32,
@@ -261,6 +265,9 @@ fn default_max_in_flight() -> u32 {
 fn default_session_queue() -> usize {
     1_024
 }
+fn default_slow_consumer_ms() -> u64 {
+    10_000
+}
 fn default_max_open_per_peer() -> u32 {
     10_000
 }
@@ -319,6 +326,7 @@ section_default!(LimitsSection {
     max_payload: default_max_payload,
     max_in_flight: default_max_in_flight,
     session_queue: default_session_queue,
+    slow_consumer_ms: default_slow_consumer_ms,
     max_open_per_peer: default_max_open_per_peer,
     max_descriptor: default_max_descriptor,
 });

@@ -27,7 +27,7 @@ use tracing::{Instrument as _, debug, info, warn};
 
 use crate::config::{Config, Directory};
 use crate::metrics::Metrics;
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, Pushed};
 use crate::store::{AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, ReadOutcome};
 
 /// Entries read from the store per replay step.
@@ -449,13 +449,20 @@ impl<S: EventStore> Hub<S> {
             return;
         }
         if seq == sub.delivered + 1 {
-            if sub.outbox.push(frame) {
-                sub.delivered = seq;
-                self.metrics.hot.data_out.inc();
-            } else {
-                *slot = None;
+            match sub.outbox.push_data(frame) {
+                Pushed::Queued => {
+                    sub.delivered = seq;
+                    self.metrics.hot.data_out.inc();
+                    return;
+                }
+                Pushed::Closed => {
+                    *slot = None;
+                    return;
+                }
+                // The receiver's queue is full: it is fed from the log
+                // instead, at its own pace (below).
+                Pushed::Full => {}
             }
-            return;
         }
         sub.replaying = true;
         let (generation, outbox, from) = (sub.generation, sub.outbox.clone(), sub.delivered);
@@ -637,7 +644,7 @@ impl<S: EventStore> Hub<S> {
                     );
                     return;
                 }
-                if !outbox.send(frame).await {
+                if !outbox.send_data(frame).await {
                     return;
                 }
                 cursor = seq;

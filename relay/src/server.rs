@@ -53,7 +53,7 @@ pub fn ws_config(config: &Config) -> WebSocketConfig {
     WebSocketConfig::default()
         .read_buffer_size(2 * 1024)
         .write_buffer_size(32 * 1024)
-        .max_write_buffer_size(2 * max + 64 * 1024)
+        .max_write_buffer_size(2 * max + crate::session::MAX_WELCOME_BYTES + 64 * 1024)
         .max_message_size(Some(max))
         .max_frame_size(Some(max))
 }

@@ -32,6 +32,9 @@ use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRe
 
 /// Frames read from the socket before a batch is processed.
 const MAX_BATCH: usize = 256;
+/// Largest welcome payload (JSON list of open delegations), bytes. The
+/// session's write buffer cap is sized to hold it.
+pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
 /// Frames written before a flush.
 const MAX_WRITE_BATCH: usize = 256;
 
@@ -202,7 +205,11 @@ where
             return None;
         }
     };
-    let (out, inbox) = outbox(hub.config.limits.session_queue, &hub.shutdown);
+    let (out, inbox) = outbox(
+        hub.config.limits.session_queue,
+        Duration::from_millis(hub.config.limits.slow_consumer_ms),
+        &hub.shutdown,
+    );
     let me = SessionRef {
         id: SessionId::random(),
         peer: auth.peer.clone(),
@@ -231,8 +238,12 @@ where
         .await;
     let listed = hub.store.delegations_of(&me.peer).await.unwrap_or(listed);
     hub.seed_counts(&me.peer, &listed);
-    let cursors: Vec<DelegationCursor> = listed
+    // Only unfinished delegations: finished ones need nothing from a new
+    // session (a receiver that still wants their events resumes them), and
+    // this keeps the welcome bounded by the open-delegation caps.
+    let mut cursors: Vec<DelegationCursor> = listed
         .iter()
+        .filter(|d| d.terminal.is_none())
         .map(|d| {
             let is_caller = d.key.caller == me.peer;
             DelegationCursor {
@@ -249,6 +260,17 @@ where
             }
         })
         .collect();
+    let mut payload = serde_json::to_vec(&cursors).unwrap_or_default();
+    while payload.len() > MAX_WELCOME_BYTES && !cursors.is_empty() {
+        // Bounded: the oldest part is announced on the next welcome.
+        let keep = cursors.len() * MAX_WELCOME_BYTES / payload.len();
+        warn!(
+            listed = cursors.len(),
+            keep, "welcome list over its size bound; truncated"
+        );
+        cursors.truncate(keep);
+        payload = serde_json::to_vec(&cursors).unwrap_or_default();
+    }
     let welcome = Frame::Welcome(Welcome {
         session: me.id,
         epoch: hub.epoch(),
@@ -256,7 +278,7 @@ where
         max_header: limits.max_header,
         max_payload: limits.max_payload,
         max_in_flight: hub.config.limits.max_in_flight,
-        payload: Bytes::from(serde_json::to_vec(&cursors).unwrap_or_default()),
+        payload: Bytes::from(payload),
     });
     let sent = match encode(&welcome) {
         Ok(bytes) => ws.send(Message::Binary(bytes)).await.is_ok(),
@@ -331,8 +353,15 @@ impl<S: EventStore> Session<S> {
                         }
                     };
                 }
-                out = self.inbox.rx.recv() => {
+                out = self.inbox.control.recv() => {
                     let Some(frame) = out else { break End::Transport };
+                    if write_batch(&mut ws, &mut self.inbox, frame, &self.hub).await.is_err() {
+                        break End::Transport;
+                    }
+                }
+                out = self.inbox.data.recv() => {
+                    let Some(frame) = out else { break End::Transport };
+                    self.inbox.taken();
                     if write_batch(&mut ws, &mut self.inbox, frame, &self.hub).await.is_err() {
                         break End::Transport;
                     }
@@ -384,7 +413,7 @@ impl<S: EventStore> Session<S> {
             End::Closed(code, reason) => {
                 info!(code = code.as_u16(), reason = %reason, "closing session");
                 // Flush what is queued (acks, errors) before the close frame.
-                while let Ok(frame) = self.inbox.rx.try_recv() {
+                while let Some(frame) = self.inbox.try_next() {
                     if ws.feed(Message::Binary(frame)).await.is_err() {
                         break;
                     }
@@ -962,7 +991,7 @@ where
     let mut bytes = first.len();
     ws.feed(Message::Binary(first)).await?;
     for _ in 1..MAX_WRITE_BATCH {
-        let Ok(frame) = inbox.rx.try_recv() else {
+        let Some(frame) = inbox.try_next() else {
             break;
         };
         bytes += frame.len();

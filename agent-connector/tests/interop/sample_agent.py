@@ -17,6 +17,12 @@ What it does is chosen by the prefix of the message id:
   completes the task with an artifact ``branch <text>``;
 - ``message-``: answers with a message, no task;
 - ``fail-``: failed with a message;
+- ``bench-stream-<N>-``: the benchmark mode (``bench.py``): N events as fast
+  as it can, no sleeps, alternating a working status update (message text
+  ``bench <i> <t>``) and an artifact chunk (text ``<i> <t>``, appended to the
+  artifact ``bench``), then completed. ``<t>`` is ``time.time_ns()`` when the
+  event was made, so a client on the same machine can compute the latency;
+  the same value is in the event's metadata (``benchSentNs``);
 - anything else: completed, echoing the text.
 """
 
@@ -25,6 +31,7 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 
 import uvicorn
 
@@ -114,6 +121,8 @@ class SampleExecutor(AgentExecutor):
                 [Part(text="chunk-2")], artifact_id="out", name="out", append=True, last_chunk=True
             )
             await updater.complete(updater.new_agent_message([Part(text="streamed")]))
+        elif mid.startswith("bench-stream-"):
+            await bench_stream(updater, int(mid.split("-")[2]))
         elif mid.startswith("gated-"):
             await updater.start_work()
             for i in (1, 2):
@@ -145,6 +154,28 @@ class SampleExecutor(AgentExecutor):
             event_queue=event_queue, task_id=context.task_id or "", context_id=context.context_id or ""
         )
         await updater.cancel(updater.new_agent_message([Part(text="canceled as asked")]))
+
+
+async def bench_stream(updater: TaskUpdater, n: int) -> None:
+    """N events as fast as the SDK takes them, each stamped when made."""
+    for i in range(n):
+        t = time.time_ns()
+        meta = {"benchSentNs": str(t), "benchIndex": i}
+        if i % 2 == 0:
+            await updater.update_status(
+                TaskState.TASK_STATE_WORKING,
+                updater.new_agent_message([Part(text=f"bench {i} {t}")]),
+                metadata=meta,
+            )
+        else:
+            await updater.add_artifact(
+                [Part(text=f"{i} {t} ")],
+                artifact_id="bench",
+                name="bench",
+                append=i > 1,
+                metadata=meta,
+            )
+    await updater.complete(updater.new_agent_message([Part(text="bench done")]))
 
 
 async def open_gate(request: Request) -> JSONResponse:
