@@ -27,8 +27,6 @@
 mod a2a_support;
 mod common;
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,51 +35,12 @@ use common::*;
 use oab_connector::a2a::{A2aDriver, DriverOptions};
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::{Value, json};
-use tokio::io::AsyncBufReadExt as _;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    let p = repo().join(".venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/python-env first (it creates .venv with the official a2a-sdk)",
-        p.display()
-    );
-    p
-}
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// Starts the SDK sample server; returns it and its port.
-async fn sample_agent() -> (tokio::process::Child, u16) {
-    let script = repo().join("agent-connector/tests/interop/sample_agent.py");
-    let mut child = tokio::process::Command::new(python())
-        .arg(script)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the sample agent starts");
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-        .await
-        .expect("the sample agent is ready in time")
-        .unwrap()
-        .expect("the sample agent printed READY");
-    let port = line
-        .strip_prefix("READY ")
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    (child, port)
 }
 
 /// CPU seconds (user + system) a process has used so far, from

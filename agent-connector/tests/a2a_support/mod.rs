@@ -290,3 +290,44 @@ pub async fn wait_state(rpc: &Rpc, id: &str, want: &str) -> Value {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The repository root.
+pub fn repo() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The virtualenv's Python (made by `scripts/python-env`).
+pub fn python() -> std::path::PathBuf {
+    let p = repo().join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/python-env first (it creates .venv with the official a2a-sdk)",
+        p.display()
+    );
+    p
+}
+
+/// Starts the official-SDK sample server; returns it and its port.
+pub async fn sample_agent() -> (tokio::process::Child, u16) {
+    use tokio::io::AsyncBufReadExt as _;
+    let script = repo().join("agent-connector/tests/interop/sample_agent.py");
+    let mut child = tokio::process::Command::new(python())
+        .arg(script)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the sample agent starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("the sample agent is ready in time")
+        .unwrap()
+        .expect("the sample agent printed READY");
+    let port = line
+        .strip_prefix("READY ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    (child, port)
+}
