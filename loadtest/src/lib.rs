@@ -13,12 +13,14 @@
 //! | [`traffic`] | benchmark frames, their stamps, and the receivers' correctness checks |
 //! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
 //! | [`connectors`] | real connectors against the relay under test: options, requests, a waitable audit sink |
-//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm` |
+//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer` |
 //! | [`report`] | tables, JSON documents, violations |
+//! | [`chart`] | an SVG chart of the throughput and latency results |
 //!
 //! The binary `oab-loadtest` parses flags and calls [`scenario`]; `--help`
 //! explains each scenario.
 
+pub mod chart;
 pub mod connectors;
 pub mod direct;
 pub mod endpoint;

@@ -14,6 +14,7 @@ use oab_loadtest::scenario::delegations::DelegationsOptions;
 use oab_loadtest::scenario::latency::LatencyOptions;
 use oab_loadtest::scenario::reconnect_storm::ReconnectStormOptions;
 use oab_loadtest::scenario::sessions::SessionsOptions;
+use oab_loadtest::scenario::slow_consumer::SlowConsumerOptions;
 use oab_loadtest::scenario::throughput::ThroughputOptions;
 use oab_loadtest::scenario::{self, Common};
 use oab_loadtest::setup::Tuning;
@@ -56,10 +57,16 @@ Scenarios:
               at random (and --kill-relay-every SIGKILLs and restarts the
               relay): no event lost, duplicated or reordered, one terminal,
               one executor run each; reconnect-to-replay p50/p99
+  slow-consumer
+              pairs stream while one receiver stops reading for longer
+              than the relay's slow_consumer_ms: its close (4001), the
+              relay's RSS, its exact resume, the pairs' p99 during/before
+  chart       an SVG of throughput.json and latency.json (no scenario)
 
 Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check cancel-race --count 200
   oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20
+  oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
@@ -201,6 +208,71 @@ enum Command {
     /// the time from a reconnect to the first replayed event, p50/p99.
     /// --check fails on any invariant, never on timing.
     ReconnectStorm(ReconnectStormArgs),
+    /// One receiver stops reading while other pairs stream.
+    ///
+    /// --pairs pairs (own peers, own delegation) stream paced Data frames
+    /// (--rate per second, --size payload) for --before-seconds +
+    /// --stall-seconds + --after-seconds; one more delegation streams
+    /// (--stalled-rate, --stalled-size) to a receiver that reads nothing
+    /// for --stall-seconds. The generated relay config sets
+    /// limits.slow_consumer_ms (--slow-consumer-ms, recorded in the JSON
+    /// tuning). Reports whether the stalled receiver was closed with 4001
+    /// slow_consumer (or only switched to replay), the relay's VmRSS growth
+    /// during the stall, its reconnect and Resume from its cursor (every
+    /// frame exactly once, in order), and the pairs' one-way p99 during the
+    /// stall against before it (target: at most +10%). --check fails on
+    /// lost, duplicated, reordered or corrupt frames only.
+    SlowConsumer(SlowConsumerArgs),
+    /// Draws an SVG chart of the throughput and latency results.
+    ///
+    /// Reads throughput.json and latency.json from --in (either may be
+    /// missing) and writes a self-contained SVG: (a) frames/s per payload
+    /// size, relay vs direct, grouped bars on a log scale; (b) round-trip
+    /// p50/p99 per offered load, relay vs direct. Runs nothing; --out is
+    /// the SVG file.
+    Chart(ChartArgs),
+}
+
+#[derive(Debug, Args)]
+struct SlowConsumerArgs {
+    /// Healthy (caller, callee) pairs streaming meanwhile.
+    #[arg(long, default_value_t = 4)]
+    pairs: usize,
+    /// Frames per second per healthy pair.
+    #[arg(long, default_value_t = 1000.0)]
+    rate: f64,
+    /// Payload per healthy pair frame (e.g. 256, 1k).
+    #[arg(long, default_value = "256", value_parser = parse_size)]
+    size: usize,
+    /// Frames per second towards the stalled receiver.
+    #[arg(long, default_value_t = 1000.0)]
+    stalled_rate: f64,
+    /// Payload per frame towards the stalled receiver (large, so socket
+    /// buffers and the relay's queue fill soon).
+    #[arg(long, default_value = "8k", value_parser = parse_size)]
+    stalled_size: usize,
+    /// Streaming time before the stall, seconds.
+    #[arg(long, default_value_t = 2.0)]
+    before_seconds: f64,
+    /// How long the receiver reads nothing, seconds (> slow_consumer_ms).
+    #[arg(long, default_value_t = 4.0)]
+    stall_seconds: f64,
+    /// Streaming time after the stall, seconds.
+    #[arg(long, default_value_t = 2.0)]
+    after_seconds: f64,
+    /// The relay's limits.slow_consumer_ms for the run.
+    #[arg(long, default_value_t = 500)]
+    slow_consumer_ms: u64,
+    /// The relay's store.
+    #[arg(long, value_enum, default_value_t = StoreArg::Memory)]
+    store: StoreArg,
+}
+
+#[derive(Debug, Args)]
+struct ChartArgs {
+    /// The folder holding throughput.json and latency.json.
+    #[arg(long = "in", default_value = "loadtest-results", value_name = "DIR")]
+    input: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -510,6 +582,31 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
             };
             scenario::reconnect_storm::run(&opts, common).await
         }
+        Command::SlowConsumer(a) => {
+            for (name, v) in [
+                ("--rate", a.rate),
+                ("--stalled-rate", a.stalled_rate),
+                ("--before-seconds", a.before_seconds),
+                ("--stall-seconds", a.stall_seconds),
+                ("--after-seconds", a.after_seconds),
+            ] {
+                positive(name, v).map_err(anyhow::Error::msg)?;
+            }
+            let opts = SlowConsumerOptions {
+                store: one_store(a.store, "slow-consumer")?,
+                pairs: a.pairs,
+                rate: a.rate,
+                size: a.size,
+                stalled_rate: a.stalled_rate,
+                stalled_size: a.stalled_size,
+                before_seconds: a.before_seconds,
+                stall_seconds: a.stall_seconds,
+                after_seconds: a.after_seconds,
+                slow_consumer_ms: a.slow_consumer_ms.max(1),
+            };
+            scenario::slow_consumer::run(&opts, common).await
+        }
+        Command::Chart(_) => anyhow::bail!("chart runs no scenario"),
     }
 }
 
@@ -534,6 +631,19 @@ async fn interrupted() {
 #[allow(clippy::print_stdout, clippy::print_stderr)]
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Chart(a) = &cli.command {
+        let out = cli.out.clone().unwrap_or_else(|| a.input.join("chart.svg"));
+        return match oab_loadtest::chart::render_dir(&a.input, &out) {
+            Ok(()) => {
+                println!("chart: {}", out.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("oab-loadtest: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     init_tracing();
     oab_relay::tls::install_crypto_provider();
     let common = match common(&cli) {

@@ -2,7 +2,7 @@
 //! relay in-process on the Redis store, real connectors over TLS on
 //! loopback): the same as `oab-loadtest --check cancel-race --count 200` and
 //! `oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20`,
-//! plus a tiny `delegations` run. Asserts the correctness checks and the shape
+//! plus a tiny `delegations` run and a tiny `slow-consumer` run. Asserts the correctness checks and the shape
 //! of the JSON, never a timing.
 #![allow(
     clippy::unwrap_used,
@@ -18,6 +18,7 @@ use oab_loadtest::scenario::Common;
 use oab_loadtest::scenario::cancel_race::{self, CancelRaceOptions};
 use oab_loadtest::scenario::delegations::{self, DelegationsOptions};
 use oab_loadtest::scenario::reconnect_storm::{self, ReconnectStormOptions};
+use oab_loadtest::scenario::slow_consumer::{self, SlowConsumerOptions};
 use oab_loadtest::setup::Tuning;
 
 fn common() -> Common {
@@ -101,4 +102,33 @@ async fn delegations_smoke_verifies_every_delegation() {
             .unwrap()
             > 0.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_consumer_smoke_resumes_every_frame_exactly_once() {
+    let opts = SlowConsumerOptions {
+        store: StoreKind::Memory,
+        pairs: 2,
+        rate: 200.0,
+        size: 256,
+        stalled_rate: 500.0,
+        stalled_size: 16 * 1024,
+        before_seconds: 0.5,
+        stall_seconds: 2.0,
+        after_seconds: 0.5,
+        slow_consumer_ms: 300,
+    };
+    let report = slow_consumer::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!(report.json["relay"]["tuning"]["slow_consumer_ms"], 300);
+    let rs = report.json["receivers"].as_array().unwrap();
+    assert_eq!(rs.len(), 3);
+    for r in rs {
+        assert!(r["sent"].as_u64().unwrap() > 0, "{r}");
+        assert_eq!(r["check"]["received"], r["sent"], "{r}");
+    }
+    let res = &report.json["result"];
+    // Whether the relay cut it or only replayed, the outcome is recorded.
+    assert!(res["stalled_disconnect"].as_str().is_some(), "{res}");
+    assert!(res["rss"]["samples"].as_u64().unwrap() > 0, "{res}");
 }

@@ -9,6 +9,7 @@
 //! | [`sessions`] | relay memory per idle session, handshakes per second |
 //! | [`delegations`] | whole delegations per second connector to connector, connector overhead per event |
 //! | [`cancel_race`] | cancels racing completion: both sides agree on one terminal |
+//! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
 //! | [`reconnect_storm`] | link cuts and relay kills while delegations stream: nothing lost, repeated or rerun |
 
 pub mod cancel_race;
@@ -16,6 +17,7 @@ pub mod delegations;
 pub mod latency;
 pub mod reconnect_storm;
 pub mod sessions;
+pub mod slow_consumer;
 pub mod throughput;
 
 use std::time::Duration;
