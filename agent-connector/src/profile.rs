@@ -750,11 +750,11 @@ pub fn verify_request(
     now_ms: u64,
 ) -> Result<(DelegationRequest, Digest), ProfileError> {
     let verified = envelope.verify(REQUEST_TYPE, expected_caller, trust, now_ms)?;
-    let request: DelegationRequest = parse_versioned(verified.bytes)?;
-    if &request.caller != verified.signer {
+    let request: DelegationRequest = parse_versioned(verified.bytes())?;
+    if &request.caller != verified.signer() {
         return Err(ProfileError::WrongSigner {
             expected: request.caller.to_string(),
-            got: verified.signer.to_string(),
+            got: verified.signer().to_string(),
         });
     }
     request.validate()?;
@@ -862,7 +862,7 @@ pub fn verify_result(
     at_ms: u64,
 ) -> Result<DelegationResult, ProfileError> {
     let verified = envelope.verify(RESULT_TYPE, expected_callee, trust, at_ms)?;
-    let result: DelegationResult = parse_versioned(verified.bytes)?;
+    let result: DelegationResult = parse_versioned(verified.bytes())?;
     if &result.request_id != expected_request_id {
         return Err(ProfileError::RequestIdMismatch {
             signed: result.request_id.to_string(),
@@ -872,10 +872,10 @@ pub fn verify_result(
     if &result.request_digest != expected_request_digest {
         return Err(ProfileError::RequestDigestMismatch);
     }
-    if &result.executor.peer != verified.signer {
+    if &result.executor.peer != verified.signer() {
         return Err(ProfileError::ExecutorMismatch { field: "peer" });
     }
-    if &result.executor.key_id != verified.key_id {
+    if &result.executor.key_id != verified.key_id() {
         return Err(ProfileError::ExecutorMismatch { field: "key_id" });
     }
     result.validate()?;

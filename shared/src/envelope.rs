@@ -129,15 +129,30 @@ pub fn pae(payload_type: &str, body: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A verified payload: the exact signed bytes and who signed them.
+/// A verified payload: the exact signed bytes and who signed them. Only
+/// [`Envelope::verify`] makes one, so holding a `Verified` proves the check.
 #[derive(Debug, Clone, Copy)]
 pub struct Verified<'a> {
-    /// The exact payload bytes.
-    pub bytes: &'a [u8],
+    bytes: &'a [u8],
+    signer: &'a PeerId,
+    key_id: &'a KeyId,
+}
+
+impl<'a> Verified<'a> {
+    /// The exact payload bytes that were signed.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
     /// The signer.
-    pub signer: &'a PeerId,
+    pub fn signer(&self) -> &'a PeerId {
+        self.signer
+    }
+
     /// The signer's key id.
-    pub key_id: &'a KeyId,
+    pub fn key_id(&self) -> &'a KeyId {
+        self.key_id
+    }
 }
 
 impl Verified<'_> {

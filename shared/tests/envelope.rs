@@ -79,7 +79,7 @@ fn signed(payload: &[u8]) -> Envelope {
 /// Verifies as the relay's counterpart would: a request from `acme/caller`.
 fn verify_request(env: &Envelope) -> Result<Vec<u8>, EnvelopeError> {
     env.verify(REQUEST_TYPE, &signer().peer, &trust(), NOW)
-        .map(|v| v.bytes.to_vec())
+        .map(|v| v.bytes().to_vec())
 }
 
 /// Parses wire JSON and verifies it as a request from `acme/caller`.
@@ -132,9 +132,9 @@ fn valid_envelope_round_trips_verifies_and_parses() {
     let v = back
         .verify(REQUEST_TYPE, &signer().peer, &trust, NOW)
         .unwrap();
-    assert_eq!(v.bytes, PAYLOAD);
-    assert_eq!(v.signer, &signer().peer);
-    assert_eq!(v.key_id, &signer().key_id);
+    assert_eq!(v.bytes(), PAYLOAD);
+    assert_eq!(v.signer(), &signer().peer);
+    assert_eq!(v.key_id(), &signer().key_id);
     assert_eq!(v.digest(), Digest::of(PAYLOAD));
     assert_eq!(v.parse::<Value>().unwrap(), json!({"task": "build"}));
 }
@@ -147,7 +147,7 @@ fn a_result_signed_with_the_second_key_verifies() {
     let v = env
         .verify(RESULT_TYPE, &signer().peer, &trust, NOW)
         .unwrap();
-    assert_eq!(v.key_id.as_str(), "k2");
+    assert_eq!(v.key_id().as_str(), "k2");
 }
 
 #[test]
@@ -223,7 +223,7 @@ fn every_bit_of_the_payload_type_matters() {
             let trust = trust();
             assert_eq!(
                 env.verify(&tampered_type, &signer().peer, &trust, NOW)
-                    .map(|v| v.bytes.to_vec()),
+                    .map(|v| v.bytes().to_vec()),
                 Err(EnvelopeError::BadSignature),
                 "byte {i} bit {bit}"
             );
@@ -297,7 +297,7 @@ fn every_bit_of_the_signer_matters() {
     let env = Envelope::from_json(&to_bytes(&w)).unwrap();
     assert_eq!(
         env.verify(REQUEST_TYPE, &other_peer().peer, &trust, NOW)
-            .map(|v| v.bytes.len()),
+            .map(|v| v.bytes().len()),
         Err(EnvelopeError::BadSignature)
     );
 }
@@ -345,7 +345,7 @@ fn a_request_presented_as_a_result_is_refused() {
     let trust = trust();
     assert_eq!(
         env.verify(RESULT_TYPE, &signer().peer, &trust, NOW)
-            .map(|v| v.bytes.len()),
+            .map(|v| v.bytes().len()),
         Err(EnvelopeError::WrongType {
             expected: RESULT_TYPE.into(),
             got: REQUEST_TYPE.into()
@@ -358,7 +358,7 @@ fn a_request_presented_as_a_result_is_refused() {
     assert_eq!(
         relabelled
             .verify(RESULT_TYPE, &signer().peer, &trust, NOW)
-            .map(|v| v.bytes.len()),
+            .map(|v| v.bytes().len()),
         Err(EnvelopeError::BadSignature)
     );
 }
@@ -377,7 +377,7 @@ fn a_key_outside_its_window_is_refused() {
         let env = signed(PAYLOAD);
         assert_eq!(
             env.verify(REQUEST_TYPE, &signer().peer, &t, NOW)
-                .map(|v| v.bytes.len()),
+                .map(|v| v.bytes().len()),
             Err(EnvelopeError::KeyOutsideWindow("k1".into()))
         );
         // The same key at a moment inside its window is fine.
@@ -404,7 +404,7 @@ fn unknown_and_unexpected_signers_are_refused() {
     let env = Envelope::sign(&stranger, REQUEST_TYPE, PAYLOAD.to_vec());
     assert_eq!(
         env.verify(REQUEST_TYPE, &stranger.peer, &trust, NOW)
-            .map(|v| v.bytes.len()),
+            .map(|v| v.bytes().len()),
         Err(EnvelopeError::UnknownSigner("acme/stranger".into()))
     );
     // Validly signed by acme/other, but acme/caller must sign here.
@@ -579,7 +579,7 @@ fn a_correctly_signed_non_json_payload_verifies_because_verify_does_not_parse() 
     let v = env
         .verify(REQUEST_TYPE, &signer().peer, &trust, NOW)
         .unwrap();
-    assert_eq!(v.bytes, not_json);
+    assert_eq!(v.bytes(), not_json);
     // Parsing is a separate, later step; here it fails with its own error.
     assert!(matches!(v.parse::<Value>(), Err(EnvelopeError::Payload(_))));
 }

@@ -56,7 +56,7 @@ fn envelope(body: &[u8]) {
                         // what one of the known identities signs.
                         assert!(
                             KNOWN.iter().any(|(id, _, _)| {
-                                Envelope::sign(id, ty, v.bytes.to_vec()) == env
+                                Envelope::sign(id, ty, v.bytes().to_vec()) == env
                             }),
                             "accepted an envelope no known key signed"
                         );
