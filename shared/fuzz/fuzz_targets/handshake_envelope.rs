@@ -60,7 +60,7 @@ fn envelope(body: &[u8]) {
                             }),
                             "accepted an envelope no known key signed"
                         );
-                        assert_eq!(v.signer, env.claimed_signer());
+                        assert_eq!(v.signer(), env.claimed_signer());
                         let _ = v.parse::<serde_json::Value>();
                     }
                     Err(e) => {
