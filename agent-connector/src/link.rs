@@ -44,6 +44,9 @@ use tracing::{debug, info, warn};
 
 use crate::trust::RelayTrust;
 
+/// `list_peers` calls waiting for one answer, at most.
+const MAX_PEER_WAITERS: usize = 1_024;
+
 /// Where the relay is and how to reach it.
 #[derive(Debug, Clone)]
 pub struct LinkSettings {
@@ -377,6 +380,7 @@ pub fn spawn(
         descriptor: None,
         retry_pending: false,
         heartbeat: Duration::from_secs(15),
+        online: false,
         ready: std::collections::HashSet::new(),
         finished: VecDeque::new(),
     };
@@ -488,6 +492,9 @@ struct Link {
     retry_pending: bool,
     /// Ping interval asked by the relay.
     heartbeat: Duration,
+    /// Whether a session is up (control frames are queued only then; the
+    /// welcome path re-sends what matters).
+    online: bool,
     /// Delegations with frames to send.
     ready: std::collections::HashSet<DelegationKey>,
     /// Finished delegations, oldest first (bounded by `max_finished`).
@@ -519,7 +526,10 @@ impl Link {
             let exit = match connected {
                 Ok(Ok((ws, welcome_list))) => {
                     attempt = 0;
-                    self.session(ws, welcome_list, &shutdown).await
+                    self.online = true;
+                    let exit = self.session(ws, welcome_list, &shutdown).await;
+                    self.online = false;
+                    exit
                 }
                 Ok(Err(Exit::Fatal(r))) => Exit::Fatal(r),
                 Ok(Err(e)) => e,
@@ -1029,7 +1039,13 @@ impl Link {
                 let _ = reply.send(snap);
             }
             Command::Peers { reply } => {
+                // Bounded: past MAX_PEER_WAITERS, answer from the last list.
+                if self.peer_waiters.len() >= MAX_PEER_WAITERS {
+                    let _ = reply.send(self.peers.clone());
+                    return;
+                }
                 if self.peer_waiters.is_empty()
+                    && self.online
                     && let Ok(b) = encode(&Frame::PeersQuery)
                 {
                     self.control.push(b);
@@ -1037,8 +1053,10 @@ impl Link {
                 self.peer_waiters.push(reply);
             }
             Command::Publish { descriptor } => {
-                // Not sequenced: sent now if connected and again on every connect.
-                if let Ok(b) = encode(&Frame::Publish(descriptor.clone())) {
+                // Not sequenced: sent now if connected, and on every connect.
+                if self.online
+                    && let Ok(b) = encode(&Frame::Publish(descriptor.clone()))
+                {
                     self.control.push(b);
                 }
                 self.descriptor = Some(descriptor);
