@@ -59,11 +59,25 @@ struct RunArgs {
     /// Async worker threads (default: one per CPU). One thread avoids
     /// cross-thread wake-ups on the frame path (lower latency at low load);
     /// more threads raise throughput.
-    #[arg(long, env = "OAB_RELAY_WORKER_THREADS")]
-    worker_threads: Option<usize>,
+    #[arg(long, env = "OAB_RELAY_WORKER_THREADS", value_parser = parse_threads)]
+    worker_threads: Option<Threads>,
     /// Log format.
     #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
+}
+
+/// A worker thread count; empty (an empty environment variable) means the default.
+#[derive(Debug, Clone, Copy)]
+struct Threads(Option<usize>);
+
+fn parse_threads(s: &str) -> Result<Threads, String> {
+    if s.trim().is_empty() {
+        return Ok(Threads(None));
+    }
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Threads(Some(n))),
+        _ => Err(format!("expected a positive number of threads, got {s:?}")),
+    }
 }
 
 fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
@@ -129,8 +143,8 @@ fn main() -> anyhow::Result<()> {
     }
     init_tracing(&cli.run.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = cli.run.worker_threads {
-        builder.worker_threads(n.max(1));
+    if let Some(Threads(Some(n))) = cli.run.worker_threads {
+        builder.worker_threads(n);
     }
     let runtime = builder
         .enable_all()
