@@ -32,7 +32,6 @@ use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
-use oab_connector::a2a::{A2aDriver, DriverOptions};
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::{Value, json};
 
@@ -170,28 +169,8 @@ async fn sse_stream_direct_vs_through_the_relay() {
 
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
-    let driver = A2aDriver::new(DriverOptions::new(agent_url.clone())).unwrap();
-    let card = driver.agent_card().await.unwrap();
-    let b = connector(&env, &env.callee, relay.addr, Some(Arc::new(driver)));
-    let a = connector(&env, &env.caller, relay.addr, None);
-    a.connected().await.unwrap();
-    b.connected().await.unwrap();
-    b.publish(&card).await.unwrap();
-    let until = tokio::time::Instant::now() + STEP;
-    loop {
-        let peers = a.caller().list_peers().await.unwrap();
-        if peers
-            .iter()
-            .any(|p| p.peer.as_str() == CALLEE && p.descriptor.is_some())
-        {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < until,
-            "the card never reached the caller: {peers:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (a, b, card) = driver_topology(&env, &relay, &agent_url).await;
+    let _ = card;
     let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
     let facade_url = facade.url(CALLEE);
 

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
-use oab_connector::a2a::{A2aDriver, DriverOptions, PROFILE_URI};
+use oab_connector::a2a::PROFILE_URI;
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::Value;
 
@@ -52,33 +52,8 @@ async fn official_sdk_client_and_server_through_the_relay() {
 
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
-    let driver = A2aDriver::new(DriverOptions::new(agent_url.clone())).unwrap();
-    let card = driver
-        .agent_card()
-        .await
-        .expect("the driver resolves the sample's card");
+    let (a, b, card) = driver_topology(&env, &relay, &agent_url).await;
     assert_eq!(card["name"], "OAB interop sample agent");
-    let b = connector(&env, &env.callee, relay.addr, Some(Arc::new(driver)));
-    let a = connector(&env, &env.caller, relay.addr, None);
-    a.connected().await.unwrap();
-    b.connected().await.unwrap();
-    b.publish(&card).await.unwrap();
-    // The published card reaches A's peer list (bounded poll).
-    let until = tokio::time::Instant::now() + STEP;
-    loop {
-        let peers = a.caller().list_peers().await.unwrap();
-        if peers
-            .iter()
-            .any(|p| p.peer.as_str() == CALLEE && p.descriptor.is_some())
-        {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < until,
-            "the card never reached the caller: {peers:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
     let facade_url = facade.url(CALLEE);
 

@@ -331,3 +331,51 @@ pub async fn sample_agent() -> (tokio::process::Child, u16) {
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
     (child, port)
 }
+
+/// Connector B (driver in front of the A2A server at `agent_url`) and
+/// connector A (caller) through a real relay, with B's agent card published
+/// and visible to A (bounded poll).
+pub async fn driver_topology(
+    env: &crate::common::Env,
+    relay: &crate::common::Relay,
+    agent_url: &str,
+) -> (
+    oab_connector::Connector,
+    oab_connector::Connector,
+    serde_json::Value,
+) {
+    use crate::common::{CALLEE, connector};
+    let driver =
+        oab_connector::a2a::A2aDriver::new(oab_connector::a2a::DriverOptions::new(agent_url))
+            .unwrap();
+    let card = driver
+        .agent_card()
+        .await
+        .expect("the driver resolves the server's card");
+    let b = connector(
+        env,
+        &env.callee,
+        relay.addr,
+        Some(std::sync::Arc::new(driver)),
+    );
+    let a = connector(env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    b.publish(&card).await.unwrap();
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let peers = a.caller().list_peers().await.unwrap();
+        if peers
+            .iter()
+            .any(|p| p.peer.as_str() == CALLEE && p.descriptor.is_some())
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the card never reached the caller: {peers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (a, b, card)
+}
