@@ -140,19 +140,8 @@ async fn oversized_and_malformed_frames_close_with_their_codes() {
     relay.stop().await;
 }
 
-#[tokio::test]
-async fn invalid_opens_and_log_frames_get_typed_errors_memory() {
-    invalid_opens(memory()).await;
-}
-
-#[tokio::test]
-async fn invalid_opens_and_log_frames_get_typed_errors_redis() {
-    let server =
-        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
-    let store = oab_relay::store::RedisStore::connect(&server.url(), Retention::default())
-        .await
-        .unwrap();
-    invalid_opens(Arc::new(store)).await;
+both_stores! {
+    invalid_opens_and_log_frames_get_typed_errors => invalid_opens;
 }
 
 async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {

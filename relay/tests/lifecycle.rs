@@ -13,28 +13,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::*;
-use oab_relay::store::{EventStore, MemoryStore, RedisStore, Retention};
-use oab_relay::testing::{Persistence, RedisServer};
+use oab_relay::store::EventStore;
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
 use oab_wire::{Cancel, Direction, ErrorCode, Frame, InstanceId, Open, Outcome, Resume};
-
-macro_rules! both_stores {
-    ($($name:ident => $body:ident;)*) => {
-        mod memory {
-            use super::*;
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { $body(Arc::new(MemoryStore::new(Retention::default()))).await; })*
-        }
-        mod redis {
-            use super::*;
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() {
-                let server = RedisServer::start(Persistence::None).unwrap();
-                let store = RedisStore::connect(&server.url(), Retention::default()).await.unwrap();
-                $body(Arc::new(store)).await;
-                drop(server);
-            })*
-        }
-    };
-}
 
 both_stores! {
     deadline_expires_at_the_caller_and_cancels_at_the_callee => deadline;

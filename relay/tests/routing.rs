@@ -12,28 +12,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::*;
-use oab_relay::store::{EventStore, MemoryStore, RedisStore, Retention};
-use oab_relay::testing::RedisServer;
+use oab_relay::store::{EventStore, MemoryStore, Retention};
 use oab_wire::{CloseCode, Direction, ErrorCode, Frame, Outcome, Resume};
-
-/// Runs a scenario against the memory store and a real redis-server.
-macro_rules! both_stores {
-    ($($name:ident => $body:ident;)*) => {
-        mod memory {
-            use super::*;
-            $(#[tokio::test] async fn $name() { $body(Arc::new(MemoryStore::new(Retention::default()))).await; })*
-        }
-        mod redis {
-            use super::*;
-            $(#[tokio::test] async fn $name() {
-                let server = RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
-                let store = RedisStore::connect(&server.url(), Retention::default()).await.unwrap();
-                $body(Arc::new(store)).await;
-                drop(server);
-            })*
-        }
-    };
-}
 
 both_stores! {
     open_1000_events_and_terminal_arrive_byte_identical_in_order => exchange_1000;

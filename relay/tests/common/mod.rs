@@ -342,3 +342,41 @@ impl Drop for RelayProcess {
         self.kill();
     }
 }
+
+/// Runs each scenario `async fn(Arc<S>)` against the memory store and against
+/// a real redis-server (one per test).
+#[allow(unused_macros)]
+macro_rules! both_stores {
+    ($($name:ident => $body:ident;)*) => {
+        mod memory {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $body(::std::sync::Arc::new(::oab_relay::store::MemoryStore::new(
+                    ::oab_relay::store::Retention::default(),
+                )))
+                .await;
+            })*
+        }
+        mod redis {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let server = ::oab_relay::testing::RedisServer::start(
+                    ::oab_relay::testing::Persistence::None,
+                )
+                .unwrap();
+                let store = ::oab_relay::store::RedisStore::connect(
+                    &server.url(),
+                    ::oab_relay::store::Retention::default(),
+                )
+                .await
+                .unwrap();
+                $body(::std::sync::Arc::new(store)).await;
+                drop(server);
+            })*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use both_stores;
