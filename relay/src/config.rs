@@ -33,6 +33,9 @@ pub struct Config {
     /// Delegation lifecycle timers.
     #[serde(default)]
     pub lifecycle: LifecycleSection,
+    /// Several instances over one Redis (or Redis Cluster).
+    #[serde(default)]
+    pub fleet: FleetSection,
     /// The peers allowed to connect. A peer not listed cannot connect.
     #[serde(default)]
     pub peers: Vec<PeerConfig>,
@@ -181,6 +184,33 @@ pub struct LifecycleSection {
     pub sweep_interval_ms: u64,
 }
 
+/// `[fleet]`: several relay instances sharing one Redis store. Ignored with
+/// the memory store (one instance).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetSection {
+    /// This instance's name in presence records and logs (letters, digits,
+    /// `-`, `_`, `.`; at most 64). Default: a random id per process.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// An instance whose liveness record is not renewed for this long is
+    /// gone: its sessions count as offline fleet-wide (renewed every third
+    /// of it), ms.
+    #[serde(default = "default_node_lease_ms")]
+    pub node_lease_ms: u64,
+    /// The fleet-wide sweeper lease: deadlines, `unknown` after the grace
+    /// period and retention run on the one instance holding it; another
+    /// instance takes over this long after the holder died, ms.
+    #[serde(default = "default_sweeper_lease_ms")]
+    pub sweeper_lease_ms: u64,
+    /// Wake-up messages from Redis queued towards this instance. Overflow
+    /// policy: further messages are dropped and the instance resynchronises
+    /// every subscribed log from the store (nothing is lost, delivery is
+    /// late).
+    #[serde(default = "default_wake_queue")]
+    pub wake_queue: usize,
+}
+
 /// `[[peers]]`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -301,6 +331,15 @@ fn default_unknown_grace_ms() -> u64 {
 fn default_sweep_interval_ms() -> u64 {
     250
 }
+fn default_node_lease_ms() -> u64 {
+    10_000
+}
+fn default_sweeper_lease_ms() -> u64 {
+    10_000
+}
+fn default_wake_queue() -> usize {
+    65_536
+}
 fn default_route_max_open() -> u32 {
     1_000
 }
@@ -341,6 +380,16 @@ section_default!(StoreSection {
     max_log_entries: default_max_log_entries,
     finished_ttl_ms: default_finished_ttl_ms,
 });
+impl Default for FleetSection {
+    fn default() -> Self {
+        FleetSection {
+            node: None,
+            node_lease_ms: default_node_lease_ms(),
+            sweeper_lease_ms: default_sweeper_lease_ms(),
+            wake_queue: default_wake_queue(),
+        }
+    }
+}
 section_default!(LifecycleSection {
     unknown_grace_ms: default_unknown_grace_ms,
     sweep_interval_ms: default_sweep_interval_ms,
@@ -578,11 +627,38 @@ impl Config {
             && !url.starts_with("rediss://")
             && !url.starts_with("redis+unix://")
             && !url.starts_with("unix://")
+            && !url.starts_with("redis-cluster://")
         {
             err(
                 "store.url".into(),
-                "must be \"memory\" or a redis://, rediss:// or redis+unix:// URL".into(),
+                "must be \"memory\", a redis://, rediss:// or redis+unix:// URL, or \
+                 redis-cluster://host:port,host:port,..."
+                    .into(),
             );
+        }
+        let f = &self.fleet;
+        if let Some(node) = &f.node
+            && (node.is_empty()
+                || node.len() > 64
+                || !node
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)))
+        {
+            err(
+                "fleet.node".into(),
+                "1 to 64 letters, digits, '-', '_' or '.'".into(),
+            );
+        }
+        for (name, v) in [
+            ("fleet.node_lease_ms", f.node_lease_ms),
+            ("fleet.sweeper_lease_ms", f.sweeper_lease_ms),
+        ] {
+            if v < 300 {
+                err(name.into(), "must be at least 300".into());
+            }
+        }
+        if f.wake_queue == 0 {
+            err("fleet.wake_queue".into(), "must be greater than 0".into());
         }
         if self.store.max_log_entries == 0 {
             err(

@@ -26,9 +26,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
 use crate::config::{Config, Directory};
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::outbox::{Outbox, Pushed};
-use crate::store::{AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, ReadOutcome};
+use crate::store::{
+    AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, ReadOutcome, StoreError,
+};
 
 /// Entries read from the store per replay step.
 const REPLAY_BATCH: usize = 256;
@@ -74,6 +77,8 @@ pub struct Live {
     tails: [u64; 2],
     terminal: Option<Outcome>,
     subs: [Option<Sub>; 2],
+    /// Dropped from the hub's cache: holders must look it up again.
+    evicted: bool,
 }
 
 impl Live {
@@ -93,6 +98,11 @@ impl Live {
     /// The terminal outcome, if any.
     pub fn terminal(&self) -> Option<Outcome> {
         self.terminal
+    }
+
+    /// Whether the hub dropped this view from its cache.
+    pub fn evicted(&self) -> bool {
+        self.evicted
     }
 
     fn tail_mut(&mut self, dir: Direction) -> &mut u64 {
@@ -123,7 +133,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Counts {
     per_caller: HashMap<PeerId, u32>,
     per_route: HashMap<(PeerId, PeerId), u32>,
-    initialised: std::collections::HashSet<PeerId>,
 }
 
 /// The shared relay state.
@@ -141,6 +150,8 @@ pub struct Hub<S> {
     pub tasks: TaskTracker,
     /// Cancelled on shutdown.
     pub shutdown: CancellationToken,
+    /// Presence, wake-ups and leases shared with other instances.
+    pub fleet: Arc<Fleet>,
     sessions: Mutex<HashMap<PeerId, SessionRef>>,
     live: Mutex<HashMap<DelegationKey, LiveRef>>,
     counts: Mutex<Counts>,
@@ -165,7 +176,9 @@ impl<S: EventStore> Hub<S> {
         // Every configured peer counts as offline since the relay started, so
         // a callee that never comes back still ends `unknown` after the grace.
         let offline = directory.peers.iter().map(|p| (p.clone(), now)).collect();
+        let fleet = Arc::new(Fleet::new(&config, store.wake_urls()));
         Arc::new(Hub {
+            fleet,
             store,
             config,
             directory,
@@ -237,7 +250,37 @@ impl<S: EventStore> Hub<S> {
                 .set(1);
         }
         self.metrics.sessions.inc();
-        self.announce_presence(&session.peer);
+        if !self.fleet.enabled {
+            self.announce_presence(&session.peer);
+        }
+    }
+
+    /// Makes a registered session the peer's session fleet-wide: subscribes
+    /// its wake channel, claims its presence record, and announces the claim
+    /// so an older session of the peer on another instance is closed. Runs
+    /// before the `Welcome`. A no-op without a shared store.
+    pub async fn hold(self: &Arc<Self>, me: &SessionRef) -> Result<(), StoreError> {
+        if !self.fleet.enabled {
+            return Ok(());
+        }
+        self.fleet.subscribe(&me.peer).await?;
+        let generation = self
+            .store
+            .claim_presence(&me.peer, &self.fleet.node, me.id)
+            .await?;
+        if !self.fleet.hold(&me.peer, me.id, generation) {
+            info!(peer = %me.peer, session = %me.id, "a newer session of this peer holds it elsewhere");
+            me.outbox.close(
+                CloseCode::Replaced,
+                "a newer session of this peer replaced this one",
+            );
+        }
+        let claim = format!("T{generation}|{}|{}", me.id, self.fleet.node);
+        self.store
+            .publish(vec![(me.peer.clone(), Bytes::from(claim))])
+            .await?;
+        self.announce_presence(&me.peer);
+        Ok(())
     }
 
     /// Forgets a session that ended and drops its subscriptions.
@@ -258,13 +301,21 @@ impl<S: EventStore> Hub<S> {
                 false
             }
         };
+        let mut nudges = Vec::new();
         for (key, dir) in subscribed {
             let live = lock(&self.live).get(&key).cloned();
             if let Some(live) = live {
                 let mut l = lock(&live);
+                let tail = *l.tail_mut(dir);
                 let slot = l.sub_mut(dir);
                 if slot.as_ref().is_some_and(|s| s.session == session.id) {
                     *slot = None;
+                    // Entries delivered only to this session may be what the
+                    // peer's new session on another instance replayed just
+                    // before: tell it where the log stands.
+                    if self.fleet.enabled {
+                        nudges.push((session.peer.clone(), nudge(&key, dir, tail)));
+                    }
                 }
             }
         }
@@ -274,6 +325,23 @@ impl<S: EventStore> Hub<S> {
                 .with_label_values(&[session.peer.as_str()])
                 .set(0);
             lock(&self.offline_since).insert(session.peer.clone(), oab_wire::identity::now_ms());
+        }
+        if self.fleet.enabled {
+            let released = went_offline && self.fleet.release(&session.peer, session.id);
+            let hub = self.clone();
+            let (peer, id) = (session.peer.clone(), session.id);
+            self.tasks.spawn(async move {
+                if !nudges.is_empty() {
+                    let _ = hub.store.publish(nudges).await;
+                }
+                if released {
+                    if let Err(e) = hub.store.release_presence(&peer, id).await {
+                        warn!(error = %e, %peer, "could not release the presence record");
+                    }
+                    hub.announce_presence(&peer);
+                }
+            });
+        } else if went_offline {
             self.announce_presence(&session.peer);
         }
     }
@@ -311,6 +379,7 @@ impl<S: EventStore> Hub<S> {
             tails: [meta.down_tail, meta.up_tail],
             terminal: meta.terminal,
             subs: [None, None],
+            evicted: false,
         }
     }
 
@@ -344,19 +413,47 @@ impl<S: EventStore> Hub<S> {
         caller: &SessionRef,
         open_frame: Bytes,
     ) -> LiveRef {
-        let mut live = self.live_from_meta(meta);
-        *live.sub_mut(Direction::Up) =
-            Some(self.new_sub(&meta.key, Direction::Up, caller, 0, false));
+        // With a shared store, a wake-up about this delegation (the callee's
+        // first entry, or the open echoed back) can arrive before this runs
+        // and load the view first: reuse that view, never replace it.
+        let live = {
+            let mut map = lock(&self.live);
+            match map.get(&meta.key) {
+                Some(l)
+                    if {
+                        let g = lock(l);
+                        g.terminal.is_none() && !g.evicted
+                    } =>
+                {
+                    l.clone()
+                }
+                stale => {
+                    if let Some(old) = stale {
+                        lock(old).evicted = true;
+                    }
+                    let fresh = Arc::new(Mutex::new(self.live_from_meta(meta)));
+                    map.insert(meta.key.clone(), fresh.clone());
+                    fresh
+                }
+            }
+        };
         let callee = lock(&self.sessions).get(&meta.callee).cloned();
-        if let Some(callee) = &callee {
-            *live.sub_mut(Direction::Down) =
-                Some(self.new_sub(&meta.key, Direction::Down, callee, 0, false));
-        }
-        let live = Arc::new(Mutex::new(live));
-        lock(&self.live).insert(meta.key.clone(), live.clone());
         {
             let mut l = lock(&live);
-            self.deliver(&mut l, &meta.key, Direction::Down, 1, open_frame);
+            if l.subs[1].as_ref().is_none_or(|s| s.session != caller.id) {
+                l.subs[1] = Some(self.new_sub(&meta.key, Direction::Up, caller, 0, false));
+            }
+            if let Some(callee) = &callee
+                && l.subs[0].is_none()
+            {
+                l.subs[0] = Some(self.new_sub(&meta.key, Direction::Down, callee, 0, false));
+            }
+            let _ = self.deliver(&mut l, &meta.key, Direction::Down, 1, open_frame);
+        }
+        // Up entries that arrived before the caller's subscription existed.
+        let up_tail = lock(&live).tails[1];
+        if up_tail > 0 {
+            self.nudged(&live, &meta.key, Direction::Up, up_tail, None);
         }
         self.metrics.delegations_opened.inc();
         self.count_open(&meta.key.caller, &meta.callee, 1);
@@ -375,12 +472,12 @@ impl<S: EventStore> Hub<S> {
         *b = b.saturating_add_signed(delta);
     }
 
-    /// Seeds the open counts of a caller from the store, once per relay process.
+    /// Sets the open counts of a caller from the store (at each handshake:
+    /// delegations may have ended on another instance meanwhile).
     pub fn seed_counts(&self, caller: &PeerId, metas: &[DelegationMeta]) {
         let mut c = lock(&self.counts);
-        if !c.initialised.insert(caller.clone()) {
-            return;
-        }
+        c.per_caller.remove(caller);
+        c.per_route.retain(|(from, _), _| from != caller);
         for m in metas
             .iter()
             .filter(|m| &m.key.caller == caller && m.terminal.is_none())
@@ -404,20 +501,29 @@ impl<S: EventStore> Hub<S> {
         per_caller < self.config.limits.max_open_per_peer && per_route < route_max
     }
 
-    /// Applies a durable append to the live view and delivers the frame.
-    pub fn appended(
-        self: &Arc<Self>,
-        live: &LiveRef,
-        key: &DelegationKey,
-        dir: Direction,
-        seq: u64,
-        frame: Bytes,
-        terminal: Option<Outcome>,
-    ) {
-        let mut l = lock(live);
-        let tail = l.tail_mut(dir);
-        *tail = (*tail).max(seq);
-        if let Some(outcome) = terminal
+    /// The peer to wake for an entry about to be appended on `dir`: with a
+    /// shared store, the receiver, unless it is subscribed here and no other
+    /// instance is alive (then local delivery is enough).
+    pub fn wake_for(&self, l: &Live, dir: Direction) -> Option<PeerId> {
+        if !self.fleet.enabled {
+            return None;
+        }
+        let subscribed = match dir {
+            Direction::Down => l.subs[0].is_some(),
+            Direction::Up => l.subs[1].is_some(),
+        };
+        (self.fleet.multi() || !subscribed).then(|| l.receiver(dir).clone())
+    }
+
+    /// The peer to wake for a new delegation's `Open`: the callee, unless it
+    /// is held here and no other instance is alive.
+    pub fn open_wake(&self, callee: &PeerId) -> Option<PeerId> {
+        (self.fleet.enabled && (self.fleet.multi() || !self.is_online(callee)))
+            .then(|| callee.clone())
+    }
+
+    fn note_terminal(&self, l: &mut Live, outcome: Option<Outcome>) {
+        if let Some(outcome) = outcome
             && l.terminal.is_none()
         {
             l.terminal = Some(outcome);
@@ -428,11 +534,42 @@ impl<S: EventStore> Hub<S> {
             let (caller, callee) = (l.caller.clone(), l.callee.clone());
             self.count_open(&caller, &callee, -1);
         }
-        self.deliver(&mut l, key, dir, seq, frame);
+    }
+
+    /// Applies a durable append to the live view and delivers the frame.
+    /// `woke`: the append was published to the receiver's wake channel; if
+    /// not and the receiver is not subscribed here, it gets a nudge instead.
+    #[allow(clippy::too_many_arguments)] // the entry's fields
+    pub fn appended(
+        self: &Arc<Self>,
+        live: &LiveRef,
+        key: &DelegationKey,
+        dir: Direction,
+        seq: u64,
+        frame: Bytes,
+        terminal: Option<Outcome>,
+        woke: bool,
+    ) {
+        let mut l = lock(live);
+        let tail = l.tail_mut(dir);
+        *tail = (*tail).max(seq);
+        self.note_terminal(&mut l, terminal);
+        let subscribed = self.deliver(&mut l, key, dir, seq, frame);
+        if self.fleet.enabled && !woke && !subscribed {
+            // The receiver went away between the decision and the append.
+            let receiver = l.receiver(dir).clone();
+            drop(l);
+            let hub = self.clone();
+            let msg = nudge(key, dir, seq);
+            self.tasks.spawn(async move {
+                let _ = hub.store.publish(vec![(receiver, msg)]).await;
+            });
+        }
     }
 
     /// Delivers entry `seq` to the receiver of `dir` if it is the next one for
     /// a live subscription; starts a catch-up replay if the receiver is behind.
+    /// Returns whether the receiver is subscribed here.
     fn deliver(
         self: &Arc<Self>,
         l: &mut Live,
@@ -440,24 +577,24 @@ impl<S: EventStore> Hub<S> {
         dir: Direction,
         seq: u64,
         frame: Bytes,
-    ) {
+    ) -> bool {
         let slot = l.sub_mut(dir);
         let Some(sub) = slot.as_mut() else {
-            return;
+            return false;
         };
         if sub.replaying || seq <= sub.delivered {
-            return;
+            return true;
         }
         if seq == sub.delivered + 1 {
             match sub.outbox.push_data(frame) {
                 Pushed::Queued => {
                     sub.delivered = seq;
                     self.metrics.hot.data_out.inc();
-                    return;
+                    return true;
                 }
                 Pushed::Closed => {
                     *slot = None;
-                    return;
+                    return false;
                 }
                 // The receiver's queue is full: it is fed from the log
                 // instead, at its own pace (below).
@@ -467,6 +604,7 @@ impl<S: EventStore> Hub<S> {
         sub.replaying = true;
         let (generation, outbox, from) = (sub.generation, sub.outbox.clone(), sub.delivered);
         self.spawn_replay(key.clone(), dir, generation, outbox, from);
+        true
     }
 
     /// Subscribes a session to a log from `after` and starts its replay.
@@ -703,12 +841,12 @@ impl<S: EventStore> Hub<S> {
             let Ok(Some(live)) = self.live(key).await else {
                 return false;
             };
-            let seq = {
+            let (seq, wake) = {
                 let mut l = lock(&live);
                 if outcome.is_some() && l.terminal.is_some() {
                     return false;
                 }
-                *l.tail_mut(dir) + 1
+                (*l.tail_mut(dir) + 1, self.wake_for(&l, dir))
             };
             let payload = Bytes::from(
                 serde_json::json!({
@@ -745,6 +883,7 @@ impl<S: EventStore> Hub<S> {
                 origin: Origin::Relay,
                 frame: bytes.clone(),
                 now_ms: oab_wire::identity::now_ms(),
+                wake: wake.clone(),
             };
             let started = Instant::now();
             let res = self.store.append(vec![req]).await;
@@ -752,7 +891,7 @@ impl<S: EventStore> Hub<S> {
             match res.ok().and_then(|v| v.into_iter().next()) {
                 Some(AppendOutcome::Appended { seq }) => {
                     info!(%key, dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
-                    self.appended(&live, key, dir, seq, bytes, outcome);
+                    self.appended(&live, key, dir, seq, bytes, outcome, wake.is_some());
                     return true;
                 }
                 Some(AppendOutcome::Conflict { tail }) => {
@@ -798,7 +937,45 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// One sweep: deadlines, callees gone past the grace period, retention.
+    /// With a shared store only the holder of the sweeper lease does this
+    /// fleet-wide work; every instance evicts its cache and checks the epoch.
     pub async fn sweep(self: &Arc<Self>) {
+        if self.fleet.enabled {
+            let held = self
+                .store
+                .acquire_lease(
+                    crate::fleet::SWEEPER_LEASE,
+                    &self.fleet.node,
+                    self.fleet.sweeper_lease_ms,
+                )
+                .await;
+            // A store error drops the lease here: another instance may hold
+            // it by now, and the work is safe to skip a round.
+            self.fleet.set_leader(held.unwrap_or(false));
+        }
+        self.metrics
+            .sweeper_leader
+            .set(i64::from(self.fleet.is_leader()));
+        if self.fleet.is_leader() {
+            self.sweep_fleet().await;
+        }
+        // Evict delegations nobody here reads: finished ones, and with a
+        // shared store any (their receivers may have moved to another
+        // instance; the store has them). A session holding an evicted view
+        // sees the mark and looks the delegation up again.
+        let shared = self.fleet.enabled;
+        lock(&self.live).retain(|_, l| {
+            let mut l = lock(l);
+            let keep = l.subs.iter().any(Option::is_some) || (l.terminal.is_none() && !shared);
+            if !keep {
+                l.evicted = true;
+            }
+            keep
+        });
+        self.check_epoch().await;
+    }
+
+    async fn sweep_fleet(self: &Arc<Self>) {
         let now = oab_wire::identity::now_ms();
         let started = Instant::now();
         let due = self.store.due(now, 256).await;
@@ -823,7 +1000,25 @@ impl<S: EventStore> Hub<S> {
             .filter(|(_, since)| now.saturating_sub(**since) >= grace)
             .map(|(p, since)| (p.clone(), *since))
             .collect();
+        if !gone.is_empty() && self.fleet.enabled {
+            // Fresh liveness before acting on anyone.
+            if let Ok(nodes) = self
+                .store
+                .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
+                .await
+            {
+                self.fleet.set_live_nodes(nodes);
+            }
+        }
         for (peer, since) in gone {
+            if self.fleet.enabled && self.online_elsewhere(&peer).await != Some(false) {
+                // Held by a live instance (or unknown): not gone.
+                let mut off = lock(&self.offline_since);
+                if off.get(&peer) == Some(&since) {
+                    off.remove(&peer);
+                }
+                continue;
+            }
             if let Ok(metas) = self.store.delegations_of(&peer).await {
                 self.end_lost_work(&peer, None, &metas).await;
                 // Forget the peer only if it did not come back meanwhile.
@@ -836,12 +1031,56 @@ impl<S: EventStore> Hub<S> {
         let started = Instant::now();
         let expired = self.store.expire_finished(now).await;
         self.observe_store("expire", started, expired.is_ok());
-        // Evict finished delegations nobody is reading from the cache.
-        lock(&self.live).retain(|_, l| {
-            let l = lock(l);
-            l.terminal.is_none() || l.subs.iter().any(Option::is_some)
-        });
-        self.check_epoch().await;
+    }
+
+    /// Whether `peer`'s session is held by another live instance (`None`
+    /// when the store could not say).
+    async fn online_elsewhere(&self, peer: &PeerId) -> Option<bool> {
+        let presence = self.store.presence(std::slice::from_ref(peer)).await.ok()?;
+        Some(
+            presence
+                .into_iter()
+                .next()
+                .flatten()
+                .is_some_and(|p| self.fleet.node_alive(&p.node)),
+        )
+    }
+
+    /// The fleet's periodic upkeep (every third of the node lease): renews
+    /// this instance's liveness, drops wake subscriptions no longer needed,
+    /// and on the sweeper lease holder refreshes which peers are offline
+    /// fleet-wide (the start of their grace period).
+    pub async fn fleet_tick(self: &Arc<Self>) {
+        match self
+            .store
+            .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
+            .await
+        {
+            Ok(nodes) => {
+                self.metrics.fleet_nodes.set(nodes.len() as i64);
+                self.fleet.set_live_nodes(nodes);
+            }
+            Err(e) => warn!(error = %e, "could not renew this instance's liveness"),
+        }
+        self.fleet.prune_subscriptions().await;
+        if !self.fleet.is_leader() {
+            return;
+        }
+        let peers: Vec<PeerId> = self.directory.peers.to_vec();
+        let Ok(presence) = self.store.presence(&peers).await else {
+            return;
+        };
+        let now = oab_wire::identity::now_ms();
+        let mut off = lock(&self.offline_since);
+        for (peer, p) in peers.into_iter().zip(presence) {
+            let online =
+                self.is_online(&peer) || p.as_ref().is_some_and(|p| self.fleet.node_alive(&p.node));
+            if online {
+                off.remove(&peer);
+            } else {
+                off.entry(peer).or_insert(now);
+            }
+        }
     }
 
     /// Records a store operation's latency and result.
@@ -858,8 +1097,20 @@ impl<S: EventStore> Hub<S> {
     /// The `Peers` payload for `peer`: every peer it may reach, its online
     /// state and its published descriptor.
     pub async fn peers_payload(&self, peer: &PeerId) -> Bytes {
+        let targets: Vec<PeerId> = self.directory.reachable_from(peer).into_iter().collect();
+        let elsewhere: Vec<bool> = if self.fleet.enabled {
+            match self.store.presence(&targets).await {
+                Ok(p) => p
+                    .iter()
+                    .map(|p| p.as_ref().is_some_and(|p| self.fleet.node_alive(&p.node)))
+                    .collect(),
+                Err(_) => vec![false; targets.len()],
+            }
+        } else {
+            vec![false; targets.len()]
+        };
         let mut entries = Vec::new();
-        for target in self.directory.reachable_from(peer) {
+        for (target, elsewhere) in targets.into_iter().zip(elsewhere) {
             let descriptor = self
                 .store
                 .descriptor(&target)
@@ -868,7 +1119,7 @@ impl<S: EventStore> Hub<S> {
                 .flatten()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             entries.push(PeerEntry {
-                online: self.is_online(&target),
+                online: elsewhere || self.is_online(&target),
                 peer: target,
                 descriptor,
             });
@@ -876,21 +1127,232 @@ impl<S: EventStore> Hub<S> {
         Bytes::from(serde_json::to_vec(&entries).unwrap_or_default())
     }
 
-    /// Pushes a fresh `Peers` frame to every online peer that may reach `peer`.
+    /// Pushes a fresh `Peers` frame to every online peer that may reach
+    /// `peer` (fleet-wide: through their wake channels).
     pub fn announce_presence(self: &Arc<Self>, peer: &PeerId) {
         let hub = self.clone();
         let peer = peer.clone();
         self.tasks.spawn(async move {
+            if hub.fleet.enabled {
+                let msg = Bytes::from(format!("P{peer}"));
+                let messages = hub
+                    .directory
+                    .callers_of(&peer)
+                    .into_iter()
+                    .map(|c| (c, msg.clone()))
+                    .collect::<Vec<_>>();
+                if let Err(e) = hub.store.publish(messages).await {
+                    warn!(error = %e, %peer, "could not announce presence");
+                }
+                return;
+            }
             for caller in hub.directory.callers_of(&peer) {
-                let session = lock(&hub.sessions).get(&caller).cloned();
-                if let Some(s) = session {
-                    let payload = hub.peers_payload(&caller).await;
-                    if let Ok(bytes) = encode(&Frame::Peers(payload)) {
-                        s.outbox.push(bytes);
+                hub.push_peers(&caller).await;
+            }
+        });
+    }
+
+    /// Sends `peer` a fresh `Peers` frame if its session is here.
+    async fn push_peers(&self, peer: &PeerId) {
+        let session = lock(&self.sessions).get(peer).cloned();
+        if let Some(s) = session {
+            let payload = self.peers_payload(peer).await;
+            if let Ok(bytes) = encode(&Frame::Peers(payload)) {
+                s.outbox.push(bytes);
+            }
+        }
+    }
+
+    /// Handles a message from `peer`'s wake channel (see
+    /// [`crate::store::fleet`] for the kinds). Malformed messages are logged
+    /// and dropped: the channel is written only by relay instances.
+    pub fn on_wake(self: &Arc<Self>, peer: PeerId, payload: Bytes) {
+        let Some((&kind, _)) = payload.split_first() else {
+            return;
+        };
+        let body = payload.slice(1..);
+        match kind {
+            b'W' => {
+                let limits = self.config.wire_limits();
+                let (key, dir, seq, terminal) =
+                    match oab_wire::decode_message(body.clone(), &limits) {
+                        Ok(Frame::Open(o)) => (o.key, Direction::Down, 1, None),
+                        Ok(Frame::Data(d)) => (d.key, d.direction, d.seq, d.terminal),
+                        Ok(Frame::Cancel(c)) => (c.key, Direction::Down, c.seq, None),
+                        _ => {
+                            warn!(%peer, "undecodable wake-up entry dropped");
+                            return;
+                        }
+                    };
+                self.metrics.wakes.with_label_values(&["entry"]).inc();
+                self.remote_appended(&peer, key, dir, seq, body, terminal);
+            }
+            b'N' => {
+                let Some((key, dir, tail)) = parse_nudge(&body) else {
+                    warn!(%peer, "malformed nudge dropped");
+                    return;
+                };
+                self.metrics.wakes.with_label_values(&["nudge"]).inc();
+                let live = lock(&self.live).get(&key).cloned();
+                if let Some(live) = live {
+                    self.nudged(&live, &key, dir, tail, None);
+                }
+            }
+            b'T' => {
+                let generation = std::str::from_utf8(&body)
+                    .ok()
+                    .and_then(|t| t.split('|').next())
+                    .and_then(|g| g.parse::<u64>().ok());
+                let Some(generation) = generation else {
+                    warn!(%peer, "malformed claim dropped");
+                    return;
+                };
+                self.metrics.wakes.with_label_values(&["claim"]).inc();
+                if let Some(old) = self.fleet.announced(&peer, generation) {
+                    let session = lock(&self.sessions).get(&peer).cloned();
+                    if let Some(s) = session.filter(|s| s.id == old) {
+                        self.metrics.replaced.inc();
+                        info!(%peer, session = %s.id, "session replaced by a newer one on another instance");
+                        s.outbox.close(
+                            CloseCode::Replaced,
+                            "a newer session of this peer replaced this one",
+                        );
                     }
                 }
             }
-        });
+            b'P' => {
+                self.metrics.wakes.with_label_values(&["presence"]).inc();
+                let hub = self.clone();
+                self.tasks.spawn(async move { hub.push_peers(&peer).await });
+            }
+            _ => warn!(%peer, kind, "unknown wake-up message dropped"),
+        }
+    }
+
+    /// A durable entry appended by another instance (or echoed back).
+    fn remote_appended(
+        self: &Arc<Self>,
+        peer: &PeerId,
+        key: DelegationKey,
+        dir: Direction,
+        seq: u64,
+        frame: Bytes,
+        terminal: Option<Outcome>,
+    ) {
+        let cached = lock(&self.live).get(&key).cloned();
+        let adopt = dir == Direction::Down && seq == 1 && self.is_online(peer);
+        match cached {
+            Some(live) if !adopt || lock(&live).subs[0].is_some() => {
+                self.appended(&live, &key, dir, seq, frame, terminal, true);
+            }
+            // Nobody reads it here.
+            None if !self.is_online(peer) => {}
+            // The receiver is here but the view is not (yet): load it. A new
+            // delegation for a callee held here gets it subscribed, as
+            // `created` does on the caller's instance; an entry that beat
+            // `created` to the caller's instance is kept in the loaded view,
+            // which `created` then reuses.
+            _ => {
+                let hub = self.clone();
+                self.tasks.spawn(async move {
+                    if let Ok(Some(live)) = hub.live(&key).await {
+                        if adopt {
+                            hub.adopt(&live, &key, Some(frame), 1);
+                        } else {
+                            hub.appended(&live, &key, dir, seq, frame, terminal, true);
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Subscribes the callee's local session to a delegation's down log from
+    /// the start, unless it is subscribed already; delivers `open` if given,
+    /// else catches up to `tail` from the store.
+    fn adopt(
+        self: &Arc<Self>,
+        live: &LiveRef,
+        key: &DelegationKey,
+        open: Option<Bytes>,
+        tail: u64,
+    ) {
+        let mut l = lock(live);
+        if l.subs[0].is_none() {
+            let session = lock(&self.sessions).get(&l.callee).cloned();
+            let Some(session) = session else {
+                return;
+            };
+            l.subs[0] = Some(self.new_sub(key, Direction::Down, &session, 0, false));
+        }
+        match open {
+            Some(frame) => {
+                let _ = self.deliver(&mut l, key, Direction::Down, 1, frame);
+            }
+            None => {
+                drop(l);
+                self.nudged(live, key, Direction::Down, tail, None);
+            }
+        }
+    }
+
+    /// The log `dir` has entries up to `tail`: a live subscription behind it
+    /// catches up from the store.
+    fn nudged(
+        self: &Arc<Self>,
+        live: &LiveRef,
+        key: &DelegationKey,
+        dir: Direction,
+        tail: u64,
+        terminal: Option<Outcome>,
+    ) {
+        let mut l = lock(live);
+        let t = l.tail_mut(dir);
+        *t = (*t).max(tail);
+        self.note_terminal(&mut l, terminal);
+        if let Some(sub) = l.sub_mut(dir).as_mut()
+            && !sub.replaying
+            && sub.delivered < tail
+        {
+            sub.replaying = true;
+            let (generation, outbox, from) = (sub.generation, sub.outbox.clone(), sub.delivered);
+            self.spawn_replay(key.clone(), dir, generation, outbox, from);
+        }
+    }
+
+    /// After wake-ups may have been missed (the subscriber reconnected or its
+    /// queue overflowed): re-checks every log read here against the store,
+    /// and subscribes local callees to delegations opened meanwhile.
+    pub async fn resync(self: &Arc<Self>) {
+        self.metrics.wakes.with_label_values(&["resync"]).inc();
+        let lives: Vec<(DelegationKey, LiveRef)> = lock(&self.live)
+            .iter()
+            .map(|(k, l)| (k.clone(), l.clone()))
+            .collect();
+        for (key, live) in lives {
+            if !lock(&live).subs.iter().any(Option::is_some) {
+                continue;
+            }
+            if let Ok(Some(meta)) = self.store.meta(&key).await {
+                for dir in [Direction::Down, Direction::Up] {
+                    self.nudged(&live, &key, dir, meta.tail(dir), meta.terminal);
+                }
+            }
+        }
+        let sessions: Vec<PeerId> = lock(&self.sessions).keys().cloned().collect();
+        for peer in sessions {
+            let Ok(metas) = self.store.delegations_of(&peer).await else {
+                continue;
+            };
+            for m in metas
+                .iter()
+                .filter(|m| m.callee == peer && m.terminal.is_none())
+            {
+                if let Ok(Some(live)) = self.live(&m.key).await {
+                    self.adopt(&live, &m.key, None, m.down_tail);
+                }
+            }
+        }
     }
 
     /// Sends a typed error frame about a log position.
@@ -913,6 +1375,62 @@ impl<S: EventStore> Hub<S> {
         });
         if let Ok(bytes) = encode(&frame) {
             outbox.push(bytes);
+        }
+    }
+}
+
+/// A nudge message: the log `dir` of `key` has entries up to `tail`.
+fn nudge(key: &DelegationKey, dir: Direction, tail: u64) -> Bytes {
+    let d = match dir {
+        Direction::Down => 'd',
+        Direction::Up => 'u',
+    };
+    Bytes::from(format!("N{d}|{tail}|{key}"))
+}
+
+/// Parses a nudge body (after the kind byte).
+fn parse_nudge(body: &[u8]) -> Option<(DelegationKey, Direction, u64)> {
+    let text = std::str::from_utf8(body).ok()?;
+    let mut parts = text.splitn(3, '|');
+    let dir = match parts.next()? {
+        "d" => Direction::Down,
+        "u" => Direction::Up,
+        _ => return None,
+    };
+    let tail = parts.next()?.parse().ok()?;
+    let (caller, rid) = parts.next()?.split_once('#')?;
+    let key = DelegationKey::new(
+        PeerId::new(caller).ok()?,
+        oab_wire::RequestId::new(rid).ok()?,
+    );
+    Some((key, dir, tail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nudges_round_trip_and_malformed_ones_are_refused() {
+        let key = DelegationKey::new(
+            PeerId::new("acme/caller").unwrap_or_else(|_| unreachable!()),
+            oab_wire::RequestId::new("r-1").unwrap_or_else(|_| unreachable!()),
+        );
+        for (dir, tail) in [(Direction::Down, 0), (Direction::Up, u64::MAX)] {
+            let msg = nudge(&key, dir, tail);
+            assert_eq!(msg.first(), Some(&b'N'));
+            assert_eq!(parse_nudge(&msg[1..]), Some((key.clone(), dir, tail)));
+        }
+        for bad in [
+            &b""[..],
+            b"x|1|acme/caller#r-1",
+            b"d|-1|acme/caller#r-1",
+            b"d|1|acme/caller",
+            b"u|1|#r",
+            b"d|1",
+            b"\xff|1|a#b",
+        ] {
+            assert_eq!(parse_nudge(bad), None, "{bad:?}");
         }
     }
 }

@@ -11,6 +11,7 @@
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation live views, delivery and replay |
+//! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
@@ -19,6 +20,7 @@
 
 pub mod config;
 pub mod dev;
+pub mod fleet;
 pub mod hub;
 pub mod metrics;
 pub mod outbox;

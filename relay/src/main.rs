@@ -18,6 +18,10 @@ use tokio_util::sync::CancellationToken;
 /// and a config into --dev-dir, prints where they are, and serves with the
 /// in-memory store. Any config value can be overridden with
 /// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`.
+///
+/// Several instances over one Redis (or Redis Cluster) form a fleet behind an
+/// L4 load balancer: give each its own `--set fleet.node=NAME`, the same
+/// config otherwise (docs/scale-out.md).
 #[derive(Debug, Parser)]
 #[command(version, about, long_about)]
 struct Cli {
@@ -50,7 +54,8 @@ struct RunArgs {
     /// Override relay.admin_listen.
     #[arg(long, env = "OAB_RELAY_ADMIN_LISTEN")]
     admin_listen: Option<String>,
-    /// Override store.url: `memory` or `redis://host:port/`.
+    /// Override store.url: `memory`, `redis://host:port/`,
+    /// `redis+unix:///path/redis.sock` or `redis-cluster://h1:p1,h2:p2,...`.
     #[arg(long, env = "OAB_RELAY_STORE")]
     store: Option<String>,
     /// Override any value: `section.field=value` (repeatable).
@@ -224,7 +229,14 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
     } else {
         let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
-        println!("store: redis");
+        println!(
+            "store: {}",
+            if store.is_cluster() {
+                "redis cluster"
+            } else {
+                "redis"
+            }
+        );
         oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
     }
     Ok(())

@@ -40,6 +40,14 @@ pub struct Metrics {
     pub disconnects: IntCounterVec,
     /// Sessions replaced by a newer session of the same peer.
     pub replaced: IntCounter,
+    /// Messages taken from the wake channels (several instances over one
+    /// store), by kind: `entry`, `nudge`, `claim`, `presence`, and `resync`
+    /// rounds after missed messages.
+    pub wakes: IntCounterVec,
+    /// 1 while this instance holds the fleet-wide sweeper lease.
+    pub sweeper_leader: IntGauge,
+    /// Live relay instances sharing the store, as last seen.
+    pub fleet_nodes: IntGauge,
     /// Time from receiving a frame to queuing its ack.
     pub ack_latency: Histogram,
     /// Store operation latency by operation.
@@ -216,6 +224,22 @@ impl Metrics {
                 "oab_disconnects_total",
                 "Session closes by reason.",
                 &["reason"],
+            ),
+            sweeper_leader: gauge(
+                &reg,
+                "oab_sweeper_leader",
+                "1 while this instance runs the fleet-wide lifecycle sweeps.",
+            ),
+            fleet_nodes: gauge(
+                &reg,
+                "oab_fleet_nodes",
+                "Live relay instances sharing the store, as last seen.",
+            ),
+            wakes: counter_vec(
+                &reg,
+                "oab_wake_messages_total",
+                "Wake-channel messages handled by this instance, by kind (and resync rounds).",
+                &["kind"],
             ),
             replaced: counter(
                 &reg,

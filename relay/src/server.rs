@@ -84,6 +84,34 @@ pub async fn run<S: EventStore>(
     let hub = Hub::new(store, config.clone(), metrics, epoch, shutdown.clone());
     let tracker = TaskTracker::new();
 
+    if hub.fleet.enabled {
+        // Liveness first, and the wake subscriber connected, before any
+        // session can be accepted.
+        hub.fleet_tick().await;
+        let Some(rx) = hub.fleet.connect(&shutdown).await else {
+            return Ok(());
+        };
+        info!(node = %hub.fleet.node, "fleet member (shared store)");
+        {
+            let (hub, stop) = (hub.clone(), shutdown.clone());
+            tracker.spawn(wake_loop(hub, rx, stop).instrument(tracing::info_span!("wake")));
+        }
+        {
+            let (hub, stop) = (hub.clone(), shutdown.clone());
+            let every = Duration::from_millis((config.fleet.node_lease_ms / 3).max(100));
+            tracker.spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        _ = tick.tick() => hub.fleet_tick().await,
+                    }
+                }
+            });
+        }
+    }
+
     if let Some(admin) = admin {
         let hub = hub.clone();
         let stop = shutdown.clone();
@@ -219,10 +247,73 @@ pub async fn run<S: EventStore>(
     }
     hub.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(1), hub.tasks.wait()).await;
+    if hub.fleet.enabled {
+        // Hand the fleet-wide work over now rather than after the lease.
+        let node = &hub.fleet.node;
+        let _ = hub
+            .store
+            .release_lease(crate::fleet::SWEEPER_LEASE, node)
+            .await;
+        let _ = hub.store.retire_node(node).await;
+        info!(%node, "left the fleet");
+    }
     tracker.close();
     let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await;
     info!("relay stopped");
     Ok(())
+}
+
+/// Takes wake-channel messages until shutdown; reconnects the subscriber
+/// when its connection is lost and resynchronises after anything was missed.
+async fn wake_loop<S: EventStore>(
+    hub: Arc<Hub<S>>,
+    mut rx: tokio::sync::mpsc::Receiver<redis::PushInfo>,
+    stop: CancellationToken,
+) {
+    loop {
+        loop {
+            let msg = tokio::select! {
+                () = stop.cancelled() => return,
+                msg = rx.recv() => msg,
+            };
+            let Some(msg) = msg else { break };
+            match msg.kind {
+                redis::PushKind::Message => {
+                    let mut data = msg.data.into_iter();
+                    let (
+                        Some(redis::Value::BulkString(channel)),
+                        Some(redis::Value::BulkString(payload)),
+                    ) = (data.next(), data.next())
+                    else {
+                        continue;
+                    };
+                    let peer = std::str::from_utf8(&channel)
+                        .ok()
+                        .and_then(|c| c.strip_prefix("oab:wake:"))
+                        .and_then(|p| oab_wire::PeerId::new(p).ok());
+                    if let Some(peer) = peer {
+                        hub.on_wake(peer, bytes::Bytes::from(payload));
+                    }
+                }
+                redis::PushKind::Disconnection => break,
+                _ => {}
+            }
+            if hub.fleet.take_overflow() {
+                warn!("wake queue overflowed; resynchronising from the store");
+                hub.resync().await;
+                if !hub.fleet.ping().await {
+                    break;
+                }
+            }
+        }
+        warn!("wake subscriber lost its connection; reconnecting");
+        hub.fleet.disconnected();
+        rx = match hub.fleet.connect(&stop).await {
+            Some(rx) => rx,
+            None => return,
+        };
+        hub.resync().await;
+    }
 }
 
 async fn connection<S: EventStore>(

@@ -224,6 +224,13 @@ where
     // while the welcome is being built is either in the welcome's list or
     // delivered on the session (after the welcome); never neither.
     hub.register(me.clone());
+    if let Err(e) = hub.hold(&me).await {
+        warn!(error = %e, "store unavailable for presence");
+        m.handshakes.with_label_values(&["store"]).inc();
+        hub.unregister(&me);
+        close_ws(ws, CloseCode::StoreUnavailable, "store unavailable; retry").await;
+        return None;
+    }
     let listed = match hub.store.delegations_of(&me.peer).await {
         Ok(list) => list,
         Err(e) => {
@@ -574,7 +581,7 @@ impl<S: EventStore> Session<S> {
         let cached = self
             .last_live
             .as_ref()
-            .filter(|(k, _)| *k == key)
+            .filter(|(k, l)| *k == key && !l.lock().unwrap_or_else(|p| p.into_inner()).evicted())
             .map(|(_, l)| l.clone());
         let looked_up = match cached {
             Some(l) => Ok(Some(l)),
@@ -607,9 +614,10 @@ impl<S: EventStore> Session<S> {
                 return;
             }
         };
-        let refusal = {
+        let (wake, refusal) = {
             let l = live.lock().unwrap_or_else(|p| p.into_inner());
-            if l.sender(dir) != &self.me.peer {
+            let wake = self.hub.wake_for(&l, dir);
+            let refusal = if l.sender(dir) != &self.me.peer {
                 // Answered exactly like a missing delegation.
                 Some((ErrorCode::UnknownDelegation, "no such delegation"))
             } else if flags & FLAG_RELAY_ORIGIN != 0 {
@@ -626,7 +634,8 @@ impl<S: EventStore> Session<S> {
                 Some((ErrorCode::PayloadTooLarge, "payload over the route's limit"))
             } else {
                 None
-            }
+            };
+            (wake, refusal)
         };
         if let Some((code, message)) = refusal {
             self.error(code, Some(&key), dir, seq, message);
@@ -642,6 +651,7 @@ impl<S: EventStore> Session<S> {
                 origin: Origin::Peer(self.me.instance),
                 frame: raw,
                 now_ms: self.batch_at.1,
+                wake,
             },
             received,
         });
@@ -693,8 +703,9 @@ impl<S: EventStore> Session<S> {
             } = p;
             match outcome {
                 AppendOutcome::Appended { seq } => {
+                    let woke = req.wake.is_some();
                     self.hub
-                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal);
+                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal, woke);
                     self.hub
                         .metrics
                         .ack_latency
@@ -871,6 +882,7 @@ impl<S: EventStore> Session<S> {
             digest: open.digest,
             frame: frame.clone(),
             now_ms: now,
+            wake: hub.open_wake(&open.target),
         };
         let started = Instant::now();
         let res = hub.store.open(req).await;

@@ -1,21 +1,55 @@
 //! The operator-facing surface: every example config in `deploy/` is valid,
 //! and `oab-relay check-config` names every bad field.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use std::path::Path;
 
 #[test]
 fn every_example_relay_config_in_deploy_is_valid() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/relay");
-    let mut checked = 0;
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().and_then(|e| e.to_str()) == Some("toml") {
-            oab_relay::config::Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
-            checked += 1;
+    for sub in ["relay", "fleet"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy")
+            .join(sub);
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) == Some("toml") {
+                oab_relay::config::Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                checked += 1;
+            }
         }
+        assert!(checked > 0, "no example configs found in {}", dir.display());
     }
-    assert!(checked > 0, "no example configs found in {}", dir.display());
+}
+
+#[test]
+fn fleet_example_instances_differ_only_where_they_must() {
+    // Every instance of the fleet example shares relay id, store, peers and
+    // routes; each has its own node name and listeners.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/fleet");
+    let configs: Vec<oab_relay::config::Config> = (1..=3)
+        .map(|i| {
+            oab_relay::config::Config::load(&dir.join(format!("relay-{i}.toml")))
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    let first = &configs[0];
+    for c in &configs[1..] {
+        assert_eq!(c.relay.id, first.relay.id);
+        assert_eq!(c.store.url, first.store.url);
+        assert_eq!(c.peers.len(), first.peers.len());
+        assert_eq!(c.routes.len(), first.routes.len());
+    }
+    let mut nodes: Vec<_> = configs.iter().map(|c| c.fleet.node.clone()).collect();
+    nodes.sort();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "each instance names itself");
+    assert!(nodes.iter().all(Option::is_some));
 }
 
 #[test]

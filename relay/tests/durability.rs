@@ -12,101 +12,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use common::*;
-use oab_relay::raw_client::RawClient;
 use oab_relay::store::{RedisStore, Retention};
 use oab_relay::testing::{Persistence, RedisServer};
-use oab_wire::{CloseCode, Direction, ErrorCode, Frame, GapReason, InstanceId, Outcome, Resume};
-
-fn payload(i: u64) -> Bytes {
-    Bytes::from(format!("event {i}"))
-}
-
-/// Reads frames until the connection fails; returns the last contiguous data
-/// seq seen (checking order) and the highest up ack.
-async fn drain_until_broken(
-    c: &mut RawClient,
-    request: &str,
-    mut last_data: u64,
-    mut last_ack: u64,
-) -> (u64, u64) {
-    let k = key(request);
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), c.recv())
-            .await
-            .expect("relay gone")
-        {
-            Ok(Frame::Data(d)) if d.key == k => {
-                assert_eq!(d.seq, last_data + 1, "in order, exactly once");
-                last_data = d.seq;
-            }
-            Ok(Frame::Ack(a)) if a.key == k && a.direction == Direction::Up => {
-                last_ack = last_ack.max(a.seq)
-            }
-            Ok(_) => {}
-            Err(_) => return (last_data, last_ack),
-        }
-    }
-}
-
-/// Sends `acked+1..=to` (the last one a terminal when `finish`) until all are acked,
-/// resending after `store_unavailable` errors.
-async fn send_until_acked(
-    b: &mut RawClient,
-    request: &str,
-    mut acked: u64,
-    to: u64,
-    finish: bool,
-) -> u64 {
-    let k = key(request);
-    while acked < to {
-        for seq in acked + 1..=to {
-            let terminal = (finish && seq == to).then_some(Outcome::Completed);
-            b.feed(&data(request, Direction::Up, seq, terminal, payload(seq)))
-                .await
-                .unwrap();
-        }
-        b.flush().await.unwrap();
-        // Read until everything is acked or a refusal says to resend.
-        loop {
-            match recv(b).await {
-                Frame::Ack(a) if a.key == k && a.direction == Direction::Up => {
-                    acked = acked.max(a.seq);
-                    if acked >= to {
-                        break;
-                    }
-                }
-                Frame::Error(e) if e.code == ErrorCode::StoreUnavailable.as_u16() => {
-                    // Drain the rest of this round's refusals, then resend.
-                    tokio::task::yield_now().await;
-                    break;
-                }
-                Frame::Error(e) if e.code == ErrorCode::SequenceGap.as_u16() => {
-                    acked = acked.max(e.seq);
-                    break;
-                }
-                Frame::Error(e) => panic!("unexpected {e:?}"),
-                _ => {}
-            }
-        }
-    }
-    acked
-}
-
-async fn read_to_terminal(a: &mut RawClient, request: &str, mut last: u64, terminal_seq: u64) {
-    let k = key(request);
-    while last < terminal_seq {
-        if let Frame::Data(d) = recv(a).await
-            && d.key == k
-        {
-            assert_eq!(d.seq, last + 1, "no loss, duplicate or reordering");
-            assert_eq!(d.payload, payload(d.seq));
-            assert_eq!(d.terminal.is_some(), d.seq == terminal_seq);
-            last = d.seq;
-        }
-    }
-}
+use oab_wire::{CloseCode, Direction, ErrorCode, Frame, GapReason, InstanceId, Resume};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_killed_and_restarted_on_redis_loses_nothing() {

@@ -1,6 +1,9 @@
 //! Store conformance: every case runs against [`MemoryStore`] and against
 //! [`RedisStore`] on a real `redis-server` (one per test, started by
-//! `oab_relay::testing::RedisServer` on a unix socket). Then the Redis-only
+//! `oab_relay::testing::RedisServer` on a unix socket), and against
+//! [`RedisStore`] on a three-master Redis Cluster (`cluster::every_case`:
+//! one cluster for all the cases, flushed between them, since forming a
+//! cluster takes about 2 s). Then the Redis-only
 //! behaviour (restart with and without persistence, expiry by Redis itself,
 //! `NOSCRIPT`, outages), and property tests: random operation sequences
 //! applied to a simple reference model, the memory store and the Redis store
@@ -20,7 +23,7 @@ use oab_relay::store::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
     OpenRequest, Origin, ReadOutcome, RedisStore, Retention, StoreError,
 };
-use oab_relay::testing::{Persistence, RedisServer};
+use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, RequestId};
 
 // ---------------------------------------------------------------------------
@@ -53,6 +56,7 @@ fn open_req(key: &DelegationKey, callee: &str, deadline_ms: u64, now_ms: u64) ->
         digest: Digest::of(b"payload"),
         frame: Bytes::from(format!("open {key}")),
         now_ms,
+        wake: None,
     }
 }
 
@@ -73,6 +77,7 @@ fn peer_entry(key: &DelegationKey, dir: Direction, seq: u64) -> AppendRequest {
         origin: Origin::Peer(INSTANCE_A),
         frame: frame(key, dir, seq, "peer"),
         now_ms: 1_000 + seq % 1_000,
+        wake: None,
     }
 }
 
@@ -141,8 +146,18 @@ async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
+/// Starts a [`RedisCluster`] off the async threads (it polls with sleeps).
+async fn start_cluster() -> RedisCluster {
+    tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 /// Runs each case against a fresh memory store and a fresh Redis store,
-/// as `<case>::memory` and `<case>::redis`.
+/// as `<case>::memory` and `<case>::redis`, and all of them, one after the
+/// other, on one Redis Cluster emptied before each case, as
+/// `cluster::every_case` (a failure names its case).
 macro_rules! conformance {
     ($($case:ident => $retention:expr;)*) => {
         $(
@@ -161,6 +176,24 @@ macro_rules! conformance {
                 }
             }
         )*
+
+        mod cluster {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn every_case() {
+                let cluster = start_cluster().await;
+                $(
+                    eprintln!("cluster case {}", stringify!($case));
+                    cluster.flush_all().unwrap();
+                    let store = RedisStore::connect(&cluster.url(), $retention)
+                        .await
+                        .unwrap();
+                    assert!(store.is_cluster());
+                    super::$case(&store).await;
+                )*
+            }
+        }
     };
 }
 
@@ -1171,6 +1204,258 @@ async fn redis_index_entries_left_stale_are_skipped_and_repaired() {
 }
 
 // ---------------------------------------------------------------------------
+// Redis Cluster only
+
+/// The node of a `RedisCluster` serving `slot`: node `i` serves the `i`th
+/// third of the 16,384 slots.
+fn node_of_slot(slot: u16) -> usize {
+    usize::from(slot / (16_384 / 3)).min(2)
+}
+
+/// Plain (not cluster-aware) connections to each node, in node order.
+async fn node_conns(cluster: &RedisCluster) -> Vec<redis::aio::MultiplexedConnection> {
+    let mut out = Vec::new();
+    for url in cluster.node_urls() {
+        out.push(
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap(),
+        );
+    }
+    out
+}
+
+/// `number_of_cached_scripts` from the node's `INFO memory`.
+async fn cached_scripts(node: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(node)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.trim_end().strip_prefix("number_of_cached_scripts:"))
+        .unwrap_or_else(|| panic!("no number_of_cached_scripts in {info}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_spreads_delegations_over_shards_and_keeps_batch_order() {
+    let cluster = start_cluster().await;
+    let s = RedisStore::connect(&cluster.url(), retention(100))
+        .await
+        .unwrap();
+    assert!(s.is_cluster());
+    assert_eq!(s.pubsub_urls(), cluster.node_urls());
+    let mut nodes = node_conns(&cluster).await;
+
+    // The scripts were loaded on every master.
+    let loaded = cached_scripts(&mut nodes[0]).await;
+    assert!(loaded >= 4, "{loaded} scripts cached");
+    for node in &mut nodes {
+        assert_eq!(cached_scripts(node).await, loaded);
+    }
+
+    // Two delegations per node, placed by asking the cluster where their
+    // keys hash: a and d on node 0, b and e on node 1, c and f on node 2.
+    let mut by_node: Vec<Vec<DelegationKey>> = vec![Vec::new(); 3];
+    for i in 0..1_000 {
+        if by_node.iter().all(|ks| ks.len() == 2) {
+            break;
+        }
+        let k = key("acme/caller", &format!("r{i}"));
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(format!("oab:d:{{{k}}}:meta"))
+            .query_async(&mut nodes[0])
+            .await
+            .unwrap();
+        let ks = &mut by_node[node_of_slot(slot)];
+        if ks.len() < 2 {
+            ks.push(k);
+        }
+    }
+    let [a, b, c, d, e, f] = [0, 1]
+        .map(|round| [0, 1, 2].map(|node| by_node[node][round].clone()))
+        .concat()
+        .try_into()
+        .unwrap_or_else(|ks: Vec<_>| panic!("{ks:?}"));
+    let keys = [&a, &b, &c, &d, &e, &f];
+    for k in keys {
+        created(&s, open_req(k, "acme/callee", 5_000, 100)).await;
+    }
+    // Each delegation lives on its own node (a node answers only for the
+    // slots it serves).
+    for (node, ks) in by_node.iter().enumerate() {
+        for k in ks {
+            let n: u64 = redis::cmd("EXISTS")
+                .arg(format!("oab:d:{{{k}}}:meta"))
+                .arg(format!("oab:d:{{{k}}}:down"))
+                .query_async(&mut nodes[node])
+                .await
+                .unwrap();
+            assert_eq!(n, 2, "{k} on node {node}");
+        }
+    }
+
+    // One batch over six delegations on three nodes, interleaved: the
+    // outcomes come back in request order, and each delegation's entries
+    // ran in order.
+    let nobody = key("acme/caller", "never");
+    let batch = vec![
+        peer_entry(&a, Direction::Down, 2),
+        peer_entry(&b, Direction::Down, 2),
+        peer_entry(&c, Direction::Down, 2),
+        peer_entry(&a, Direction::Down, 3),
+        peer_entry(&b, Direction::Down, 4),
+        peer_entry(&c, Direction::Down, 2),
+        terminal_entry(&d, 1, Outcome::Completed, 900),
+        peer_entry(&d, Direction::Up, 2),
+        relay_entry(&e, Direction::Up, 2, None),
+        peer_entry(&nobody, Direction::Down, 2),
+        peer_entry(&f, Direction::Up, 1),
+        peer_entry(&f, Direction::Up, 2),
+        peer_entry(&a, Direction::Down, 4),
+    ];
+    assert_eq!(
+        s.append(batch).await.unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+            AppendOutcome::Hole { tail: 2 },
+            AppendOutcome::Duplicate { tail: 2 },
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::AlreadyTerminal {
+                outcome: Outcome::Completed
+            },
+            AppendOutcome::Conflict { tail: 0 },
+            AppendOutcome::Unknown,
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 4 },
+        ]
+    );
+    let seqs = |v: Vec<(u64, Bytes)>| v.into_iter().map(|(q, _)| q).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(entries(&s, &a, Direction::Down, 0, 10).await),
+        [1, 2, 3, 4]
+    );
+    assert_eq!(seqs(entries(&s, &f, Direction::Up, 0, 10).await), [1, 2]);
+    // The cross-shard readers (pipelined HGETALLs over every node).
+    let mut sorted: Vec<DelegationKey> = keys.iter().map(|k| (*k).clone()).collect();
+    sorted.sort();
+    let listed: Vec<DelegationKey> = s
+        .delegations_of(&peer("acme/callee"))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
+    assert_eq!(listed, sorted);
+    let open: Vec<DelegationKey> = sorted.iter().filter(|k| **k != d).cloned().collect();
+    assert_eq!(s.due(u64::MAX, 10).await.unwrap(), open);
+
+    // Scripts flushed on one node only: the batch's commands for that node
+    // get NOSCRIPT and are sent again after SCRIPT LOAD, the others not.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut nodes[1])
+        .await
+        .unwrap();
+    assert_eq!(cached_scripts(&mut nodes[1]).await, 0);
+    assert_eq!(
+        s.append(vec![
+            peer_entry(&a, Direction::Down, 5),
+            peer_entry(&b, Direction::Down, 3),
+            peer_entry(&e, Direction::Down, 2),
+            peer_entry(&c, Direction::Down, 3),
+        ])
+        .await
+        .unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 5 },
+            AppendOutcome::Appended { seq: 3 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+        ]
+    );
+    assert!(cached_scripts(&mut nodes[1]).await >= 1);
+
+    // Expiry across nodes: two finished delegations on two nodes.
+    append1(
+        &s,
+        relay_entry(&e, Direction::Up, 1, Some(Outcome::Expired)),
+    )
+    .await;
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 2);
+    assert_eq!(s.meta(&d).await.unwrap(), None);
+    assert_eq!(s.meta(&e).await.unwrap(), None);
+    assert_eq!(
+        s.delegations_of(&peer("acme/callee")).await.unwrap().len(),
+        4
+    );
+    let epoch = s.epoch().await.unwrap();
+    assert_eq!(s.epoch().await.unwrap(), epoch);
+    s.ping().await.unwrap();
+
+    // A node crash and restart (AOF): its delegations come back, and the
+    // store reconnects and reloads the scripts by itself.
+    let mut cluster = cluster;
+    cluster.wait_aof_written(2).unwrap();
+    cluster.kill_node(2).unwrap();
+    let cluster = tokio::task::spawn_blocking(move || cluster.restart_node(2).map(|()| cluster))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        seqs(entries(&s, &c, Direction::Down, 0, 10).await),
+        [1, 2, 3]
+    );
+    assert_eq!(
+        append1(&s, peer_entry(&c, Direction::Down, 4)).await,
+        AppendOutcome::Appended { seq: 4 }
+    );
+    assert_eq!(
+        append1(&s, peer_entry(&f, Direction::Up, 3)).await,
+        AppendOutcome::Appended { seq: 3 }
+    );
+    drop(cluster);
+}
+
+#[tokio::test]
+async fn cluster_url_errors_are_unavailable_and_redacted() {
+    for url in [
+        "redis-cluster://user:secret@127.0.0.1:1,u:secret@127.0.0.1:2",
+        "redis-cluster://user:secret@127.0.0.1:1/3",
+        "redis-cluster://",
+    ] {
+        match RedisStore::connect(url, retention(100)).await {
+            Err(StoreError::Unavailable(msg)) => {
+                assert!(msg.contains("invalid Redis URL"), "{msg}");
+                assert!(!msg.contains("secret"), "credentials leaked: {msg}");
+            }
+            Err(other) => panic!("expected Unavailable, got {other:?}"),
+            Ok(_) => panic!("{url} accepted"),
+        }
+    }
+    // Nothing listens on port 1.
+    let started = Instant::now();
+    match RedisStore::connect("redis-cluster://user:secret@127.0.0.1:1", retention(100)).await {
+        Err(StoreError::Unavailable(msg)) => {
+            assert!(msg.contains("cannot connect to Redis"), "{msg}");
+            assert!(!msg.contains("secret"), "credentials leaked: {msg}");
+        }
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+        Ok(_) => panic!("connected to nothing"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+// ---------------------------------------------------------------------------
 // Property tests: reference model, memory store, Redis store.
 
 /// The rules of the store written as plainly as possible: full logs,
@@ -1567,6 +1852,7 @@ mod props {
                         digest: Digest::of(&[*digest]),
                         frame: Bytes::from(format!("open #{i}")),
                         now_ms: *now,
+                        wake: None,
                     };
                     let reply = Reply::Open(model.open(&req));
                     (Call::Open(req), reply)
@@ -1595,6 +1881,7 @@ mod props {
                                 Origin::Peer(InstanceId([e.instance; 16]))
                             },
                             now_ms: e.now,
+                            wake: None,
                         };
                         replies.push(model.append(&req));
                         reqs.push(req);
@@ -1835,6 +2122,7 @@ async fn measure_append_throughput(persistence: Persistence) {
                 origin: Origin::Peer(INSTANCE_A),
                 frame: payload.clone(),
                 now_ms: 2,
+                wake: None,
             })
             .collect()
     };
@@ -1883,6 +2171,7 @@ async fn measure_append_throughput(persistence: Persistence) {
                         origin: Origin::Peer(INSTANCE_A),
                         frame: payload.clone(),
                         now_ms: 2,
+                        wake: None,
                     })
                     .collect();
                 let out = s.append(batch).await.unwrap();

@@ -167,6 +167,9 @@ impl Inner {
     }
 }
 
+/// One process: the single-instance defaults.
+impl super::FleetStore for MemoryStore {}
+
 impl EventStore for MemoryStore {
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
         let mut inner = self.lock();

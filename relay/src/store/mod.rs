@@ -24,8 +24,10 @@
 //!   for trimmed entries gets a `Gap`), finished delegations are dropped
 //!   `finished_ttl_ms` after their terminal.
 
+pub mod fleet;
 pub mod memory;
 pub mod redis;
+mod redis_fleet;
 
 use std::future::Future;
 
@@ -33,6 +35,7 @@ use bytes::Bytes;
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId};
 use serde::{Deserialize, Serialize};
 
+pub use self::fleet::{FleetStore, Presence, wake_channel};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 
@@ -124,6 +127,10 @@ pub struct OpenRequest {
     pub frame: Bytes,
     /// Now, ms since the epoch.
     pub now_ms: u64,
+    /// Set when the callee's session may be on another relay instance: a
+    /// backend shared by several instances publishes the created entry on
+    /// that peer's wake channel, atomically with the write.
+    pub wake: Option<PeerId>,
 }
 
 /// What `open` did.
@@ -163,6 +170,10 @@ pub struct AppendRequest {
     pub frame: Bytes,
     /// Now, ms since the epoch.
     pub now_ms: u64,
+    /// Set when the receiver's session may be on another relay instance: a
+    /// shared backend publishes the appended entry on that peer's wake
+    /// channel, atomically with the append.
+    pub wake: Option<PeerId>,
 }
 
 /// What `append` did.
@@ -229,7 +240,7 @@ pub enum ReadOutcome {
 
 /// The durable log interface. Every method is atomic with respect to the
 /// others for the same delegation.
-pub trait EventStore: Send + Sync + 'static {
+pub trait EventStore: FleetStore + Send + Sync + 'static {
     /// Creates a delegation (or finds the existing one).
     fn open(
         &self,

@@ -53,8 +53,42 @@
 //! Redis restart does not surface to them; `open` and `append` are not.
 //!
 //! `oab:epoch` detects a Redis that lost everything (a restart without
-//! persistence). Under Redis Cluster it lives on one shard, so a shard that
-//! lost its data alone is not detected by it.
+//! persistence).
+//!
+//! # Redis Cluster
+//!
+//! [`RedisStore::connect`] with `redis-cluster://host1:port1,host2:port2`
+//! (seed nodes) runs the same code over a cluster connection, which sends
+//! each command to the master owning its key's slot. What differs:
+//!
+//! - Pipelines: the redis crate's cluster connection sends a pipeline to
+//!   one node and refuses one whose keys span several slots, so a pipeline
+//!   is split by the hash slot of each command's first key (for `EVALSHA`,
+//!   the first key after `numkeys`), one pipeline per slot is sent, all
+//!   concurrently, and the replies are put back in the order of the
+//!   commands. Commands of one slot keep their relative order, so an
+//!   `append` batch runs in order per delegation (its keys share one hash
+//!   tag); the entries of different delegations may run on several shards
+//!   at once, and nothing depends on their order across delegations.
+//! - Scripts: `SCRIPT LOAD` goes to every node, masters and replicas (the
+//!   redis crate routes it to all nodes and fails unless every one
+//!   succeeds), at connect time and again when a batch meets `NOSCRIPT`;
+//!   the commands that got `NOSCRIPT` are then sent again, split by slot as
+//!   above, so a node that restarted alone only costs its own commands a
+//!   second round trip.
+//! - `oab:deadlines`, `oab:finished` and `oab:epoch` are single keys, each on
+//!   one shard (the indexes are one sorted set each, as on a single node).
+//!   A shard that lost its data alone changes the epoch only if it holds
+//!   `oab:epoch`; otherwise its delegations just read as unknown.
+//! - Retries: the cluster connection itself follows `MOVED`/`ASK`, waits
+//!   out `TRYAGAIN`/`CLUSTERDOWN`/`LOADING` and reconnects after a lost
+//!   connection, then sends the command, or the whole one-slot pipeline,
+//!   again (up to 5 times, all within the 5 s response timeout), `open`
+//!   and `append` included. A script that had already run then runs a second time, which
+//!   for an append is what a resend does (`Duplicate` for a peer's entry,
+//!   `Conflict` for the relay's), never a second copy of an entry; the
+//!   finished index of an append that set the terminal is then left to the
+//!   stale-entry repair described above.
 //!
 //! # Differences from the memory store
 //!
@@ -68,13 +102,17 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::future::join_all;
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, RequestId};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, Pipeline, RedisError, Script, ServerErrorKind, Value};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
-    ReadOutcome, Retention, StoreError,
+    ReadOutcome, Retention, StoreError, wake_channel,
 };
 
 /// How long one command (or one pipelined batch) may take before it fails.
@@ -93,6 +131,15 @@ const RECONNECT_RETRIES: usize = 5;
 const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(50);
 /// Longest delay between reconnect attempts.
 const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+/// The URL scheme of a Redis Cluster: `redis-cluster://host1:port1,host2:port2`.
+const CLUSTER_SCHEME: &str = "redis-cluster://";
+/// Port of a cluster seed given without one.
+const DEFAULT_PORT: u16 = 6379;
+/// Attempts the cluster connection makes per command after a failure
+/// (reconnect, `TRYAGAIN`, `CLUSTERDOWN`, redirections), with backoff from
+/// [`RECONNECT_MIN_DELAY`] to [`RECONNECT_MAX_DELAY`]; the whole command,
+/// retries included, is bounded by [`RESPONSE_TIMEOUT`].
+const CLUSTER_RETRIES: u32 = 5;
 /// Members of `oab:finished` handled per round trip by `expire_finished`.
 const EXPIRE_CHUNK: usize = 512;
 /// Largest `PEXPIRE` argument sent: Redis refuses values whose absolute
@@ -122,7 +169,9 @@ mod field {
 }
 
 /// `open`: KEYS meta, down, up; ARGV callee, deadline, digest, now, frame,
-/// maxlen. Returns `{'N'}` when it created the delegation, or `{'E', <HGETALL>}`.
+/// maxlen, wake channel (or empty). Returns `{'N'}` when it created the
+/// delegation (and published `W<frame>` on the wake channel), or
+/// `{'E', <HGETALL>}`.
 const OPEN_LUA: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local out = redis.call('HGETALL', KEYS[1])
@@ -133,12 +182,16 @@ redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'callee', ARGV[1], 'dl', ARGV[2], 'dg', ARGV[3], 'ct', ARGV[4],
   'dt', '1', 'ds', '1', 'ut', '0', 'us', '0', 'term', '', 'tms', '', 'acc', '')
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[6], '1-0', 'f', ARGV[5])
+if ARGV[7] ~= '' then redis.call('PUBLISH', ARGV[7], 'W' .. ARGV[5]) end
 return {'N'}
 ";
 
 /// `append` (one entry): KEYS meta, this log, the other log; ARGV dir
 /// (`d`|`u`), seq, origin (`r` for the relay, else the instance hex),
-/// terminal (outcome name or empty), frame, now, maxlen, ttl.
+/// terminal (outcome name or empty), frame, now, maxlen, ttl, wake channel
+/// (or empty: when set, an appended entry is also published there as
+/// `W<frame>`, atomically with the append, so a wake-up is never lost
+/// between the two).
 ///
 /// Returns `{'A'}` appended, `{'F', deadline, callee}` appended and it set
 /// the terminal, `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
@@ -168,6 +221,7 @@ else
   end
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[7], ARGV[2]..'-0', 'f', ARGV[5])
+if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], 'W' .. ARGV[5]) end
 if cur ~= '' then
   local ttl = redis.call('PTTL', KEYS[1])
   if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
@@ -240,11 +294,73 @@ impl Scripts {
     }
 }
 
+/// The connection to a single Redis or to a Redis Cluster. Both multiplex
+/// commands over their sockets and reconnect by themselves; cloning is cheap
+/// (the clones share the sockets).
+#[derive(Clone)]
+enum Conn {
+    /// One server.
+    Single(ConnectionManager),
+    /// A cluster: one connection per node, commands routed by key slot.
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conn::Single(_) => "Conn::Single",
+            Conn::Cluster(_) => "Conn::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// URLs that may carry credentials: shown redacted by `Debug`.
+struct Urls(Vec<String>);
+
+impl std::fmt::Debug for Urls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|u| redact_url(u)))
+            .finish()
+    }
+}
+
 /// The Redis store. Cheap to share (`Arc` it); all methods take `&self` and
-/// run over one multiplexed connection that reconnects by itself.
+/// run over one multiplexed connection (one per node for a cluster) that
+/// reconnects by itself.
 #[derive(Debug)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
+    /// What [`RedisStore::pubsub_urls`] returns.
+    pubsub_urls: Urls,
     retention: Retention,
     scripts: Scripts,
     /// `max_log_entries` as sent to `XADD MAXLEN` (clamped to an i64).
@@ -358,6 +474,75 @@ fn redact_url(url: &str) -> String {
         None => rest.rsplit_once('@').map_or(rest, |(_, h)| h).to_owned(),
     };
     format!("{scheme}://{rest}")
+}
+
+/// Whether `url` names a Redis Cluster (`redis-cluster://`, any case).
+fn is_cluster_url(url: &str) -> bool {
+    url.get(..CLUSTER_SCHEME.len())
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case(CLUSTER_SCHEME))
+}
+
+/// The seed nodes of `redis-cluster://[user:password@]host1:port1,host2:port2[/]`
+/// as `redis://[user:password@]host:port` URLs: the credentials given on the
+/// first host apply to every node. A host without a port gets 6379; IPv6
+/// addresses go in brackets. The error never quotes the credentials.
+fn cluster_seed_urls(url: &str) -> Result<Vec<String>, String> {
+    let rest = url
+        .get(CLUSTER_SCHEME.len()..)
+        .filter(|_| is_cluster_url(url))
+        .ok_or("not a redis-cluster:// URL")?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (credentials, hosts) = match rest.rsplit_once('@') {
+        Some((credentials, hosts)) => (Some(credentials), hosts),
+        None => (None, rest),
+    };
+    if credentials.is_some_and(|c| c.contains(',')) {
+        return Err(
+            "credentials go before the first host only (user:password@host:port,host:port)".into(),
+        );
+    }
+    if hosts.contains(['/', '?', '#']) {
+        return Err("a cluster URL has no database, path or query: \
+             redis-cluster://[user:password@]host:port,host:port,..."
+            .into());
+    }
+    let prefix = credentials.map_or(String::new(), |c| format!("{c}@"));
+    hosts
+        .split(',')
+        .map(|seed| {
+            let (host, port) = if let Some(v6) = seed.strip_prefix('[') {
+                let (addr, after) = v6
+                    .split_once(']')
+                    .ok_or_else(|| format!("seed {seed:?}: unclosed '['"))?;
+                let port = match after {
+                    "" => None,
+                    after => Some(
+                        after
+                            .strip_prefix(':')
+                            .ok_or_else(|| format!("seed {seed:?}: ':' expected after ']'"))?,
+                    ),
+                };
+                (format!("[{addr}]"), port)
+            } else {
+                match seed.rsplit_once(':') {
+                    Some((host, port)) => (host.to_owned(), Some(port)),
+                    None => (seed.to_owned(), None),
+                }
+            };
+            if host.is_empty() || host == "[]" {
+                return Err(format!("seed {seed:?}: no host"));
+            }
+            let port = match port {
+                None => DEFAULT_PORT,
+                Some(p) => p
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&p| p != 0)
+                    .ok_or_else(|| format!("seed {seed:?}: bad port"))?,
+            };
+            Ok(format!("redis://{prefix}{host}:{port}"))
+        })
+        .collect()
 }
 
 fn unavailable(context: &str, e: &RedisError) -> StoreError {
@@ -625,27 +810,54 @@ impl RedisStore {
     /// `redis+unix:///path/to/redis.sock`, and the other forms the redis crate
     /// accepts) and loads the scripts.
     ///
+    /// `redis-cluster://[user:password@]host1:port1,host2:port2,...` connects
+    /// to a Redis Cluster through those seed nodes (any reachable one is
+    /// enough to discover the others; the credentials apply to every node):
+    /// see the module documentation for what changes.
+    ///
     /// The connection reconnects by itself when Redis restarts; commands sent
     /// while it is down fail with [`StoreError::Unavailable`] after the
     /// reconnect attempts (about 1.5 s). Run Redis with `noeviction` (a warning
     /// is logged otherwise) and AOF.
     pub async fn connect(url: &str, retention: Retention) -> Result<RedisStore, StoreError> {
         let shown = redact_url(url);
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Unavailable(format!("invalid Redis URL {shown}: {e}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
-            .set_number_of_retries(RECONNECT_RETRIES)
-            .set_min_delay(RECONNECT_MIN_DELAY)
-            .set_max_delay(RECONNECT_MAX_DELAY);
-        let conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(|e| {
-                StoreError::Unavailable(format!("cannot connect to Redis at {shown}: {e}"))
-            })?;
+        let invalid = |e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("invalid Redis URL {shown}: {e}"))
+        };
+        let cannot_connect = |e: RedisError| {
+            StoreError::Unavailable(format!("cannot connect to Redis at {shown}: {e}"))
+        };
+        let (conn, pubsub_urls) = if is_cluster_url(url) {
+            let seeds = cluster_seed_urls(url).map_err(|e| invalid(&e))?;
+            let client = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+                .connection_timeout(CONNECTION_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(duration_ms(RECONNECT_MIN_DELAY))
+                .max_retry_wait(duration_ms(RECONNECT_MAX_DELAY))
+                .build()
+                .map_err(|e| invalid(&e))?;
+            let conn = client
+                .get_async_connection()
+                .await
+                .map_err(cannot_connect)?;
+            (Conn::Cluster(conn), seeds)
+        } else {
+            let client = redis::Client::open(url).map_err(|e| invalid(&e))?;
+            let config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+                .set_number_of_retries(RECONNECT_RETRIES)
+                .set_min_delay(RECONNECT_MIN_DELAY)
+                .set_max_delay(RECONNECT_MAX_DELAY);
+            let conn = ConnectionManager::new_with_config(client, config)
+                .await
+                .map_err(cannot_connect)?;
+            (Conn::Single(conn), vec![url.to_owned()])
+        };
         let store = RedisStore {
             conn,
+            pubsub_urls: Urls(pubsub_urls),
             retention,
             scripts: Scripts::new(),
             maxlen: retention.max_log_entries.min(i64::MAX as u64),
@@ -661,6 +873,22 @@ impl RedisStore {
         self.retention
     }
 
+    /// Where to open a pub/sub connection: the URL given to
+    /// [`connect`](Self::connect) for a single server, or each cluster seed
+    /// as `redis://[user:password@]host:port`. The URLs carry the
+    /// credentials, if any: do not log them.
+    pub fn pubsub_urls(&self) -> Vec<String> {
+        self.pubsub_urls.0.clone()
+    }
+
+    /// Whether this store runs on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// `SCRIPT LOAD`s every script. On a cluster the redis crate sends
+    /// `SCRIPT LOAD` to every node and fails unless all succeed (its routing
+    /// table: `SCRIPT LOAD` is an all-nodes command), so each master has them.
     async fn load_scripts(&self) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         for s in [
@@ -704,10 +932,16 @@ impl RedisStore {
         }
     }
 
-    /// Runs one command. `idempotent` commands are retried once when the
-    /// connection was lost (the retry waits for the reconnect), so a Redis
-    /// restart is invisible to readers.
-    async fn query(&self, cmd: &Cmd, idempotent: bool, context: &str) -> Result<Value, StoreError> {
+    /// Runs one command (on a cluster, on the master of its key's slot).
+    /// `idempotent` commands are retried once when the connection was lost
+    /// (the retry waits for the reconnect), so a Redis restart is invisible
+    /// to readers.
+    pub(crate) async fn query(
+        &self,
+        cmd: &Cmd,
+        idempotent: bool,
+        context: &str,
+    ) -> Result<Value, StoreError> {
         let mut conn = self.conn.clone();
         match cmd.query_async::<Value>(&mut conn).await {
             Ok(v) => Ok(v),
@@ -719,8 +953,56 @@ impl RedisStore {
         }
     }
 
-    /// Runs a pipeline built with [`pipeline`]; one value per command.
-    async fn query_pipeline(
+    /// Runs a pipeline built with [`pipeline`]; one value per command, in the
+    /// order of the commands. On a cluster, the commands are split by the
+    /// slot of their first key ([`slot_groups`]) and each group is sent as
+    /// its own pipeline, all groups concurrently; a single server gets the
+    /// pipeline as it is, in one round trip.
+    pub(crate) async fn query_pipeline(
+        &self,
+        pipe: &Pipeline,
+        idempotent: bool,
+        context: &str,
+    ) -> Result<Vec<Value>, StoreError> {
+        let groups = match self.conn {
+            Conn::Single(_) => return self.send_pipeline(pipe, idempotent, context).await,
+            Conn::Cluster(_) => slot_groups(pipe),
+        };
+        if groups.len() <= 1 {
+            return self.send_pipeline(pipe, idempotent, context).await;
+        }
+        let cmds: Vec<&Cmd> = pipe.cmd_iter().collect();
+        let mut parts = Vec::with_capacity(groups.len());
+        for indices in &groups {
+            let mut part = pipeline();
+            for &i in indices {
+                let cmd = cmds
+                    .get(i)
+                    .ok_or_else(|| corrupt(format!("{context}: command index out of range")))?;
+                part.add_command((*cmd).clone());
+            }
+            parts.push(part);
+        }
+        let replies = join_all(
+            parts
+                .iter()
+                .map(|part| self.send_pipeline(part, idempotent, context)),
+        )
+        .await;
+        let mut values = vec![Value::Nil; pipe.len()];
+        for (indices, replies) in groups.iter().zip(replies) {
+            for (&i, v) in indices.iter().zip(replies?) {
+                if let Some(slot) = values.get_mut(i) {
+                    *slot = v;
+                }
+            }
+        }
+        Ok(values)
+    }
+
+    /// Sends a pipeline as it is (on a cluster, its commands must share one
+    /// slot); one value per command.
+    async fn send_pipeline(
         &self,
         pipe: &Pipeline,
         idempotent: bool,
@@ -745,10 +1027,12 @@ impl RedisStore {
         Ok(values)
     }
 
-    /// Runs `EVALSHA` commands of one script in one pipeline. Commands that
-    /// got `NOSCRIPT` (Redis restarted or `SCRIPT FLUSH`) are sent again, in
-    /// order, after `SCRIPT LOAD`; the others keep their replies (re-running
-    /// a script that already ran would not be idempotent for relay entries).
+    /// Runs `EVALSHA` commands of one script in one pipeline (on a cluster,
+    /// one per slot). Commands that got `NOSCRIPT` (Redis restarted or
+    /// `SCRIPT FLUSH`, on any node) are sent again, in order, after
+    /// `SCRIPT LOAD` (on every node of a cluster); the others keep their
+    /// replies (re-running a script that already ran would not be idempotent
+    /// for relay entries).
     async fn eval_batch(
         &self,
         script: &Script,
@@ -789,7 +1073,7 @@ impl RedisStore {
     }
 
     /// Runs one `EVALSHA`, loading the script on `NOSCRIPT`.
-    async fn eval(
+    pub(crate) async fn eval(
         &self,
         script: &Script,
         cmd: Cmd,
@@ -882,11 +1166,68 @@ impl RedisStore {
     }
 }
 
+/// A delay in whole milliseconds, as the cluster client's retry settings take it.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Whether a failed command may be sent again: the connection was lost (the
-/// connection manager is reconnecting), not a timeout (which may have run).
+/// connection manager is reconnecting), or a cluster node refused it for now
+/// (`TRYAGAIN`, `CLUSTERDOWN`, a redirection the cluster connection could
+/// not follow in its own retries), not a timeout (which may have run).
 fn retryable(e: &RedisError) -> bool {
-    (e.is_connection_dropped() || e.is_connection_refusal() || e.is_unrecoverable_error())
+    (e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || e.is_cluster_error())
         && !e.is_timeout()
+}
+
+/// The commands of `pipe` grouped by the hash slot of their first key, as
+/// indexes into the pipeline: groups in the order of their first command,
+/// commands in pipeline order within a group. Commands without a key form
+/// one group of their own.
+fn slot_groups(pipe: &Pipeline) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut by_slot: HashMap<Option<Slot>, usize> = HashMap::new();
+    for (i, cmd) in pipe.cmd_iter().enumerate() {
+        let slot = first_key(cmd).map(Slot::for_key);
+        let group = *by_slot.entry(slot).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        if let Some(g) = groups.get_mut(group) {
+            g.push(i);
+        }
+    }
+    groups
+}
+
+/// The first key of a command: the argument after the command name, or for
+/// the scripting commands the first one after `numkeys`. `None` for a
+/// command without keys.
+fn first_key(cmd: &Cmd) -> Option<&[u8]> {
+    const SCRIPTED: [&[u8]; 6] = [
+        b"EVAL",
+        b"EVALSHA",
+        b"EVAL_RO",
+        b"EVALSHA_RO",
+        b"FCALL",
+        b"FCALL_RO",
+    ];
+    let mut args = cmd.args_iter().map(|a| match a {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let name = args.next()??;
+    if SCRIPTED.iter().any(|s| name.eq_ignore_ascii_case(s)) {
+        let _script = args.next()??;
+        let numkeys: usize = std::str::from_utf8(args.next()??).ok()?.parse().ok()?;
+        if numkeys == 0 {
+            return None;
+        }
+    }
+    args.next()?
 }
 
 /// The first server error among pipeline replies, as `Unavailable`.
@@ -909,7 +1250,8 @@ impl EventStore for RedisStore {
             .arg(req.digest.to_string())
             .arg(req.now_ms)
             .arg(req.frame.as_ref())
-            .arg(self.maxlen);
+            .arg(self.maxlen)
+            .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
         let reply = self.eval(&self.scripts.open, cmd, false, "open").await?;
         let mut items = array(reply, "open")?.into_iter();
         let code = items.next();
@@ -971,7 +1313,8 @@ impl EventStore for RedisStore {
                 .arg(req.frame.as_ref())
                 .arg(req.now_ms)
                 .arg(self.maxlen)
-                .arg(self.ttl_ms);
+                .arg(self.ttl_ms)
+                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
             pipe.add_command(cmd);
         }
         let replies = self
@@ -1322,5 +1665,78 @@ mod tests {
             "redis+unix:///tmp/r.sock"
         );
         assert_eq!(redact_url("redis://:pw@h"), "redis://h");
+        assert_eq!(
+            redact_url("redis-cluster://u:secret@h1:7000,h2:7001"),
+            "redis-cluster://h1:7000,h2:7001"
+        );
+    }
+
+    #[test]
+    fn cluster_urls_name_the_seeds() {
+        assert!(is_cluster_url("redis-cluster://h:1"));
+        assert!(is_cluster_url("Redis-Cluster://h:1"));
+        assert!(!is_cluster_url("redis://h:1"));
+        assert_eq!(
+            cluster_seed_urls("redis-cluster://127.0.0.1:7000,127.0.0.1:7001,h3").unwrap(),
+            vec![
+                "redis://127.0.0.1:7000",
+                "redis://127.0.0.1:7001",
+                "redis://h3:6379"
+            ]
+        );
+        assert_eq!(
+            cluster_seed_urls("redis-cluster://user:p%40ss@a:1,[::1]:2,[::2]/").unwrap(),
+            vec![
+                "redis://user:p%40ss@a:1",
+                "redis://user:p%40ss@[::1]:2",
+                "redis://user:p%40ss@[::2]:6379"
+            ]
+        );
+        for bad in [
+            "redis-cluster://",
+            "redis-cluster://a:1,",
+            "redis-cluster://a:1,u:p@b:2",
+            "redis-cluster://a:x",
+            "redis-cluster://a:0",
+            "redis-cluster://a:1/0",
+            "redis-cluster://a:1?protocol=resp3",
+            "redis-cluster://[::1",
+            "redis-cluster://[::1]x",
+            "redis://a:1",
+        ] {
+            let e = cluster_seed_urls(bad).unwrap_err();
+            assert!(!e.contains("secret"), "{e}");
+        }
+        let e = cluster_seed_urls("redis-cluster://u:secret@a:1,u:secret@b:2").unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn pipelines_split_by_slot_of_the_first_key() {
+        let script = Script::new("return 1");
+        let k = |c: &str, r: &str| {
+            DelegationKey::new(PeerId::new(c).unwrap(), RequestId::new(r).unwrap())
+        };
+        let a = DelegationKeys::new(&k("acme/a", "r1"));
+        let b = DelegationKeys::new(&k("acme/b", "r1"));
+        assert_ne!(Slot::for_key(&a.meta), Slot::for_key(&b.meta));
+        assert_eq!(Slot::for_key(&a.meta), Slot::for_key(&a.up));
+        let mut pipe = pipeline();
+        pipe.add_command(evalsha(&script, &[&a.meta, &a.down, &a.up]))
+            .add_command(evalsha(&script, &[&b.meta, &b.down, &b.up]))
+            .zadd(DEADLINES_KEY, "m", 0)
+            .add_command(evalsha(&script, &[&a.meta, &a.up, &a.down]))
+            .cmd("PING")
+            .hgetall(&b.meta)
+            .add_command(evalsha(&script, &[]));
+        assert_eq!(
+            slot_groups(&pipe),
+            vec![vec![0, 3], vec![1, 5], vec![2], vec![4, 6]]
+        );
+        let cmds: Vec<&Cmd> = pipe.cmd_iter().collect();
+        assert_eq!(first_key(cmds[0]), Some(a.meta.as_bytes()));
+        assert_eq!(first_key(cmds[2]), Some(DEADLINES_KEY.as_bytes()));
+        assert_eq!(first_key(cmds[4]), None);
+        assert_eq!(first_key(cmds[6]), None);
     }
 }

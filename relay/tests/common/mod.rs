@@ -18,8 +18,8 @@ use oab_relay::raw_client::{RawClient, Target};
 use oab_relay::store::EventStore;
 use oab_wire::identity::{Identity, PeerKey};
 use oab_wire::{
-    Data, DelegationKey, Digest, Direction, Frame, InstanceId, KeyId, Open, Outcome, PeerId,
-    RequestId,
+    Data, DelegationKey, Digest, Direction, ErrorCode, Frame, InstanceId, KeyId, Open, Outcome,
+    PeerId, RequestId,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -251,6 +251,95 @@ pub async fn await_ack(c: &mut RawClient, request: &str, dir: Direction, seq: u6
     .await
 }
 
+pub fn payload(i: u64) -> Bytes {
+    Bytes::from(format!("event {i}"))
+}
+
+/// Reads frames until the connection fails; returns the last contiguous data
+/// seq seen (checking order) and the highest up ack.
+pub async fn drain_until_broken(
+    c: &mut RawClient,
+    request: &str,
+    mut last_data: u64,
+    mut last_ack: u64,
+) -> (u64, u64) {
+    let k = key(request);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("relay gone")
+        {
+            Ok(Frame::Data(d)) if d.key == k => {
+                assert_eq!(d.seq, last_data + 1, "in order, exactly once");
+                last_data = d.seq;
+            }
+            Ok(Frame::Ack(a)) if a.key == k && a.direction == Direction::Up => {
+                last_ack = last_ack.max(a.seq)
+            }
+            Ok(_) => {}
+            Err(_) => return (last_data, last_ack),
+        }
+    }
+}
+
+/// Sends `acked+1..=to` (the last one a terminal when `finish`) until all are acked,
+/// resending after `store_unavailable` errors.
+pub async fn send_until_acked(
+    b: &mut RawClient,
+    request: &str,
+    mut acked: u64,
+    to: u64,
+    finish: bool,
+) -> u64 {
+    let k = key(request);
+    while acked < to {
+        for seq in acked + 1..=to {
+            let terminal = (finish && seq == to).then_some(Outcome::Completed);
+            b.feed(&data(request, Direction::Up, seq, terminal, payload(seq)))
+                .await
+                .unwrap();
+        }
+        b.flush().await.unwrap();
+        // Read until everything is acked or a refusal says to resend.
+        loop {
+            match recv(b).await {
+                Frame::Ack(a) if a.key == k && a.direction == Direction::Up => {
+                    acked = acked.max(a.seq);
+                    if acked >= to {
+                        break;
+                    }
+                }
+                Frame::Error(e) if e.code == ErrorCode::StoreUnavailable.as_u16() => {
+                    // Drain the rest of this round's refusals, then resend.
+                    tokio::task::yield_now().await;
+                    break;
+                }
+                Frame::Error(e) if e.code == ErrorCode::SequenceGap.as_u16() => {
+                    acked = acked.max(e.seq);
+                    break;
+                }
+                Frame::Error(e) => panic!("unexpected {e:?}"),
+                _ => {}
+            }
+        }
+    }
+    acked
+}
+
+pub async fn read_to_terminal(a: &mut RawClient, request: &str, mut last: u64, terminal_seq: u64) {
+    let k = key(request);
+    while last < terminal_seq {
+        if let Frame::Data(d) = recv(a).await
+            && d.key == k
+        {
+            assert_eq!(d.seq, last + 1, "no loss, duplicate or reordering");
+            assert_eq!(d.payload, payload(d.seq));
+            assert_eq!(d.terminal.is_some(), d.seq == terminal_seq);
+            last = d.seq;
+        }
+    }
+}
+
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -266,17 +355,24 @@ pub struct RelayProcess {
     pub admin: SocketAddr,
     config: std::path::PathBuf,
     store: String,
+    sets: Vec<String>,
     child: Option<std::process::Child>,
     pub cert_der: Vec<u8>,
 }
 
 impl RelayProcess {
     pub async fn start(env: &TestEnv, store_url: &str) -> RelayProcess {
+        Self::start_with(env, store_url, &[]).await
+    }
+
+    /// With extra `--set field=value` overrides.
+    pub async fn start_with(env: &TestEnv, store_url: &str, sets: &[&str]) -> RelayProcess {
         let mut p = RelayProcess {
             addr: SocketAddr::from(([127, 0, 0, 1], free_port())),
             admin: SocketAddr::from(([127, 0, 0, 1], free_port())),
             config: env.config_path.clone(),
             store: store_url.to_string(),
+            sets: sets.iter().map(|s| s.to_string()).collect(),
             child: None,
             cert_der: env.cert_der.clone(),
         };
@@ -292,6 +388,7 @@ impl RelayProcess {
             .args(["--admin-listen", &self.admin.to_string()])
             .args(["--store", &self.store])
             .args(["--set", "lifecycle.sweep_interval_ms=20"])
+            .args(self.sets.iter().flat_map(|s| ["--set", s.as_str()]))
             .env("OAB_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .spawn()
@@ -335,6 +432,30 @@ impl RelayProcess {
             .await
             .unwrap()
     }
+
+    pub async fn metrics(&self) -> String {
+        http_get(self.admin, "/metrics").await
+    }
+
+    /// The value of an unlabelled metric (0 if absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        metric_value(&self.metrics().await, name)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+/// The value of an unlabelled metric in a Prometheus text page (0 if absent).
+pub fn metric_value(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            (n == name).then(|| v.trim().parse().ok()).flatten()
+        })
+        .unwrap_or(0.0)
 }
 
 impl Drop for RelayProcess {

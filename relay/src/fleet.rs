@@ -1,0 +1,379 @@
+//! Several relay instances over one shared store: presence, wake-up
+//! subscriptions, instance liveness and the sweeper lease.
+//!
+//! With a store that is not shared (the memory store) the fleet is
+//! *disabled* and everything here is a no-op: one instance, as before.
+//!
+//! With Redis, every instance:
+//!
+//! - subscribes to the wake channel of each peer whose session it holds
+//!   (before that session's `Welcome`), over one RESP3 connection of its own;
+//!   a lost connection is re-established (seed URLs in turn, with backoff),
+//!   every channel subscribed again, and every subscribed log re-checked
+//!   against the store (a message published while the connection was down is
+//!   never needed: the resynchronisation reads what it would have said);
+//! - claims the peer's presence record (the claim's generation orders
+//!   sessions fleet-wide: the newest wins, an older one anywhere is closed
+//!   with `replaced`);
+//! - renews its liveness in `oab:nodes` every third of `node_lease_ms`; a
+//!   presence record naming a node that stopped renewing counts as offline;
+//! - competes for the sweeper lease; the holder runs the fleet-wide lifecycle
+//!   work (deadlines, `unknown` after the grace period, retention).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use oab_wire::{PeerId, SessionId};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, IntoConnectionInfo, ProtocolVersion, PushInfo};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::store::{StoreError, wake_channel};
+
+/// The name of the fleet-wide sweeper lease.
+pub const SWEEPER_LEASE: &str = "sweeper";
+/// Longest wait between two attempts to reach the wake subscriber's Redis.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
+/// How long a subscribe (or a connection attempt) may take.
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// This instance's view of the fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    /// This instance's name.
+    pub node: String,
+    /// Whether the store is shared (fleet coordination runs).
+    pub enabled: bool,
+    urls: Vec<String>,
+    /// Liveness lease, ms.
+    pub node_lease_ms: u64,
+    /// Sweeper lease, ms.
+    pub sweeper_lease_ms: u64,
+    wake_queue: usize,
+    conn: Mutex<Option<MultiplexedConnection>>,
+    /// Wake channels subscribed (peers held now or recently).
+    subscribed: tokio::sync::Mutex<HashSet<PeerId>>,
+    /// Peers whose session this instance holds: session and claim generation.
+    held: Mutex<HashMap<PeerId, (SessionId, u64)>>,
+    /// Highest claim generation announced per peer (from `T` messages).
+    latest: Mutex<HashMap<PeerId, u64>>,
+    live_nodes: Mutex<HashSet<String>>,
+    multi: AtomicBool,
+    leader: AtomicBool,
+    overflowed: Arc<AtomicBool>,
+}
+
+impl Fleet {
+    /// The fleet for `config`; `urls` are the store's wake URLs (empty: not
+    /// shared, fleet disabled).
+    pub fn new(config: &Config, urls: Vec<String>) -> Fleet {
+        let node = config.fleet.node.clone().unwrap_or_else(|| {
+            let id = SessionId::random().to_string();
+            format!("relay-{}", id.get(..12).unwrap_or(&id))
+        });
+        Fleet {
+            enabled: !urls.is_empty(),
+            live_nodes: Mutex::new(HashSet::from([node.clone()])),
+            node,
+            urls,
+            node_lease_ms: config.fleet.node_lease_ms,
+            sweeper_lease_ms: config.fleet.sweeper_lease_ms,
+            wake_queue: config.fleet.wake_queue,
+            conn: Mutex::new(None),
+            subscribed: tokio::sync::Mutex::new(HashSet::new()),
+            held: Mutex::new(HashMap::new()),
+            latest: Mutex::new(HashMap::new()),
+            multi: AtomicBool::new(false),
+            leader: AtomicBool::new(false),
+            overflowed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Whether other live instances share the store: then every durable
+    /// entry is published to its receiver's channel, whatever this instance
+    /// believes about where the receiver is.
+    pub fn multi(&self) -> bool {
+        self.multi.load(Ordering::Relaxed)
+    }
+
+    /// Whether this instance holds the sweeper lease (always, when disabled).
+    pub fn is_leader(&self) -> bool {
+        !self.enabled || self.leader.load(Ordering::Relaxed)
+    }
+
+    /// Records the sweeper lease state.
+    pub fn set_leader(&self, leader: bool) {
+        let was = self.leader.swap(leader, Ordering::Relaxed);
+        if was != leader {
+            info!(node = %self.node, leader, "sweeper lease {}", if leader { "taken" } else { "lost" });
+        }
+    }
+
+    /// Records the live nodes from a liveness renewal.
+    pub fn set_live_nodes(&self, nodes: Vec<String>) {
+        let mut set: HashSet<String> = nodes.into_iter().collect();
+        set.insert(self.node.clone());
+        let multi = set.len() > 1;
+        if self.multi.swap(multi, Ordering::Relaxed) != multi {
+            info!(nodes = set.len(), "fleet size changed");
+        }
+        *lock(&self.live_nodes) = set;
+    }
+
+    /// Whether `node` renewed its liveness lately.
+    pub fn node_alive(&self, node: &str) -> bool {
+        node == self.node || lock(&self.live_nodes).contains(node)
+    }
+
+    /// Subscribes to `peer`'s wake channel; returns once Redis confirmed it.
+    pub async fn subscribe(&self, peer: &PeerId) -> Result<(), StoreError> {
+        let mut subscribed = self.subscribed.lock().await;
+        subscribed.insert(peer.clone());
+        let conn = lock(&self.conn).clone();
+        let Some(mut conn) = conn else {
+            return Err(StoreError::Unavailable(
+                "wake subscriber not connected".into(),
+            ));
+        };
+        match tokio::time::timeout(SUBSCRIBE_TIMEOUT, conn.subscribe(wake_channel(peer))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis SUBSCRIBE: {e}"))),
+            Err(_) => Err(StoreError::Unavailable("redis SUBSCRIBE timed out".into())),
+        }
+    }
+
+    /// Unsubscribes channels of peers no longer held here.
+    pub async fn prune_subscriptions(&self) {
+        let mut subscribed = self.subscribed.lock().await;
+        let stale: Vec<PeerId> = {
+            let held = lock(&self.held);
+            subscribed
+                .iter()
+                .filter(|p| !held.contains_key(*p))
+                .cloned()
+                .collect()
+        };
+        if stale.is_empty() {
+            return;
+        }
+        let conn = lock(&self.conn).clone();
+        if let Some(mut conn) = conn {
+            let channels: Vec<String> = stale.iter().map(wake_channel).collect();
+            if conn.unsubscribe(channels).await.is_err() {
+                return;
+            }
+        }
+        for p in stale {
+            subscribed.remove(&p);
+        }
+    }
+
+    /// Records that this instance holds `peer`'s `session` with claim
+    /// `generation`. `false` if a newer claim was already announced (this
+    /// session lost the race and must close).
+    pub fn hold(&self, peer: &PeerId, session: SessionId, generation: u64) -> bool {
+        lock(&self.held).insert(peer.clone(), (session, generation));
+        lock(&self.latest)
+            .get(peer)
+            .is_none_or(|&g| g <= generation)
+    }
+
+    /// Forgets `peer` if `session` is the one held. Returns whether it was.
+    pub fn release(&self, peer: &PeerId, session: SessionId) -> bool {
+        let mut held = lock(&self.held);
+        if held.get(peer).is_some_and(|(s, _)| *s == session) {
+            held.remove(peer);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A claim was announced for `peer`: returns the session held here that
+    /// it supersedes, if any.
+    pub fn announced(&self, peer: &PeerId, generation: u64) -> Option<SessionId> {
+        {
+            let mut latest = lock(&self.latest);
+            let g = latest.entry(peer.clone()).or_insert(0);
+            *g = (*g).max(generation);
+        }
+        let held = lock(&self.held);
+        match held.get(peer) {
+            Some((session, g)) if *g < generation => Some(*session),
+            _ => None,
+        }
+    }
+
+    /// Connects the wake subscriber to the first URL that answers, trying
+    /// each in turn with backoff until `stop`, and subscribes every channel
+    /// again. Returns the connection's message receiver.
+    pub async fn connect(
+        &self,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> Option<mpsc::Receiver<PushInfo>> {
+        let mut delay = Duration::from_millis(50);
+        let mut attempt = 0usize;
+        loop {
+            let url = self.urls.get(attempt % self.urls.len().max(1))?.clone();
+            attempt += 1;
+            match self.open(&url).await {
+                Ok((conn, rx)) => {
+                    // Every channel again, on the new connection; a subscribe
+                    // racing with this waits for the lock and then uses it.
+                    let subscribed = self.subscribed.lock().await;
+                    *lock(&self.conn) = Some(conn.clone());
+                    let channels: Vec<String> = subscribed.iter().map(wake_channel).collect();
+                    let mut conn = conn;
+                    let ok = channels.is_empty()
+                        || matches!(
+                            tokio::time::timeout(SUBSCRIBE_TIMEOUT, conn.subscribe(channels)).await,
+                            Ok(Ok(()))
+                        );
+                    if ok {
+                        info!(node = %self.node, channels = subscribed.len(), "wake subscriber connected");
+                        return Some(rx);
+                    }
+                    *lock(&self.conn) = None;
+                }
+                Err(e) => {
+                    warn!(error = %e, "wake subscriber cannot reach Redis; retrying");
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return None,
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(MAX_RECONNECT_DELAY);
+        }
+    }
+
+    /// Whether the subscriber's connection answers.
+    pub async fn ping(&self) -> bool {
+        let conn = lock(&self.conn).clone();
+        let Some(mut conn) = conn else {
+            return false;
+        };
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<redis::Value>(&mut conn);
+        matches!(
+            tokio::time::timeout(SUBSCRIBE_TIMEOUT, ping).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// Marks the subscriber disconnected (subscribes fail until it is back).
+    pub fn disconnected(&self) {
+        *lock(&self.conn) = None;
+    }
+
+    /// Whether messages were dropped since the last call (queue overflow).
+    pub fn take_overflow(&self) -> bool {
+        self.overflowed.swap(false, Ordering::Relaxed)
+    }
+
+    async fn open(
+        &self,
+        url: &str,
+    ) -> Result<(MultiplexedConnection, mpsc::Receiver<PushInfo>), String> {
+        let info = url
+            .into_connection_info()
+            .map_err(|e| format!("wake subscriber URL: {e}"))?;
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let client = redis::Client::open(info.set_redis_settings(settings))
+            .map_err(|e| format!("wake subscriber: {e}"))?;
+        let (tx, rx) = mpsc::channel(self.wake_queue);
+        let overflowed = self.overflowed.clone();
+        let sender = move |msg: PushInfo| -> Result<(), ()> {
+            if let Err(e) = tx.try_send(msg) {
+                match e {
+                    mpsc::error::TrySendError::Full(_) => {
+                        // Dropped: the receiver resynchronises from the store.
+                        overflowed.store(true, Ordering::Relaxed);
+                    }
+                    mpsc::error::TrySendError::Closed(_) => return Err(()),
+                }
+            }
+            Ok(())
+        };
+        let config = AsyncConnectionConfig::new()
+            .set_push_sender(sender)
+            .set_connection_timeout(Some(SUBSCRIBE_TIMEOUT))
+            .set_response_timeout(Some(SUBSCRIBE_TIMEOUT));
+        let conn = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| format!("wake subscriber: {e}"))?;
+        Ok((conn, rx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet() -> Fleet {
+        let config = crate::config::Config::from_toml_with_overrides(
+            "[relay]\nid = \"r\"\ntls_mode = \"behind-load-balancer\"\n[fleet]\nnode = \"n1\"\n",
+            "test",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        Fleet::new(&config, vec!["redis://127.0.0.1:1/".into()])
+    }
+
+    #[test]
+    fn the_newest_claim_wins_whatever_order_the_announcements_arrive_in() {
+        let f = fleet();
+        let peer = PeerId::new("acme/callee").unwrap_or_else(|_| unreachable!());
+        let (s1, s2) = (SessionId::random(), SessionId::random());
+        // Our claim is generation 3; our own announcement supersedes nothing.
+        assert!(f.hold(&peer, s1, 3));
+        assert_eq!(f.announced(&peer, 3), None);
+        // An older claim elsewhere (announced late) does not close ours.
+        assert_eq!(f.announced(&peer, 2), None);
+        // A newer one does, once.
+        assert_eq!(f.announced(&peer, 4), Some(s1));
+        // A claim that loses to an announcement already seen reports it.
+        assert!(!f.hold(&peer, s2, 4 - 1));
+        // Releasing only forgets the session named.
+        assert!(!f.release(&peer, s1));
+        assert!(f.release(&peer, s2));
+    }
+
+    #[test]
+    fn liveness_decides_multi_and_node_alive() {
+        let f = fleet();
+        assert!(f.enabled);
+        assert!(!f.multi());
+        assert!(f.node_alive("n1"));
+        f.set_live_nodes(vec!["n1".into(), "n2".into()]);
+        assert!(f.multi());
+        assert!(f.node_alive("n2"));
+        f.set_live_nodes(vec![]);
+        assert!(!f.multi(), "this node counts itself");
+        assert!(!f.node_alive("n2"));
+        assert!(
+            !Fleet::new(
+                &crate::config::Config::from_toml_with_overrides(
+                    "[relay]\nid = \"r\"\ntls_mode = \"behind-load-balancer\"\n",
+                    "test",
+                    &[],
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+                Vec::new()
+            )
+            .enabled
+        );
+    }
+}

@@ -1,0 +1,127 @@
+//! What several relay instances sharing one store need from it: presence
+//! (which instance holds a peer's session), instance liveness, leases for
+//! fleet-wide work, and wake-up messages.
+//!
+//! A store used by one process only (the memory store) keeps the defaults:
+//! no presence records, every lease granted, nothing published. The Redis
+//! store implements them (see `redis_fleet`).
+//!
+//! # Wake channels
+//!
+//! Each peer has one channel, [`wake_channel`]; the instance holding the
+//! peer's session subscribes to it before it sends the `Welcome`. Messages
+//! (the first byte is the kind):
+//!
+//! | kind | rest | meaning |
+//! |---|---|---|
+//! | `W` | an entry's exact frame bytes | a durable entry of a log this peer receives (published by the store script that appended it) |
+//! | `N` | `<d\|u>\|<tail>\|<caller>#<request_id>` | the log has entries up to `tail`: a receiver behind it replays from the store |
+//! | `T` | `<generation>\|<session>\|<node>` | the peer's session moved: an instance holding an older generation closes it (`replaced`) |
+//! | `P` | `<peer>` | a peer this one may reach came or went: push a fresh `Peers` frame |
+
+use std::future::Future;
+
+use bytes::Bytes;
+use oab_wire::{PeerId, SessionId};
+
+use super::StoreError;
+
+/// The channel that wakes the instance holding `peer`'s session.
+pub fn wake_channel(peer: &PeerId) -> String {
+    format!("oab:wake:{peer}")
+}
+
+/// A peer's session as recorded fleet-wide.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Presence {
+    /// The instance holding it.
+    pub node: String,
+    /// The session (hex).
+    pub session: String,
+    /// Increases with every claim of this peer: the newest session wins.
+    pub generation: u64,
+}
+
+/// Fleet coordination through the store. Defaults are those of a store used
+/// by a single relay process.
+pub trait FleetStore {
+    /// URLs for the wake-channel subscriber; empty when the store is not
+    /// shared between processes (then no fleet coordination runs).
+    fn wake_urls(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Records that `node` now holds `peer`'s session `session`; returns the
+    /// claim's generation (strictly increasing per peer).
+    fn claim_presence(
+        &self,
+        _peer: &PeerId,
+        _node: &str,
+        _session: SessionId,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        async { Ok(0) }
+    }
+
+    /// Removes the presence record if it still names `session`.
+    fn release_presence(
+        &self,
+        _peer: &PeerId,
+        _session: SessionId,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async { Ok(()) }
+    }
+
+    /// The presence records of `peers`, in order.
+    fn presence(
+        &self,
+        peers: &[PeerId],
+    ) -> impl Future<Output = Result<Vec<Option<Presence>>, StoreError>> + Send {
+        let n = peers.len();
+        async move { Ok(vec![None; n]) }
+    }
+
+    /// Renews `node`'s liveness for `lease_ms` and returns every live node
+    /// (this one included).
+    fn renew_node(
+        &self,
+        node: &str,
+        _lease_ms: u64,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
+        let me = node.to_owned();
+        async move { Ok(vec![me]) }
+    }
+
+    /// Takes or renews the lease `name` for `node`; `true` while `node`
+    /// holds it.
+    fn acquire_lease(
+        &self,
+        _name: &str,
+        _node: &str,
+        _lease_ms: u64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        async { Ok(true) }
+    }
+
+    /// Gives up the lease `name` if `node` holds it (a clean shutdown: the
+    /// next instance takes over at once instead of after the lease).
+    fn release_lease(
+        &self,
+        _name: &str,
+        _node: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Removes `node` from the live instances (a clean shutdown).
+    fn retire_node(&self, _node: &str) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Publishes messages on the wake channels of the given peers.
+    fn publish(
+        &self,
+        _messages: Vec<(PeerId, Bytes)>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async { Ok(()) }
+    }
+}

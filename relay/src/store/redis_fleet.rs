@@ -1,0 +1,236 @@
+//! Fleet coordination on the Redis store (see [`super::fleet`]).
+//!
+//! | key | type | content |
+//! |---|---|---|
+//! | `oab:presence:{<peer>}` | hash | `node`, `session` (hex), `gen` (claims so far; kept when released) |
+//! | `oab:nodes` | zset | node name scored by the end of its liveness lease (Redis clock, ms) |
+//! | `oab:lease:<name>` | string | the holding node, with `PX` the lease |
+//!
+//! Every command touches one key, so all of it works on Redis Cluster; the
+//! wake channels are classic pub/sub, which a cluster broadcasts to all
+//! nodes. Times come from Redis's own clock (`TIME`), so the instances'
+//! clocks need not agree.
+
+use bytes::Bytes;
+use oab_wire::{PeerId, SessionId};
+use redis::{Script, Value};
+
+use super::StoreError;
+use super::fleet::{FleetStore, Presence, wake_channel};
+use super::redis::RedisStore;
+
+/// Node liveness zset.
+const NODES_KEY: &str = "oab:nodes";
+
+/// `claim`: KEYS presence; ARGV node, session. Returns the new generation.
+const CLAIM_LUA: &str = r"
+local gen = redis.call('HINCRBY', KEYS[1], 'gen', 1)
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'session', ARGV[2])
+return gen
+";
+
+/// `release`: KEYS presence; ARGV session. Clears node and session if the
+/// record still names this session.
+const RELEASE_LUA: &str = r"
+if redis.call('HGET', KEYS[1], 'session') == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'node', 'session')
+  return 1
+end
+return 0
+";
+
+/// `renew`: KEYS nodes; ARGV node, lease ms. Scores by Redis time, drops
+/// nodes whose lease ended, returns the live ones.
+const RENEW_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+";
+
+/// `lease`: KEYS lease; ARGV node, lease ms. Takes a free lease or renews
+/// our own; 1 if held by `node` now.
+const LEASE_LUA: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur == false or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+";
+
+/// `unlease`: KEYS lease; ARGV node. Deletes the lease if `node` holds it.
+const UNLEASE_LUA: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+";
+
+fn presence_key(peer: &PeerId) -> String {
+    format!("oab:presence:{{{peer}}}")
+}
+
+fn evalsha(script: &Script, key: &str) -> redis::Cmd {
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(script.get_hash()).arg(1).arg(key);
+    c
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(i) => u64::try_from(*i).ok(),
+        other => text(other)?.parse().ok(),
+    }
+}
+
+/// The fleet scripts, hashed once.
+#[derive(Debug)]
+pub(super) struct FleetScripts {
+    claim: Script,
+    release: Script,
+    renew: Script,
+    lease: Script,
+    unlease: Script,
+}
+
+impl FleetScripts {
+    pub(super) fn new() -> Self {
+        FleetScripts {
+            claim: Script::new(CLAIM_LUA),
+            release: Script::new(RELEASE_LUA),
+            renew: Script::new(RENEW_LUA),
+            lease: Script::new(LEASE_LUA),
+            unlease: Script::new(UNLEASE_LUA),
+        }
+    }
+}
+
+fn scripts() -> &'static FleetScripts {
+    static SCRIPTS: std::sync::OnceLock<FleetScripts> = std::sync::OnceLock::new();
+    SCRIPTS.get_or_init(FleetScripts::new)
+}
+
+impl FleetStore for RedisStore {
+    fn wake_urls(&self) -> Vec<String> {
+        self.pubsub_urls()
+    }
+
+    async fn claim_presence(
+        &self,
+        peer: &PeerId,
+        node: &str,
+        session: SessionId,
+    ) -> Result<u64, StoreError> {
+        let s = &scripts().claim;
+        let mut cmd = evalsha(s, &presence_key(peer));
+        cmd.arg(node).arg(session.to_string());
+        let v = self.eval(s, cmd, false, "claim presence").await?;
+        int(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
+    }
+
+    async fn release_presence(&self, peer: &PeerId, session: SessionId) -> Result<(), StoreError> {
+        let s = &scripts().release;
+        let mut cmd = evalsha(s, &presence_key(peer));
+        cmd.arg(session.to_string());
+        self.eval(s, cmd, true, "release presence").await?;
+        Ok(())
+    }
+
+    async fn presence(&self, peers: &[PeerId]) -> Result<Vec<Option<Presence>>, StoreError> {
+        if peers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for p in peers {
+            pipe.cmd("HMGET")
+                .arg(presence_key(p))
+                .arg("node")
+                .arg("session")
+                .arg("gen");
+        }
+        let values = self.query_pipeline(&pipe, true, "presence").await?;
+        Ok(values
+            .iter()
+            .map(|v| match v {
+                Value::Array(items) => match (
+                    items.first().and_then(text),
+                    items.get(1).and_then(text),
+                    items.get(2).and_then(int),
+                ) {
+                    (Some(node), Some(session), Some(generation)) => Some(Presence {
+                        node,
+                        session,
+                        generation,
+                    }),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect())
+    }
+
+    async fn renew_node(&self, node: &str, lease_ms: u64) -> Result<Vec<String>, StoreError> {
+        let s = &scripts().renew;
+        let mut cmd = evalsha(s, NODES_KEY);
+        cmd.arg(node).arg(lease_ms);
+        match self.eval(s, cmd, true, "renew node").await? {
+            Value::Array(items) => Ok(items.iter().filter_map(text).collect()),
+            other => Err(StoreError::Corrupt(format!(
+                "renew node: expected an array, got {other:?}"
+            ))),
+        }
+    }
+
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        node: &str,
+        lease_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let s = &scripts().lease;
+        let mut cmd = evalsha(s, &format!("oab:lease:{name}"));
+        cmd.arg(node).arg(lease_ms);
+        let v = self.eval(s, cmd, false, "lease").await?;
+        Ok(int(&v) == Some(1))
+    }
+
+    async fn release_lease(&self, name: &str, node: &str) -> Result<(), StoreError> {
+        let s = &scripts().unlease;
+        let mut cmd = evalsha(s, &format!("oab:lease:{name}"));
+        cmd.arg(node);
+        self.eval(s, cmd, true, "release lease").await?;
+        Ok(())
+    }
+
+    async fn retire_node(&self, node: &str) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("ZREM");
+        cmd.arg(NODES_KEY).arg(node);
+        self.query(&cmd, true, "retire node").await?;
+        Ok(())
+    }
+
+    async fn publish(&self, messages: Vec<(PeerId, Bytes)>) -> Result<(), StoreError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for (peer, payload) in &messages {
+            pipe.cmd("PUBLISH")
+                .arg(wake_channel(peer))
+                .arg(payload.as_ref());
+        }
+        self.query_pipeline(&pipe, false, "publish").await?;
+        Ok(())
+    }
+}

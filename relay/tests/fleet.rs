@@ -1,0 +1,276 @@
+//! Several `oab-relay` processes over one store: a real `redis-server`, and
+//! a real three-master Redis Cluster. Peers on different instances,
+//! instances killed with SIGKILL mid-delegation, the sweeper's instance
+//! killed before a deadline, and a peer's session moving between instances.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use oab_relay::raw_client::ClientError;
+use oab_relay::store::{EventStore, RedisStore, Retention};
+use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
+use oab_wire::frame::FLAG_RELAY_ORIGIN;
+use oab_wire::{CloseCode, Digest, Direction, Frame, InstanceId, Open, Outcome};
+
+/// Short leases so a dead instance is noticed within about a second.
+const FAST_LEASES: [&str; 2] = ["fleet.node_lease_ms=1500", "fleet.sweeper_lease_ms=1000"];
+
+async fn start_fleet(env: &TestEnv, url: &str, n: usize) -> Vec<RelayProcess> {
+    let mut fleet = Vec::new();
+    for i in 1..=n {
+        let node = format!("fleet.node=relay-{i}");
+        let sets = [node.as_str(), FAST_LEASES[0], FAST_LEASES[1]];
+        fleet.push(RelayProcess::start_with(env, url, &sets).await);
+    }
+    fleet
+}
+
+/// The one instance that reports holding the sweeper lease.
+async fn find_leader(fleet: &[RelayProcess]) -> usize {
+    for _ in 0..400 {
+        let mut found = Vec::new();
+        for (i, r) in fleet.iter().enumerate() {
+            if r.is_running() && r.metric("oab_sweeper_leader").await == 1.0 {
+                found.push(i);
+            }
+        }
+        if let [one] = found[..] {
+            return one;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no single sweeper leader within 20 s");
+}
+
+/// Caller on instance 1, callee on instance 2: several delegations complete
+/// with every event, both ways, in order and exactly once.
+async fn delegations_across_instances(url: &str) {
+    let env = TestEnv::new("");
+    let fleet = start_fleet(&env, url, 3).await;
+    let mut b = fleet[1].client_as(&env.callee, InstanceId::random()).await;
+    let mut a = fleet[0].client_as(&env.caller, InstanceId::random()).await;
+    let requests: Vec<String> = (0..5).map(|i| format!("x{i}")).collect();
+    for r in &requests {
+        a.send(&open_frame(r, b"{}")).await.unwrap();
+        await_ack(&mut a, r, Direction::Down, 1).await;
+    }
+    // Each open reaches the callee on the other instance exactly once.
+    let mut opened = HashMap::new();
+    while opened.len() < requests.len() {
+        if let Frame::Open(o) = recv(&mut b).await {
+            *opened.entry(o.key.request_id.to_string()).or_insert(0) += 1;
+        }
+    }
+    assert!(opened.values().all(|&n| n == 1), "{opened:?}");
+    // A follow-up message down each delegation.
+    for r in &requests {
+        a.send(&data(r, Direction::Down, 2, None, payload(2)))
+            .await
+            .unwrap();
+    }
+    let mut down: HashMap<String, Vec<u64>> = HashMap::new();
+    while down.values().map(Vec::len).sum::<usize>() < requests.len() {
+        if let Frame::Data(d) = recv(&mut b).await {
+            down.entry(d.key.request_id.to_string())
+                .or_default()
+                .push(d.seq);
+        }
+    }
+    assert!(down.values().all(|s| s == &[2]), "{down:?}");
+    // 100 events up each, the last one the terminal.
+    for r in &requests {
+        send_until_acked(&mut b, r, 0, 100, true).await;
+    }
+    let mut last: HashMap<String, u64> = requests.iter().map(|r| (r.clone(), 0)).collect();
+    while last.values().any(|&s| s < 100) {
+        if let Frame::Data(d) = recv(&mut a).await {
+            let r = d.key.request_id.to_string();
+            let prev = last.get_mut(&r).unwrap();
+            assert_eq!(d.seq, *prev + 1, "{r}: in order, exactly once");
+            assert_eq!(d.payload, payload(d.seq));
+            assert_eq!(
+                d.terminal.is_some(),
+                d.seq == 100,
+                "{r}: one terminal, last"
+            );
+            *prev = d.seq;
+        }
+    }
+    // The events crossed instances through the wake channels.
+    let woken = metric_value(
+        &fleet[0].metrics().await,
+        "oab_wake_messages_total{kind=\"entry\"}",
+    );
+    assert!(woken >= 500.0, "instance 1 took {woken} wake-ups");
+}
+
+/// The instance holding the callee is killed mid-delegation; the callee
+/// reconnects to another instance and resumes; the caller, on a third,
+/// sees nothing lost, duplicated or reordered, and one terminal.
+async fn callee_instance_killed(url: &str) {
+    let env = TestEnv::new("");
+    let mut fleet = start_fleet(&env, url, 3).await;
+    let ib = InstanceId::random();
+    let mut b = fleet[1].client_as(&env.callee, ib).await;
+    let mut a = fleet[0].client_as(&env.caller, InstanceId::random()).await;
+    a.send(&open_frame("k1", b"{}")).await.unwrap();
+    await_ack(&mut a, "k1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    for seq in 1..=300 {
+        b.feed(&data("k1", Direction::Up, seq, None, payload(seq)))
+            .await
+            .unwrap();
+    }
+    b.flush().await.unwrap();
+    await_ack(&mut b, "k1", Direction::Up, 150).await;
+    fleet[1].kill();
+    let (_, acked) = drain_until_broken(&mut b, "k1", 0, 150).await;
+    // Same connector process, another instance: it resumes its work.
+    let mut b = fleet[2].client_as(&env.callee, ib).await;
+    send_until_acked(&mut b, "k1", acked, 500, true).await;
+    read_to_terminal(&mut a, "k1", 0, 500).await;
+    // The durable log holds each event once: a new caller session on the
+    // third instance replays it whole.
+    let mut a2 = fleet[2].client_as(&env.caller, InstanceId::random()).await;
+    a2.send(&Frame::Resume(oab_wire::Resume {
+        key: key("k1"),
+        direction: Direction::Up,
+        after: 0,
+    }))
+    .await
+    .unwrap();
+    read_to_terminal(&mut a2, "k1", 0, 500).await;
+    let store = RedisStore::connect(url, Retention::default())
+        .await
+        .unwrap();
+    let meta = store.meta(&key("k1")).await.unwrap().unwrap();
+    assert_eq!(
+        (meta.up_tail, meta.terminal),
+        (500, Some(Outcome::Completed))
+    );
+}
+
+/// The instance running the sweeper dies before a deadline: another takes
+/// the lease and the delegation ends `expired`, once.
+async fn sweeper_instance_killed(url: &str) {
+    let env = TestEnv::new("");
+    let mut fleet = start_fleet(&env, url, 3).await;
+    let leader = find_leader(&fleet).await;
+    let others: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    let mut a = fleet[others[0]]
+        .client_as(&env.caller, InstanceId::random())
+        .await;
+    let mut b = fleet[others[1]]
+        .client_as(&env.callee, InstanceId::random())
+        .await;
+    let payload = Bytes::from_static(b"{}");
+    a.send(&Frame::Open(Open {
+        key: key("e1"),
+        target: peer(CALLEE),
+        deadline_ms: oab_wire::identity::now_ms() + 3_000,
+        depth: 1,
+        digest: Digest::of(&payload),
+        ceiling: String::new(),
+        payload,
+    }))
+    .await
+    .unwrap();
+    await_ack(&mut a, "e1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    fleet[leader].kill();
+    let expired = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.terminal.is_some() => Some(d.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(expired.terminal, Some(Outcome::Expired));
+    assert_eq!(expired.seq, 1);
+    assert_ne!(expired.flags & FLAG_RELAY_ORIGIN, 0);
+    let cancel = recv_until(&mut b, |f| match f {
+        Frame::Cancel(c) => Some(c.clone()),
+        _ => None,
+    })
+    .await;
+    assert_ne!(cancel.flags & FLAG_RELAY_ORIGIN, 0);
+    // Exactly once: one up entry (the terminal), one cancel down.
+    let store = RedisStore::connect(url, Retention::default())
+        .await
+        .unwrap();
+    let meta = store.meta(&key("e1")).await.unwrap().unwrap();
+    assert_eq!(
+        (meta.up_tail, meta.down_tail, meta.terminal),
+        (1, 2, Some(Outcome::Expired))
+    );
+    let mut survivors = 0.0;
+    for &i in &others {
+        survivors += fleet[i].metric("oab_sweeper_leader").await;
+    }
+    assert_eq!(survivors, 1.0, "one survivor holds the sweeper lease");
+}
+
+/// A peer's newer session on another instance wins; the older one is closed
+/// with `replaced`, and new work reaches the newer one.
+async fn session_moves_between_instances(url: &str) {
+    let env = TestEnv::new("");
+    let fleet = start_fleet(&env, url, 3).await;
+    let mut old = fleet[0].client_as(&env.callee, InstanceId::random()).await;
+    let mut new = fleet[1].client_as(&env.callee, InstanceId::random()).await;
+    let code = loop {
+        match tokio::time::timeout(Duration::from_secs(20), old.recv())
+            .await
+            .expect("the old session stays open")
+        {
+            Ok(_) => continue,
+            Err(ClientError::Closed { code, .. }) => break code,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(code, CloseCode::Replaced.as_u16());
+    let mut a = fleet[2].client_as(&env.caller, InstanceId::random()).await;
+    a.send(&open_frame("m1", b"{}")).await.unwrap();
+    await_ack(&mut a, "m1", Direction::Down, 1).await;
+    let open = recv_until(&mut new, |f| match f {
+        Frame::Open(o) => Some(o.key.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(open, key("m1"));
+}
+
+macro_rules! on_both_backends {
+    ($($name:ident => $body:ident;)*) => {
+        mod one_redis {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let redis = RedisServer::start(Persistence::Aof).unwrap();
+                $body(&redis.url()).await;
+            })*
+        }
+        mod redis_cluster {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let cluster = RedisCluster::start().unwrap();
+                $body(&cluster.url()).await;
+            })*
+        }
+    };
+}
+
+on_both_backends! {
+    caller_and_callee_on_different_instances => delegations_across_instances;
+    callee_instance_killed_mid_delegation_loses_nothing => callee_instance_killed;
+    sweeper_instance_killed_deadline_still_expires_once => sweeper_instance_killed;
+    newest_session_wins_across_instances => session_moves_between_instances;
+}
