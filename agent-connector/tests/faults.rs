@@ -9,56 +9,16 @@
 
 mod common;
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt as _;
 use oab_connector::EventKind;
-use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
 use oab_loadtest::proxy::{Fault, Proxy};
 use oab_relay::store::{MemoryStore, Retention};
 use oab_wire::Outcome;
-
-/// Streams `n` events, pacing itself like real work, then completes.
-struct Paced {
-    n: u64,
-    pause: Duration,
-    runs: AtomicUsize,
-}
-
-impl TaskExecutor for Paced {
-    fn execute(
-        &self,
-        run: TaskRun,
-    ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
-        self.runs.fetch_add(1, Ordering::SeqCst);
-        let (n, pause) = (self.n, self.pause);
-        Box::pin(async move {
-            for i in 1..=n {
-                tokio::select! {
-                    () = run.cancel.cancelled() => return Execution::stopped(StopReason::Cancelled),
-                    () = tokio::time::sleep(pause) => {}
-                }
-                if run
-                    .sink
-                    .status(
-                        "TASK_STATE_WORKING",
-                        None,
-                        Some(serde_json::json!({ "i": i })),
-                    )
-                    .await
-                    .is_err()
-                {
-                    return Execution::stopped(StopReason::Error("link stopped".into()));
-                }
-            }
-            Execution::stopped(StopReason::EndTurn)
-        })
-    }
-}
 
 const FAST_HEARTBEAT: &str = "heartbeat_ms = 100\nidle_timeout_ms = 600\n";
 
@@ -74,11 +34,7 @@ async fn cuts_stalls_and_half_open_links_lose_and_repeat_nothing() {
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let pa = Proxy::start(relay.addr).await.unwrap();
     let pb = Proxy::start(relay.addr).await.unwrap();
-    let exec = Arc::new(Paced {
-        n: 400,
-        pause: Duration::from_millis(2),
-        runs: AtomicUsize::new(0),
-    });
+    let exec = Paced::new(400, Duration::from_millis(2));
     let b = connector(&env, &env.callee, pb.addr(), Some(exec.clone()));
     let a = connector(&env, &env.caller, pa.addr(), None);
     a.connected().await.unwrap();
@@ -149,11 +105,7 @@ async fn cuts_stalls_and_half_open_links_lose_and_repeat_nothing() {
 async fn callee_restart_mid_task_ends_unknown_not_retried() {
     let env = env_fast();
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
-    let exec = Arc::new(Paced {
-        n: 1_000_000,
-        pause: Duration::from_millis(5),
-        runs: AtomicUsize::new(0),
-    });
+    let exec = Paced::new(1_000_000, Duration::from_millis(5));
     let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
     let a = connector(&env, &env.caller, relay.addr, None);
     a.connected().await.unwrap();
@@ -173,11 +125,7 @@ async fn callee_restart_mid_task_ends_unknown_not_retried() {
     }
     // The callee process dies; a new process (new instance id) starts.
     b.shutdown().await;
-    let exec2 = Arc::new(Paced {
-        n: 1,
-        pause: Duration::from_millis(1),
-        runs: AtomicUsize::new(0),
-    });
+    let exec2 = Paced::new(1, Duration::from_millis(1));
     let b2 = connector(&env, &env.callee, relay.addr, Some(exec2.clone()));
     b2.connected().await.unwrap();
     let t = loop {
@@ -210,11 +158,7 @@ async fn callee_restart_mid_task_ends_unknown_not_retried() {
 async fn caller_restart_resumes_from_its_committed_cursor() {
     let env = env_fast();
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
-    let exec = Arc::new(Paced {
-        n: 200,
-        pause: Duration::from_millis(1),
-        runs: AtomicUsize::new(0),
-    });
+    let exec = Paced::new(200, Duration::from_millis(1));
     let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
     let dir = tempfile::tempdir().unwrap();
     let state = || Some(oab_connector::state::FileState::open(dir.path()).unwrap());
@@ -348,11 +292,7 @@ async fn relay_drain_and_restart_on_redis_loses_nothing() {
     };
     let relay = Relay::start(&env, store().await).await;
     let addr = relay.addr;
-    let exec = Arc::new(Paced {
-        n: 300,
-        pause: Duration::from_millis(2),
-        runs: AtomicUsize::new(0),
-    });
+    let exec = Paced::new(300, Duration::from_millis(2));
     let b = connector(&env, &env.callee, addr, Some(exec.clone()));
     let a = connector(&env, &env.caller, addr, None);
     a.connected().await.unwrap();

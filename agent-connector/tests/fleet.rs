@@ -11,62 +11,16 @@
 
 mod common;
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt as _;
 use oab_connector::EventKind;
-use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
 use oab_loadtest::proxy::Proxy;
 use oab_relay::store::{RedisStore, Retention};
 use oab_relay::testing::{Persistence, RedisServer};
 use oab_wire::Outcome;
-
-/// Streams `n` status events, then completes; after event `pause_at` it
-/// waits for `go` (so a fault lands mid-stream).
-struct Streamer {
-    n: u64,
-    pause_at: u64,
-    go: Arc<tokio::sync::Notify>,
-    runs: AtomicUsize,
-}
-
-impl TaskExecutor for Streamer {
-    fn execute(
-        &self,
-        run: TaskRun,
-    ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
-        self.runs.fetch_add(1, Ordering::SeqCst);
-        let (n, pause_at) = (self.n, self.pause_at);
-        let go = self.go.clone();
-        Box::pin(async move {
-            for i in 1..=n {
-                if i == pause_at + 1 {
-                    go.notified().await;
-                }
-                if run.cancel.is_cancelled() {
-                    return Execution::stopped(StopReason::Cancelled);
-                }
-                if run
-                    .sink
-                    .status(
-                        "TASK_STATE_WORKING",
-                        None,
-                        Some(serde_json::json!({ "i": i })),
-                    )
-                    .await
-                    .is_err()
-                {
-                    return Execution::stopped(StopReason::Error("link stopped".into()));
-                }
-            }
-            Execution::stopped(StopReason::EndTurn)
-        })
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegation_across_instances_survives_a_load_balancer_failover() {
@@ -82,12 +36,7 @@ async fn delegation_across_instances_survives_a_load_balancer_failover() {
     // The callee reaches the fleet through a TCP proxy standing in for an L4
     // load balancer; the caller connects to instance 1 directly.
     let lb = Proxy::start(relays[1].addr).await.unwrap();
-    let exec = Arc::new(Streamer {
-        n: 600,
-        pause_at: 100,
-        go: Arc::new(tokio::sync::Notify::new()),
-        runs: AtomicUsize::new(0),
-    });
+    let exec = Paced::gated(600, Duration::ZERO, 100);
     let b = connector(&env, &env.callee, lb.addr(), Some(exec.clone()));
     let a = connector(&env, &env.caller, relays[0].addr, None);
     a.connected().await.unwrap();
@@ -118,7 +67,7 @@ async fn delegation_across_instances_survives_a_load_balancer_failover() {
             handle.cut_all();
             handle.wait_until(|s| s.accepted >= 2).await;
             failed_over = true;
-            exec.go.notify_one();
+            exec.open_gate();
         }
         if let EventKind::Terminal(t) = ev.kind {
             break t;
@@ -128,11 +77,7 @@ async fn delegation_across_instances_survives_a_load_balancer_failover() {
     assert_eq!(t.outcome, Outcome::Completed);
     assert_eq!(last, 602, "accepted + 600 events + terminal");
     a.caller().verify(&h, &t).unwrap();
-    assert_eq!(
-        exec.runs.load(Ordering::SeqCst),
-        1,
-        "the executor ran exactly once"
-    );
+    assert_eq!(exec.runs(), 1, "the executor ran exactly once");
     assert!(
         lb.handle().stats().accepted >= 2,
         "the callee reconnected through the balancer"

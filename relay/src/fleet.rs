@@ -59,6 +59,8 @@ pub struct Fleet {
     pub sweeper_lease_ms: u64,
     wake_queue: usize,
     conn: Mutex<Option<MultiplexedConnection>>,
+    /// Whether the wake subscriber is connected (subscribes wait for it).
+    connected: tokio::sync::watch::Sender<bool>,
     /// Wake channels subscribed (peers held now or recently).
     subscribed: tokio::sync::Mutex<HashSet<PeerId>>,
     /// Peers whose session this instance holds: session and claim generation.
@@ -88,6 +90,7 @@ impl Fleet {
             sweeper_lease_ms: config.fleet.sweeper_lease_ms,
             wake_queue: config.fleet.wake_queue,
             conn: Mutex::new(None),
+            connected: tokio::sync::watch::Sender::new(false),
             subscribed: tokio::sync::Mutex::new(HashSet::new()),
             held: Mutex::new(HashMap::new()),
             latest: Mutex::new(HashMap::new()),
@@ -134,7 +137,18 @@ impl Fleet {
     }
 
     /// Subscribes to `peer`'s wake channel; returns once Redis confirmed it.
+    /// While the subscriber is reconnecting (a Redis restart, say) this
+    /// waits for it, up to a bound, instead of failing at once.
     pub async fn subscribe(&self, peer: &PeerId) -> Result<(), StoreError> {
+        let mut up = self.connected.subscribe();
+        if tokio::time::timeout(SUBSCRIBE_TIMEOUT, up.wait_for(|c| *c))
+            .await
+            .is_err()
+        {
+            return Err(StoreError::Unavailable(
+                "wake subscriber not connected".into(),
+            ));
+        }
         let mut subscribed = self.subscribed.lock().await;
         subscribed.insert(peer.clone());
         let conn = lock(&self.conn).clone();
@@ -239,6 +253,7 @@ impl Fleet {
                         );
                     if ok {
                         info!(node = %self.node, channels = subscribed.len(), "wake subscriber connected");
+                        self.connected.send_replace(true);
                         return Some(rx);
                     }
                     *lock(&self.conn) = None;
@@ -271,6 +286,7 @@ impl Fleet {
 
     /// Marks the subscriber disconnected (subscribes fail until it is back).
     pub fn disconnected(&self) {
+        self.connected.send_replace(false);
         *lock(&self.conn) = None;
     }
 

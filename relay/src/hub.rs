@@ -1298,7 +1298,7 @@ impl<S: EventStore> Hub<S> {
 
     /// The log `dir` has entries up to `tail`: a live subscription behind it
     /// catches up from the store.
-    fn nudged(
+    pub(crate) fn nudged(
         self: &Arc<Self>,
         live: &LiveRef,
         key: &DelegationKey,

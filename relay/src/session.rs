@@ -712,7 +712,13 @@ impl<S: EventStore> Session<S> {
                         .observe(received.elapsed().as_secs_f64());
                     self.record_ack(req.key, req.dir, seq);
                 }
-                AppendOutcome::Duplicate { tail } => self.record_ack(req.key, req.dir, tail),
+                AppendOutcome::Duplicate { tail } => {
+                    // Stored before (a resend, or a batch the Redis Cluster
+                    // client re-sent after a lost connection): make sure a
+                    // receiver here did not miss it.
+                    self.hub.nudged(&live, &req.key, req.dir, tail, None);
+                    self.record_ack(req.key, req.dir, tail);
+                }
                 AppendOutcome::Hole { tail } => self.error(
                     ErrorCode::SequenceGap,
                     Some(&req.key),

@@ -217,32 +217,8 @@ impl RedisServer {
             .arg("--unixsocket")
             .arg(&socket)
             .arg("--unixsocketperm")
-            .arg("700")
-            .arg("--dir")
-            .arg(dir)
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .arg("--daemonize")
-            .arg("no")
-            .arg("--save")
-            .arg("")
-            .arg("--appendonly")
-            .arg(appendonly)
-            .arg("--appendfsync")
-            .arg("everysec")
-            .arg("--maxmemory-policy")
-            .arg("noeviction")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(HarnessError::NotInstalled);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        self.child = Some(child);
+            .arg("700");
+        self.child = Some(spawn_server(cmd, dir, appendonly)?);
         match self.wait_ready() {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -334,6 +310,34 @@ fn answers_pong(s: &mut (impl Read + Write)) -> io::Result<bool> {
     Ok(buf.get(..got).is_some_and(|b| b.starts_with(b"+PONG")))
 }
 
+/// Adds the settings every test server shares (its directory and log, no
+/// RDB snapshots, AOF on or off fsynced every second, `noeviction`) and
+/// starts it.
+fn spawn_server(mut cmd: Command, dir: &Path, appendonly: &str) -> Result<Child, HarnessError> {
+    cmd.arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(dir.join("redis.log"))
+        .arg("--daemonize")
+        .arg("no")
+        .arg("--save")
+        .arg("")
+        .arg("--appendonly")
+        .arg(appendonly)
+        .arg("--appendfsync")
+        .arg("everysec")
+        .arg("--maxmemory-policy")
+        .arg("noeviction")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    match cmd.spawn() {
+        Ok(c) => Ok(c),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(HarnessError::NotInstalled),
+        Err(e) => Err(e.into()),
+    }
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         // The TempDir field then removes the directory.
@@ -398,32 +402,8 @@ impl ClusterNode {
             .arg("--cluster-config-file")
             .arg(dir.join(format!("nodes-{}.conf", self.port)))
             .arg("--cluster-announce-ip")
-            .arg("127.0.0.1")
-            .arg("--dir")
-            .arg(dir)
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .arg("--daemonize")
-            .arg("no")
-            .arg("--save")
-            .arg("")
-            .arg("--appendonly")
-            .arg("yes")
-            .arg("--appendfsync")
-            .arg("everysec")
-            .arg("--maxmemory-policy")
-            .arg("noeviction")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(HarnessError::NotInstalled);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        self.child = Some(child);
+            .arg("127.0.0.1");
+        self.child = Some(spawn_server(cmd, dir, "yes")?);
         match self.wait_ready() {
             Ok(()) => Ok(()),
             Err(e) => {

@@ -25,16 +25,7 @@ async fn relay_killed_and_restarted_on_redis_loses_nothing() {
     let (ia, ib) = (InstanceId::random(), InstanceId::random());
     let mut b = relay.client_as(&env.callee, ib).await;
     let mut a = relay.client_as(&env.caller, ia).await;
-    a.send(&open_frame("k1", b"{}")).await.unwrap();
-    await_ack(&mut a, "k1", Direction::Down, 1).await;
-    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
-    for seq in 1..=300 {
-        b.feed(&data("k1", Direction::Up, seq, None, payload(seq)))
-            .await
-            .unwrap();
-    }
-    b.flush().await.unwrap();
-    await_ack(&mut b, "k1", Direction::Up, 150).await;
+    open_and_stream_up(&mut a, &mut b, "k1", 300, 150).await;
     relay.kill();
     let (seen, _) = drain_until_broken(&mut a, "k1", 0, 0).await;
     let (_, acked) = drain_until_broken(&mut b, "k1", 0, 150).await;

@@ -123,16 +123,7 @@ async fn callee_instance_killed(url: &str) {
     let ib = InstanceId::random();
     let mut b = fleet[1].client_as(&env.callee, ib).await;
     let mut a = fleet[0].client_as(&env.caller, InstanceId::random()).await;
-    a.send(&open_frame("k1", b"{}")).await.unwrap();
-    await_ack(&mut a, "k1", Direction::Down, 1).await;
-    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
-    for seq in 1..=300 {
-        b.feed(&data("k1", Direction::Up, seq, None, payload(seq)))
-            .await
-            .unwrap();
-    }
-    b.flush().await.unwrap();
-    await_ack(&mut b, "k1", Direction::Up, 150).await;
+    open_and_stream_up(&mut a, &mut b, "k1", 300, 150).await;
     fleet[1].kill();
     let (_, acked) = drain_until_broken(&mut b, "k1", 0, 150).await;
     // Same connector process, another instance: it resumes its work.

@@ -9,11 +9,13 @@
 )]
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use oab_connector::authority::{CapabilitySet, Grant, Policy};
-use oab_connector::callee::{CalleeOptions, TaskExecutor};
+use oab_connector::callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};
 use oab_connector::link::LinkSettings;
 use oab_connector::profile::{Budgets, ParentContext, RiskLevel, Task};
 use oab_connector::trust::RelayTrust;
@@ -244,4 +246,74 @@ pub fn spec(text: &str) -> NewDelegation {
 
 pub fn instance() -> InstanceId {
     InstanceId::random()
+}
+
+/// An executor that streams `n` status events, pausing `pause` before each
+/// like real work, then completes. With a gate, it waits after event
+/// `gate_after` until the gate is opened (so a fault lands mid-stream).
+pub struct Paced {
+    pub n: u64,
+    pub pause: Duration,
+    pub gate_after: u64,
+    pub gate: Arc<tokio::sync::Notify>,
+    pub runs: AtomicUsize,
+}
+
+impl Paced {
+    pub fn new(n: u64, pause: Duration) -> Arc<Paced> {
+        Self::gated(n, pause, u64::MAX)
+    }
+
+    /// Waits for [`Paced::open_gate`] after event `after`.
+    pub fn gated(n: u64, pause: Duration, after: u64) -> Arc<Paced> {
+        Arc::new(Paced {
+            n,
+            pause,
+            gate_after: after,
+            gate: Arc::new(tokio::sync::Notify::new()),
+            runs: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn open_gate(&self) {
+        self.gate.notify_one();
+    }
+
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+impl TaskExecutor for Paced {
+    fn execute(
+        &self,
+        run: TaskRun,
+    ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let (n, pause, after, gate) = (self.n, self.pause, self.gate_after, self.gate.clone());
+        Box::pin(async move {
+            for i in 1..=n {
+                if i == after.saturating_add(1) {
+                    gate.notified().await;
+                }
+                tokio::select! {
+                    () = run.cancel.cancelled() => return Execution::stopped(StopReason::Cancelled),
+                    () = tokio::time::sleep(pause) => {}
+                }
+                if run
+                    .sink
+                    .status(
+                        "TASK_STATE_WORKING",
+                        None,
+                        Some(serde_json::json!({ "i": i })),
+                    )
+                    .await
+                    .is_err()
+                {
+                    return Execution::stopped(StopReason::Error("link stopped".into()));
+                }
+            }
+            Execution::stopped(StopReason::EndTurn)
+        })
+    }
 }

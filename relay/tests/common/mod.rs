@@ -340,6 +340,28 @@ pub async fn read_to_terminal(a: &mut RawClient, request: &str, mut last: u64, t
     }
 }
 
+/// `a` opens `request` for `b`; once `b` has the open, `b` pipelines up
+/// events `1..=sent` (payload [`payload`]) and waits for an ack of at least
+/// `acked`.
+pub async fn open_and_stream_up(
+    a: &mut RawClient,
+    b: &mut RawClient,
+    request: &str,
+    sent: u64,
+    acked: u64,
+) {
+    a.send(&open_frame(request, b"{}")).await.unwrap();
+    await_ack(a, request, Direction::Down, 1).await;
+    recv_until(b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    for seq in 1..=sent {
+        b.feed(&data(request, Direction::Up, seq, None, payload(seq)))
+            .await
+            .unwrap();
+    }
+    b.flush().await.unwrap();
+    await_ack(b, request, Direction::Up, acked).await;
+}
+
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
