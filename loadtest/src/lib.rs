@@ -8,12 +8,12 @@
 //! |---|---|
 //! | [`proxy`] | a fault-injecting TCP proxy (latency, bandwidth, drop, stall, reset, blackhole), usable from any crate's tests |
 //! | [`setup`] | the generated certificate, identities and relay config of a run |
-//! | [`relay`] | the relay under test: child process or in-process, memory or Redis store |
+//! | [`relay`] | the relay under test: child process or in-process, memory or Redis store; a fleet of instances over one Redis |
 //! | [`direct`] | the physical baseline: a direct WSS connection between the two endpoints |
 //! | [`traffic`] | benchmark frames, their stamps, and the receivers' correctness checks |
 //! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
 //! | [`connectors`] | real connectors against the relay under test: options, requests, a waitable audit sink |
-//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer` |
+//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer`, `cross-instance` |
 //! | [`report`] | tables, JSON documents, violations |
 //! | [`chart`] | an SVG chart of the throughput and latency results |
 //!

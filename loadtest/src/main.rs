@@ -7,9 +7,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind, find_relay_bin};
+use oab_loadtest::relay::{
+    RedisPersistence, RelayMode, SharedStoreKind, StoreKind, find_relay_bin,
+};
 use oab_loadtest::report::Report;
 use oab_loadtest::scenario::cancel_race::CancelRaceOptions;
+use oab_loadtest::scenario::cross_instance::CrossInstanceOptions;
 use oab_loadtest::scenario::delegations::DelegationsOptions;
 use oab_loadtest::scenario::latency::LatencyOptions;
 use oab_loadtest::scenario::reconnect_storm::ReconnectStormOptions;
@@ -61,12 +64,18 @@ Scenarios:
               pairs stream while one receiver stops reading for longer
               than the relay's slow_consumer_ms: its close (4001), the
               relay's RSS, its exact resume, the pairs' p99 during/before
+  cross-instance
+              two relay instances over one Redis (or Redis Cluster):
+              throughput and round-trip latency with caller and callee on
+              one instance against one on each, in the same run, with
+              ratios
   chart       an SVG of throughput.json and latency.json (no scenario)
 
 Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check cancel-race --count 200
   oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20
   oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
+  oab-loadtest --check cross-instance --rounds 1 --seconds 1 --latency-seconds 1 --node-lease-ms 1500
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
@@ -223,6 +232,28 @@ enum Command {
     /// stall against before it (target: at most +10%). --check fails on
     /// lost, duplicated, reordered or corrupt frames only.
     SlowConsumer(SlowConsumerArgs),
+    /// Cross-instance delivery against one instance: two relay instances
+    /// over one store, in the same run.
+    ///
+    /// Starts a redis-server (--store redis-cluster: a three-master Redis
+    /// Cluster) and relay instances on it, each a fleet member (--set
+    /// fleet.node=relay-N), and before measuring with two instances waits
+    /// (bounded) until each instance's oab_fleet_nodes (admin /metrics)
+    /// shows both. Topologies: alone (relay-1 with no other instance
+    /// running: the single-relay baseline; --no-alone skips it),
+    /// same-instance (caller and callee on relay-1 while relay-2 runs: with
+    /// another live instance every append is published, as in any fleet)
+    /// and cross-instance (caller on relay-1, callee on relay-2: each frame
+    /// goes relay-1 -> Redis PUBLISH -> relay-2). Per topology: pipelined
+    /// --size frames/s for --seconds (the throughput scenario's windowed
+    /// method) and round-trip p50/p90/p99 at each of --rates (the latency
+    /// scenario's echo). Same and cross alternate for --rounds rounds, in
+    /// the other order each round; the tables give medians, cross/same
+    /// ratios per round and of the medians, relay CPU per frame (every
+    /// instance together) and redis CPU per frame (INFO cpu). --check
+    /// fails on lost, duplicated, reordered or corrupt frames, never on a
+    /// timing.
+    CrossInstance(CrossInstanceArgs),
     /// Draws an SVG chart of the throughput and latency results.
     ///
     /// Reads throughput.json and latency.json from --in (either may be
@@ -266,6 +297,62 @@ struct SlowConsumerArgs {
     /// The relay's store.
     #[arg(long, value_enum, default_value_t = StoreArg::Memory)]
     store: StoreArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SharedStoreArg {
+    Redis,
+    RedisCluster,
+    Both,
+}
+
+impl SharedStoreArg {
+    fn stores(self) -> Vec<SharedStoreKind> {
+        match self {
+            SharedStoreArg::Redis => vec![SharedStoreKind::Redis],
+            SharedStoreArg::RedisCluster => vec![SharedStoreKind::RedisCluster],
+            SharedStoreArg::Both => vec![SharedStoreKind::Redis, SharedStoreKind::RedisCluster],
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct CrossInstanceArgs {
+    /// The shared store: `redis` (one redis-server, persistence as
+    /// --redis-persistence), `redis-cluster` (three masters, AOF everysec),
+    /// or `both` (one fleet each, in turn).
+    #[arg(long, value_enum, default_value_t = SharedStoreArg::Redis)]
+    store: SharedStoreArg,
+    /// Payload size (a k suffix means KiB).
+    #[arg(long, value_parser = parse_size, default_value = "256")]
+    size: usize,
+    /// Sending time per throughput case, seconds.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Frames per throughput case at most.
+    #[arg(long, default_value_t = 5_000_000)]
+    max_frames: u64,
+    /// Unconfirmed frames in flight at most (the relay announces 1,024);
+    /// also the latency cases' frames sent and not yet echoed at most.
+    #[arg(long, default_value_t = 1024)]
+    window: u64,
+    /// Fixed offered loads of the latency cases, frames per second,
+    /// comma-separated (keep them below the cross-instance throughput).
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    rates: Vec<f64>,
+    /// Sending time per latency level, seconds.
+    #[arg(long, default_value_t = 3.0)]
+    latency_seconds: f64,
+    /// Rounds of same-instance and cross-instance cases (alternating).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Skip the baseline of one instance with no other running.
+    #[arg(long)]
+    no_alone: bool,
+    /// fleet.node_lease_ms of every instance [default: the relay's]; they
+    /// see each other within a third of it.
+    #[arg(long, value_name = "MS")]
+    node_lease_ms: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -605,6 +692,26 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 slow_consumer_ms: a.slow_consumer_ms.max(1),
             };
             scenario::slow_consumer::run(&opts, common).await
+        }
+        Command::CrossInstance(a) => {
+            positive("--seconds", a.seconds).map_err(anyhow::Error::msg)?;
+            positive("--latency-seconds", a.latency_seconds).map_err(anyhow::Error::msg)?;
+            for r in &a.rates {
+                positive("--rates", *r).map_err(anyhow::Error::msg)?;
+            }
+            let opts = CrossInstanceOptions {
+                stores: a.store.stores(),
+                size: a.size,
+                seconds: a.seconds,
+                max_frames: a.max_frames.max(1),
+                window: a.window.max(1),
+                rates: a.rates.clone(),
+                latency_seconds: a.latency_seconds,
+                rounds: a.rounds.max(1),
+                alone: !a.no_alone,
+                node_lease_ms: a.node_lease_ms,
+            };
+            scenario::cross_instance::run(&opts, common).await
         }
         Command::Chart(_) => anyhow::bail!("chart runs no scenario"),
     }

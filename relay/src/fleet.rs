@@ -58,9 +58,12 @@ pub struct Fleet {
     /// Sweeper lease, ms.
     pub sweeper_lease_ms: u64,
     wake_queue: usize,
-    conn: Mutex<Option<MultiplexedConnection>>,
-    /// Whether the wake subscriber is connected (subscribes wait for it).
-    connected: tokio::sync::watch::Sender<bool>,
+    /// One subscriber connection per store URL (every master of a Redis
+    /// Cluster), so a wake-up is taken from the node whose script published
+    /// it, never after a hop over the cluster bus.
+    links: Vec<Mutex<Option<MultiplexedConnection>>>,
+    /// Subscriber connections up now (subscribes wait for one).
+    connected: tokio::sync::watch::Sender<usize>,
     /// Wake channels subscribed (peers held now or recently).
     subscribed: tokio::sync::Mutex<HashSet<PeerId>>,
     /// Peers whose session this instance holds: session and claim generation.
@@ -70,7 +73,8 @@ pub struct Fleet {
     live_nodes: Mutex<HashSet<String>>,
     multi: AtomicBool,
     leader: AtomicBool,
-    overflowed: Arc<AtomicBool>,
+    /// Per link: messages were dropped on a full queue.
+    overflowed: Vec<Arc<AtomicBool>>,
 }
 
 impl Fleet {
@@ -81,6 +85,7 @@ impl Fleet {
             let id = SessionId::random().to_string();
             format!("relay-{}", id.get(..12).unwrap_or(&id))
         });
+        let urls_len = urls.len();
         Fleet {
             enabled: !urls.is_empty(),
             live_nodes: Mutex::new(HashSet::from([node.clone()])),
@@ -89,20 +94,20 @@ impl Fleet {
             node_lease_ms: config.fleet.node_lease_ms,
             sweeper_lease_ms: config.fleet.sweeper_lease_ms,
             wake_queue: config.fleet.wake_queue,
-            conn: Mutex::new(None),
-            connected: tokio::sync::watch::Sender::new(false),
+            links: (0..urls_len).map(|_| Mutex::new(None)).collect(),
+            connected: tokio::sync::watch::Sender::new(0),
             subscribed: tokio::sync::Mutex::new(HashSet::new()),
             held: Mutex::new(HashMap::new()),
             latest: Mutex::new(HashMap::new()),
             multi: AtomicBool::new(false),
             leader: AtomicBool::new(false),
-            overflowed: Arc::new(AtomicBool::new(false)),
+            overflowed: (0..urls_len)
+                .map(|_| Arc::new(AtomicBool::new(false)))
+                .collect(),
         }
     }
 
-    /// Whether other live instances share the store: then every durable
-    /// entry is published to its receiver's channel, whatever this instance
-    /// believes about where the receiver is.
+    /// Whether other live instances share the store.
     pub fn multi(&self) -> bool {
         self.multi.load(Ordering::Relaxed)
     }
@@ -121,14 +126,18 @@ impl Fleet {
     }
 
     /// Records the live nodes from a liveness renewal.
-    pub fn set_live_nodes(&self, nodes: Vec<String>) {
+    /// Returns the instances that were live before and are not any more.
+    pub fn set_live_nodes(&self, nodes: Vec<String>) -> Vec<String> {
         let mut set: HashSet<String> = nodes.into_iter().collect();
         set.insert(self.node.clone());
         let multi = set.len() > 1;
-        if self.multi.swap(multi, Ordering::Relaxed) != multi {
-            info!(nodes = set.len(), "fleet size changed");
+        let mut live = lock(&self.live_nodes);
+        let lost: Vec<String> = live.difference(&set).cloned().collect();
+        if self.multi.swap(multi, Ordering::Relaxed) != multi || !lost.is_empty() {
+            info!(nodes = set.len(), ?lost, "fleet size changed");
         }
-        *lock(&self.live_nodes) = set;
+        *live = set;
+        lost
     }
 
     /// Whether `node` renewed its liveness lately.
@@ -139,9 +148,12 @@ impl Fleet {
     /// Subscribes to `peer`'s wake channel; returns once Redis confirmed it.
     /// While the subscriber is reconnecting (a Redis restart, say) this
     /// waits for it, up to a bound, instead of failing at once.
+    ///
+    /// Subscribed on every connected link; one confirmation is enough (any
+    /// node of a cluster receives every message, the others only sooner).
     pub async fn subscribe(&self, peer: &PeerId) -> Result<(), StoreError> {
         let mut up = self.connected.subscribe();
-        if tokio::time::timeout(SUBSCRIBE_TIMEOUT, up.wait_for(|c| *c))
+        if tokio::time::timeout(SUBSCRIBE_TIMEOUT, up.wait_for(|c| *c > 0))
             .await
             .is_err()
         {
@@ -151,16 +163,27 @@ impl Fleet {
         }
         let mut subscribed = self.subscribed.lock().await;
         subscribed.insert(peer.clone());
-        let conn = lock(&self.conn).clone();
-        let Some(mut conn) = conn else {
-            return Err(StoreError::Unavailable(
-                "wake subscriber not connected".into(),
-            ));
-        };
-        match tokio::time::timeout(SUBSCRIBE_TIMEOUT, conn.subscribe(wake_channel(peer))).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis SUBSCRIBE: {e}"))),
-            Err(_) => Err(StoreError::Unavailable("redis SUBSCRIBE timed out".into())),
+        let conns: Vec<MultiplexedConnection> =
+            self.links.iter().filter_map(|l| lock(l).clone()).collect();
+        let channel = wake_channel(peer);
+        let results = futures_util::future::join_all(conns.into_iter().map(|mut c| {
+            let channel = channel.clone();
+            async move { tokio::time::timeout(SUBSCRIBE_TIMEOUT, c.subscribe(channel)).await }
+        }))
+        .await;
+        let mut error = "wake subscriber not connected".to_owned();
+        let mut confirmed = false;
+        for r in results {
+            match r {
+                Ok(Ok(())) => confirmed = true,
+                Ok(Err(e)) => error = format!("redis SUBSCRIBE: {e}"),
+                Err(_) => error = "redis SUBSCRIBE timed out".into(),
+            }
+        }
+        if confirmed {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable(error))
         }
     }
 
@@ -178,11 +201,13 @@ impl Fleet {
         if stale.is_empty() {
             return;
         }
-        let conn = lock(&self.conn).clone();
-        if let Some(mut conn) = conn {
-            let channels: Vec<String> = stale.iter().map(wake_channel).collect();
-            if conn.unsubscribe(channels).await.is_err() {
-                return;
+        let channels: Vec<String> = stale.iter().map(wake_channel).collect();
+        for link in &self.links {
+            let conn = lock(link).clone();
+            if let Some(mut conn) = conn {
+                // A link that fails here is reconnecting, and subscribes
+                // only what is held when it is back.
+                let _ = conn.unsubscribe(channels.clone()).await;
             }
         }
         for p in stale {
@@ -226,24 +251,29 @@ impl Fleet {
         }
     }
 
-    /// Connects the wake subscriber to the first URL that answers, trying
-    /// each in turn with backoff until `stop`, and subscribes every channel
-    /// again. Returns the connection's message receiver.
+    /// How many subscriber links there are (one per store URL).
+    pub fn links(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Connects subscriber link `i` to its URL, with backoff until `stop`,
+    /// and subscribes every held channel on it. Returns the connection's
+    /// message receiver.
     pub async fn connect(
         &self,
+        i: usize,
         stop: &tokio_util::sync::CancellationToken,
     ) -> Option<mpsc::Receiver<PushInfo>> {
         let mut delay = Duration::from_millis(50);
-        let mut attempt = 0usize;
+        let url = self.urls.get(i)?.clone();
+        let link = self.links.get(i)?;
         loop {
-            let url = self.urls.get(attempt % self.urls.len().max(1))?.clone();
-            attempt += 1;
-            match self.open(&url).await {
+            match self.open(i, &url).await {
                 Ok((conn, rx)) => {
                     // Every channel again, on the new connection; a subscribe
                     // racing with this waits for the lock and then uses it.
                     let subscribed = self.subscribed.lock().await;
-                    *lock(&self.conn) = Some(conn.clone());
+                    *lock(link) = Some(conn.clone());
                     let channels: Vec<String> = subscribed.iter().map(wake_channel).collect();
                     let mut conn = conn;
                     let ok = channels.is_empty()
@@ -252,11 +282,11 @@ impl Fleet {
                             Ok(Ok(()))
                         );
                     if ok {
-                        info!(node = %self.node, channels = subscribed.len(), "wake subscriber connected");
-                        self.connected.send_replace(true);
+                        info!(node = %self.node, link = i, channels = subscribed.len(), "wake subscriber connected");
+                        self.connected.send_modify(|n| *n += 1);
                         return Some(rx);
                     }
-                    *lock(&self.conn) = None;
+                    *lock(link) = None;
                 }
                 Err(e) => {
                     warn!(error = %e, "wake subscriber cannot reach Redis; retrying");
@@ -270,9 +300,12 @@ impl Fleet {
         }
     }
 
-    /// Whether the subscriber's connection answers.
-    pub async fn ping(&self) -> bool {
-        let conn = lock(&self.conn).clone();
+    /// Whether subscriber link `i` answers.
+    pub async fn ping(&self, i: usize) -> bool {
+        let Some(link) = self.links.get(i) else {
+            return false;
+        };
+        let conn = lock(link).clone();
         let Some(mut conn) = conn else {
             return false;
         };
@@ -284,19 +317,26 @@ impl Fleet {
         )
     }
 
-    /// Marks the subscriber disconnected (subscribes fail until it is back).
-    pub fn disconnected(&self) {
-        self.connected.send_replace(false);
-        *lock(&self.conn) = None;
+    /// Marks subscriber link `i` disconnected.
+    pub fn disconnected(&self, i: usize) {
+        if let Some(link) = self.links.get(i)
+            && lock(link).take().is_some()
+        {
+            self.connected.send_modify(|n| *n = n.saturating_sub(1));
+        }
     }
 
-    /// Whether messages were dropped since the last call (queue overflow).
-    pub fn take_overflow(&self) -> bool {
-        self.overflowed.swap(false, Ordering::Relaxed)
+    /// Whether link `i` dropped messages since the last call (its queue
+    /// overflowed).
+    pub fn take_overflow(&self, i: usize) -> bool {
+        self.overflowed
+            .get(i)
+            .is_some_and(|o| o.swap(false, Ordering::Relaxed))
     }
 
     async fn open(
         &self,
+        i: usize,
         url: &str,
     ) -> Result<(MultiplexedConnection, mpsc::Receiver<PushInfo>), String> {
         let info = url
@@ -309,7 +349,11 @@ impl Fleet {
         let client = redis::Client::open(info.set_redis_settings(settings))
             .map_err(|e| format!("wake subscriber: {e}"))?;
         let (tx, rx) = mpsc::channel(self.wake_queue);
-        let overflowed = self.overflowed.clone();
+        let overflowed = self
+            .overflowed
+            .get(i)
+            .cloned()
+            .ok_or_else(|| format!("no subscriber link {i}"))?;
         let sender = move |msg: PushInfo| -> Result<(), ()> {
             if let Err(e) = tx.try_send(msg) {
                 match e {
@@ -373,10 +417,10 @@ mod tests {
         assert!(f.enabled);
         assert!(!f.multi());
         assert!(f.node_alive("n1"));
-        f.set_live_nodes(vec!["n1".into(), "n2".into()]);
+        assert!(f.set_live_nodes(vec!["n1".into(), "n2".into()]).is_empty());
         assert!(f.multi());
         assert!(f.node_alive("n2"));
-        f.set_live_nodes(vec![]);
+        assert_eq!(f.set_live_nodes(vec![]), vec!["n2".to_owned()]);
         assert!(!f.multi(), "this node counts itself");
         assert!(!f.node_alive("n2"));
         assert!(

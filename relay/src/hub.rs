@@ -339,6 +339,9 @@ impl<S: EventStore> Hub<S> {
                         warn!(error = %e, %peer, "could not release the presence record");
                     }
                     hub.announce_presence(&peer);
+                    // Stop taking the peer's wake-ups at once (they would be
+                    // dropped here anyway), unless it came back meanwhile.
+                    hub.fleet.prune_subscriptions().await;
                 }
             });
         } else if went_offline {
@@ -502,8 +505,10 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// The peer to wake for an entry about to be appended on `dir`: with a
-    /// shared store, the receiver, unless it is subscribed here and no other
-    /// instance is alive (then local delivery is enough).
+    /// shared store, the receiver, unless it is subscribed here (then local
+    /// delivery is enough; if its session has in fact moved, the unsubscribe
+    /// here nudges it, and if this instance dies first, the new one
+    /// resynchronises when it sees this one's liveness lapse).
     pub fn wake_for(&self, l: &Live, dir: Direction) -> Option<PeerId> {
         if !self.fleet.enabled {
             return None;
@@ -512,14 +517,13 @@ impl<S: EventStore> Hub<S> {
             Direction::Down => l.subs[0].is_some(),
             Direction::Up => l.subs[1].is_some(),
         };
-        (self.fleet.multi() || !subscribed).then(|| l.receiver(dir).clone())
+        (!subscribed).then(|| l.receiver(dir).clone())
     }
 
     /// The peer to wake for a new delegation's `Open`: the callee, unless it
-    /// is held here and no other instance is alive.
+    /// is held here.
     pub fn open_wake(&self, callee: &PeerId) -> Option<PeerId> {
-        (self.fleet.enabled && (self.fleet.multi() || !self.is_online(callee)))
-            .then(|| callee.clone())
+        (self.fleet.enabled && !self.is_online(callee)).then(|| callee.clone())
     }
 
     fn note_terminal(&self, l: &mut Live, outcome: Option<Outcome>) {
@@ -1007,7 +1011,7 @@ impl<S: EventStore> Hub<S> {
                 .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
                 .await
             {
-                self.fleet.set_live_nodes(nodes);
+                self.live_nodes(nodes).await;
             }
         }
         for (peer, since) in gone {
@@ -1033,6 +1037,18 @@ impl<S: EventStore> Hub<S> {
         self.observe_store("expire", started, expired.is_ok());
     }
 
+    /// Records the live instances from a liveness renewal.
+    async fn live_nodes(self: &Arc<Self>, nodes: Vec<String>) {
+        self.metrics.fleet_nodes.set(nodes.len() as i64);
+        let lost = self.fleet.set_live_nodes(nodes);
+        if !lost.is_empty() {
+            // A lost instance may have delivered entries only to sessions
+            // that had already moved here: re-read every log served here.
+            warn!(?lost, "relay instances stopped renewing; resynchronising");
+            self.resync().await;
+        }
+    }
+
     /// Whether `peer`'s session is held by another live instance (`None`
     /// when the store could not say).
     async fn online_elsewhere(&self, peer: &PeerId) -> Option<bool> {
@@ -1056,10 +1072,7 @@ impl<S: EventStore> Hub<S> {
             .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
             .await
         {
-            Ok(nodes) => {
-                self.metrics.fleet_nodes.set(nodes.len() as i64);
-                self.fleet.set_live_nodes(nodes);
-            }
+            Ok(nodes) => self.live_nodes(nodes).await,
             Err(e) => warn!(error = %e, "could not renew this instance's liveness"),
         }
         self.fleet.prune_subscriptions().await;

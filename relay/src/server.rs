@@ -88,13 +88,18 @@ pub async fn run<S: EventStore>(
         // Liveness first, and the wake subscriber connected, before any
         // session can be accepted.
         hub.fleet_tick().await;
-        let Some(rx) = hub.fleet.connect(&shutdown).await else {
+        let Some(rx) = hub.fleet.connect(0, &shutdown).await else {
             return Ok(());
         };
         info!(node = %hub.fleet.node, "fleet member (shared store)");
-        {
+        let mut first = Some(rx);
+        for i in 0..hub.fleet.links() {
             let (hub, stop) = (hub.clone(), shutdown.clone());
-            tracker.spawn(wake_loop(hub, rx, stop).instrument(tracing::info_span!("wake")));
+            // Link 0 is up already; the others connect in their loop.
+            let rx = first.take();
+            tracker.spawn(
+                wake_loop(hub, i, rx, stop).instrument(tracing::info_span!("wake", link = i)),
+            );
         }
         {
             let (hub, stop) = (hub.clone(), shutdown.clone());
@@ -263,13 +268,22 @@ pub async fn run<S: EventStore>(
     Ok(())
 }
 
-/// Takes wake-channel messages until shutdown; reconnects the subscriber
-/// when its connection is lost and resynchronises after anything was missed.
+/// Takes wake-channel messages from subscriber link `i` until shutdown;
+/// connects it first if `rx` is `None`, reconnects it when its connection is
+/// lost, and resynchronises after anything may have been missed.
 async fn wake_loop<S: EventStore>(
     hub: Arc<Hub<S>>,
-    mut rx: tokio::sync::mpsc::Receiver<redis::PushInfo>,
+    i: usize,
+    rx: Option<tokio::sync::mpsc::Receiver<redis::PushInfo>>,
     stop: CancellationToken,
 ) {
+    let mut rx = match rx {
+        Some(rx) => rx,
+        None => match hub.fleet.connect(i, &stop).await {
+            Some(rx) => rx,
+            None => return,
+        },
+    };
     loop {
         loop {
             let msg = tokio::select! {
@@ -298,17 +312,20 @@ async fn wake_loop<S: EventStore>(
                 redis::PushKind::Disconnection => break,
                 _ => {}
             }
-            if hub.fleet.take_overflow() {
+            if hub.fleet.take_overflow(i) {
                 warn!("wake queue overflowed; resynchronising from the store");
                 hub.resync().await;
-                if !hub.fleet.ping().await {
+                if !hub.fleet.ping(i).await {
                     break;
                 }
             }
         }
-        warn!("wake subscriber lost its connection; reconnecting");
-        hub.fleet.disconnected();
-        rx = match hub.fleet.connect(&stop).await {
+        warn!(
+            link = i,
+            "wake subscriber lost its connection; reconnecting"
+        );
+        hub.fleet.disconnected(i);
+        rx = match hub.fleet.connect(i, &stop).await {
             Some(rx) => rx,
             None => return,
         };

@@ -294,21 +294,35 @@ async fn relay_level(
     common: &Common,
     limits: &Limits,
 ) -> anyhow::Result<LevelResult> {
-    let store = relay.store();
+    let label = relay.store().name();
+    relay_level_between(relay, relay, label, setup, rate, i, opts, common, limits).await
+}
+
+/// One load level with the caller on `caller_relay` and the callee on
+/// `callee_relay` (the same instance, or two instances of one fleet);
+/// `label` is part of the delegation's request id.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn relay_level_between(
+    caller_relay: &RelayUnderTest,
+    callee_relay: &RelayUnderTest,
+    label: &str,
+    setup: &Setup,
+    rate: f64,
+    i: usize,
+    opts: &LatencyOptions,
+    common: &Common,
+    limits: &Limits,
+) -> anyhow::Result<LevelResult> {
+    let store = caller_relay.store();
     let key = DelegationKey::new(
         setup.caller.peer.clone(),
-        RequestId::new(&format!(
-            "lat-{}-{i}-{}",
-            store.name(),
-            oab_wire::identity::now_ms()
-        ))
-        .context("request id")?,
+        RequestId::new(&format!("lat-{label}-{i}-{}", oab_wire::identity::now_ms()))
+            .context("request id")?,
     );
-    let target = relay.target();
-    let callee = RawClient::connect(&target, &setup.callee, InstanceId::random())
+    let callee = RawClient::connect(&callee_relay.target(), &setup.callee, InstanceId::random())
         .await
         .context("callee connect")?;
-    let caller = RawClient::connect(&target, &setup.caller, InstanceId::random())
+    let caller = RawClient::connect(&caller_relay.target(), &setup.caller, InstanceId::random())
         .await
         .context("caller connect")?;
     let (mut a, mut b) = (caller.ws, callee.ws);

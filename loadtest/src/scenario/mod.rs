@@ -11,8 +11,10 @@
 //! | [`cancel_race`] | cancels racing completion: both sides agree on one terminal |
 //! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
 //! | [`reconnect_storm`] | link cuts and relay kills while delegations stream: nothing lost, repeated or rerun |
+//! | [`cross_instance`] | two relay instances over one Redis: cross-instance throughput and latency against one instance, ratios |
 
 pub mod cancel_race;
+pub mod cross_instance;
 pub mod delegations;
 pub mod latency;
 pub mod reconnect_storm;

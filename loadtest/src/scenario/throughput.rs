@@ -87,7 +87,8 @@ pub struct CaseResult {
     pub check: CheckReport,
     /// Protocol errors, gaps and closes seen.
     pub errors: Vec<String>,
-    /// CPU seconds the relay process used during the case (process mode).
+    /// CPU seconds the relay process used during the case (process mode;
+    /// every relay instance together in the cross-instance scenario).
     pub relay_cpu_s: Option<f64>,
     /// CPU seconds this tool used during the case.
     pub tool_cpu_s: Option<f64>,
@@ -272,7 +273,7 @@ async fn direct_case(
         opts,
         common,
         limits,
-        None,
+        &[],
     )
     .await?;
     Ok(result)
@@ -288,20 +289,56 @@ pub(crate) async fn relay_case(
     common: &Common,
     limits: &Limits,
 ) -> anyhow::Result<CaseResult> {
-    let store = relay.store();
+    let pids: Vec<u32> = relay.pid().into_iter().collect();
+    let ends = RelayEnds {
+        caller: relay,
+        callee: relay,
+        cpu_pids: &pids,
+        label: relay.store().name(),
+    };
+    Box::pin(relay_case_between(
+        &ends, setup, size, n, opts, common, limits,
+    ))
+    .await
+}
+
+/// Where a relay case's two endpoints connect, and which relay processes
+/// its CPU figure covers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RelayEnds<'a> {
+    /// The instance the caller connects to.
+    pub caller: &'a RelayUnderTest,
+    /// The instance the callee connects to (the caller's for one relay).
+    pub callee: &'a RelayUnderTest,
+    /// Relay processes whose CPU time is summed (empty: none measured).
+    pub cpu_pids: &'a [u32],
+    /// Part of the delegation's request id.
+    pub label: &'a str,
+}
+
+/// One relay case with caller and callee on the instances `ends` names.
+pub(crate) async fn relay_case_between(
+    ends: &RelayEnds<'_>,
+    setup: &Setup,
+    size: usize,
+    n: usize,
+    opts: &ThroughputOptions,
+    common: &Common,
+    limits: &Limits,
+) -> anyhow::Result<CaseResult> {
+    let store = ends.caller.store();
     let key = DelegationKey::new(
         setup.caller.peer.clone(),
         request_id(format!(
             "tp-{}-{size}-{n}-{}",
-            store.name(),
+            ends.label,
             oab_wire::identity::now_ms()
         ))?,
     );
-    let target = relay.target();
-    let callee = RawClient::connect(&target, &setup.callee, InstanceId::random())
+    let callee = RawClient::connect(&ends.callee.target(), &setup.callee, InstanceId::random())
         .await
         .context("callee connect")?;
-    let caller = RawClient::connect(&target, &setup.caller, InstanceId::random())
+    let caller = RawClient::connect(&ends.caller.target(), &setup.caller, InstanceId::random())
         .await
         .context("caller connect")?;
     let window = opts
@@ -329,7 +366,7 @@ pub(crate) async fn relay_case(
         opts,
         common,
         limits,
-        relay.pid(),
+        ends.cpu_pids,
     )
     .await?;
     if let Err(e) = finish_delegation(&mut b, &key, 1, limits).await {
@@ -347,6 +384,15 @@ async fn close<W: Ws>(ws: Option<W>) {
     }
 }
 
+/// CPU seconds of the relay processes `pids` together (`None`: none given,
+/// or one not readable).
+fn relays_cpu_seconds(pids: &[u32]) -> Option<f64> {
+    if pids.is_empty() {
+        return None;
+    }
+    pids.iter().map(|p| cpu_seconds(&p.to_string())).sum()
+}
+
 /// Runs the sender on `a` and the counting receiver on `b`.
 #[allow(clippy::too_many_arguments)]
 async fn pair<A: Ws, B: Ws>(
@@ -360,7 +406,7 @@ async fn pair<A: Ws, B: Ws>(
     opts: &ThroughputOptions,
     common: &Common,
     limits: &Limits,
-    relay_pid: Option<u32>,
+    relay_pids: &[u32],
 ) -> anyhow::Result<(Option<A>, B, CaseResult)> {
     let template = DataTemplate::new(&key, Direction::Down, size)?;
     let received = Arc::new(Progress::new(1));
@@ -376,7 +422,7 @@ async fn pair<A: Ws, B: Ws>(
         stop.clone(),
         *limits,
     ));
-    let relay_cpu0 = relay_pid.and_then(|p| cpu_seconds(&p.to_string()));
+    let relay_cpu0 = relays_cpu_seconds(relay_pids);
     let tool_cpu0 = cpu_seconds("self");
     let frame_bytes = template.frame_len();
     let spec = PipelineSpec {
@@ -398,8 +444,7 @@ async fn pair<A: Ws, B: Ws>(
         }
     };
     let (b, recv) = joined.context("the receiver task failed")?;
-    let relay_cpu = relay_pid
-        .and_then(|p| cpu_seconds(&p.to_string()))
+    let relay_cpu = relays_cpu_seconds(relay_pids)
         .zip(relay_cpu0)
         .map(|(b, a)| b - a);
     let tool_cpu = cpu_seconds("self").zip(tool_cpu0).map(|(b, a)| b - a);
