@@ -241,8 +241,8 @@ enum Command {
     /// (bounded) until each instance's oab_fleet_nodes (admin /metrics)
     /// shows both. Topologies: alone (relay-1 with no other instance
     /// running: the single-relay baseline; --no-alone skips it),
-    /// same-instance (caller and callee on relay-1 while relay-2 runs: with
-    /// another live instance every append is published, as in any fleet)
+    /// same-instance (caller and callee on relay-1 while relay-2 runs:
+    /// nothing is published, the receiver is subscribed where it is appended)
     /// and cross-instance (caller on relay-1, callee on relay-2: each frame
     /// goes relay-1 -> Redis PUBLISH -> relay-2). Per topology: pipelined
     /// --size frames/s for --seconds (the throughput scenario's windowed

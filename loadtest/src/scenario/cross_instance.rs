@@ -5,13 +5,12 @@
 //! Redis Cluster) and relay instances on it, each a fleet member
 //! (`--set fleet.node=relay-N`). Three topologies:
 //!
-//! - **alone** (optional): `relay-1` with no other instance running: a fleet
-//!   of one publishes only appends for receivers not subscribed locally,
-//!   i.e. none here. The previous single-relay baseline.
-//! - **same-instance**: caller and callee on `relay-1` while `relay-2` runs.
-//!   With another live instance every append is published on the
-//!   receiver's wake channel (and the echo, coming back to `relay-1`, is
-//!   ignored), so the fleet mode is the same as in the cross case.
+//! - **alone** (optional): `relay-1` with no other instance running. The
+//!   previous single-relay baseline.
+//! - **same-instance**: caller and callee on `relay-1` while `relay-2` runs
+//!   (its liveness renewals, sweeper lease, subscriptions). An instance
+//!   publishes only appends whose receiver is not subscribed on it, so
+//!   nothing is published here.
 //! - **cross-instance**: caller on `relay-1`, callee on `relay-2`. A frame
 //!   is appended on `relay-1` by the Lua script that also `PUBLISH`es it;
 //!   `relay-2`'s subscriber receives it and delivers it. Echoes go the
@@ -109,8 +108,8 @@ impl Topology {
 #[derive(Debug, Clone, Serialize)]
 pub struct FleetView {
     /// How long the case waited for the previous case's wake-channel
-    /// subscriptions to go (an instance keeps the channel of a peer it no
-    /// longer holds until its next liveness renewal), ms.
+    /// subscriptions to go (an instance unsubscribes the channel of a peer
+    /// it no longer holds once it released the peer's presence), ms.
     pub settled_ms: u64,
     /// Each instance's `oab_fleet_nodes` after the case.
     pub fleet_nodes_after: Vec<Option<f64>>,
@@ -366,9 +365,10 @@ pub async fn run(opts: &CrossInstanceOptions, common: &Common) -> anyhow::Result
         latency_table(opts, &lat_summary),
     ];
     let mut notes = vec![
-        "same-instance: caller and callee on relay-1 while relay-2 runs (every append \
-         published, the echo ignored); cross-instance: caller on relay-1, callee on relay-2 \
-         (relay-1 -> Redis PUBLISH -> relay-2); alone: relay-1 with no other instance."
+        "same-instance: caller and callee on relay-1 while relay-2 runs (nothing published: \
+         the receiver is subscribed on the appending instance); cross-instance: caller on \
+         relay-1, callee on relay-2 (relay-1 -> Redis PUBLISH -> relay-2); alone: relay-1 \
+         with no other instance."
             .to_string(),
         format!(
             "medians over {} round(s); same and cross alternate, in the other order each \
@@ -380,8 +380,8 @@ pub async fn run(opts: &CrossInstanceOptions, common: &Common) -> anyhow::Result
          CPU/frame: INFO cpu of the store's redis-server process(es)."
             .to_string(),
         "each case starts once no wake-channel subscription of the benchmark peers is left \
-         from the previous one (an instance drops the channel of a peer it no longer holds at \
-         its next liveness renewal, every third of fleet.node_lease_ms)."
+         from the previous one (an instance drops the channel of a peer it no longer holds \
+         once it has released the peer's presence)."
             .to_string(),
     ];
     if opts.stores.contains(&SharedStoreKind::RedisCluster) {
