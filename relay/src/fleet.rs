@@ -29,7 +29,7 @@ use oab_wire::{PeerId, SessionId};
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo, ProtocolVersion, PushInfo};
 use tokio::sync::mpsc;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::store::{StoreError, wake_channel};
@@ -145,13 +145,18 @@ impl Fleet {
         node == self.node || lock(&self.live_nodes).contains(node)
     }
 
-    /// Subscribes to `peer`'s wake channel; returns once Redis confirmed it.
+    /// Subscribes to `peer`'s wake channel for its new `session`; returns
+    /// once Redis confirmed it. The peer counts as held from here on (until
+    /// [`Fleet::release`]), so a concurrent prune keeps the channel.
     /// While the subscriber is reconnecting (a Redis restart, say) this
     /// waits for it, up to a bound, instead of failing at once.
     ///
     /// Subscribed on every connected link; one confirmation is enough (any
     /// node of a cluster receives every message, the others only sooner).
-    pub async fn subscribe(&self, peer: &PeerId) -> Result<(), StoreError> {
+    pub async fn subscribe(&self, peer: &PeerId, session: SessionId) -> Result<(), StoreError> {
+        // Claimed by nobody yet: no announcement can supersede it until
+        // `hold` records the claim's generation.
+        lock(&self.held).insert(peer.clone(), (session, u64::MAX));
         let mut up = self.connected.subscribe();
         if tokio::time::timeout(SUBSCRIBE_TIMEOUT, up.wait_for(|c| *c > 0))
             .await
@@ -180,6 +185,7 @@ impl Fleet {
                 Err(_) => error = "redis SUBSCRIBE timed out".into(),
             }
         }
+        debug!(%peer, confirmed, links = self.links.len(), "subscribed");
         if confirmed {
             Ok(())
         } else {

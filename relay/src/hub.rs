@@ -263,7 +263,7 @@ impl<S: EventStore> Hub<S> {
         if !self.fleet.enabled {
             return Ok(());
         }
-        self.fleet.subscribe(&me.peer).await?;
+        self.fleet.subscribe(&me.peer, me.id).await?;
         let generation = self
             .store
             .claim_presence(&me.peer, &self.fleet.node, me.id)
@@ -1183,6 +1183,7 @@ impl<S: EventStore> Hub<S> {
         let Some((&kind, _)) = payload.split_first() else {
             return;
         };
+        debug!(%peer, kind = %char::from(kind), "wake-up");
         let body = payload.slice(1..);
         match kind {
             b'W' => {

@@ -133,6 +133,62 @@ impl Relay {
     }
 }
 
+/// A relay on a Redis store in a runtime of its own, which [`Crashable::crash`]
+/// drops at once: no drain, no goodbye, every socket closed and every task
+/// gone, as when the process is killed (its presence, liveness and leases in
+/// Redis stay behind and lapse).
+pub struct Crashable {
+    pub addr: std::net::SocketAddr,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Crashable {
+    pub fn start(env: &Env, redis_url: &str) -> Crashable {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (config, tls, url) = (
+            Arc::new(env.config.clone()),
+            Some(env.tls.clone()),
+            redis_url.to_string(),
+        );
+        rt.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let store =
+                oab_relay::store::RedisStore::connect(&url, oab_relay::store::Retention::default())
+                    .await
+                    .unwrap();
+            let _ = oab_relay::run(
+                listener,
+                None,
+                config,
+                Arc::new(store),
+                tls,
+                CancellationToken::new(),
+            )
+            .await;
+        });
+        Crashable { addr, rt: Some(rt) }
+    }
+
+    pub fn crash(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Crashable {
+    fn drop(&mut self) {
+        self.crash();
+    }
+}
+
 pub fn budgets(n: u64) -> Budgets {
     Budgets {
         tokens: n,
