@@ -238,6 +238,22 @@ async fn session_moves_between_instances(url: &str) {
     assert_eq!(open, key("m1"));
 }
 
+/// A sweeper leader that shuts down cleanly hands the lease over at once,
+/// not after the lease (a minute here) lapses.
+async fn sweeper_instance_drained(url: &str) {
+    let env = TestEnv::new("");
+    let mut fleet = Vec::new();
+    for i in 1..=2 {
+        let node = format!("fleet.node=relay-{i}");
+        let sets = [node.as_str(), "fleet.sweeper_lease_ms=60000"];
+        fleet.push(RelayProcess::start_with(&env, url, &sets).await);
+    }
+    let leader = find_leader(&fleet).await;
+    fleet[leader].terminate();
+    let next = find_leader(&fleet).await;
+    assert_ne!(next, leader);
+}
+
 macro_rules! on_both_backends {
     ($($name:ident => $body:ident;)*) => {
         mod one_redis {
@@ -264,4 +280,5 @@ on_both_backends! {
     callee_instance_killed_mid_delegation_loses_nothing => callee_instance_killed;
     sweeper_instance_killed_deadline_still_expires_once => sweeper_instance_killed;
     newest_session_wins_across_instances => session_moves_between_instances;
+    drained_sweeper_hands_its_lease_over_at_once => sweeper_instance_drained;
 }

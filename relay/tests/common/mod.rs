@@ -467,6 +467,19 @@ impl RelayProcess {
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }
+
+    /// SIGTERM (a clean shutdown: drain, then leave the fleet), and waits
+    /// for the process to exit.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let status = std::process::Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(status.success());
+            let _ = c.wait();
+        }
+    }
 }
 
 /// The value of an unlabelled metric in a Prometheus text page (0 if absent).
