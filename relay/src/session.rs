@@ -26,7 +26,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::hub::{Hub, LiveRef, SessionRef};
+use crate::hub::{Hub, Live, LiveRef, SessionRef};
 use crate::outbox::{Inbox, outbox};
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
 
@@ -581,61 +581,29 @@ impl<S: EventStore> Session<S> {
         let cached = self
             .last_live
             .as_ref()
-            .filter(|(k, l)| *k == key && !l.lock().unwrap_or_else(|p| p.into_inner()).evicted())
+            .filter(|(k, _)| *k == key)
             .map(|(_, l)| l.clone());
-        let looked_up = match cached {
-            Some(l) => Ok(Some(l)),
-            None => self.hub.live(&key).await,
+        let mut live = match cached {
+            Some(l) => l,
+            None => match self.lookup(&key, dir, seq).await {
+                Some(l) => l,
+                None => return,
+            },
         };
-        let live = match looked_up {
-            Ok(Some(l)) => {
-                self.last_live = Some((key.clone(), l.clone()));
-                l
-            }
-            Ok(None) => {
-                self.error(
-                    ErrorCode::UnknownDelegation,
-                    Some(&key),
-                    dir,
-                    seq,
-                    "no such delegation",
-                );
-                return;
-            }
-            Err(e) => {
-                warn!(error = %e, "store unavailable");
-                self.error(
-                    ErrorCode::StoreUnavailable,
-                    Some(&key),
-                    dir,
-                    seq,
-                    "store unavailable; resend later",
-                );
-                return;
-            }
-        };
-        let (wake, refusal) = {
-            let l = live.lock().unwrap_or_else(|p| p.into_inner());
-            let wake = self.hub.wake_for(&l, dir);
-            let refusal = if l.sender(dir) != &self.me.peer {
-                // Answered exactly like a missing delegation.
-                Some((ErrorCode::UnknownDelegation, "no such delegation"))
-            } else if flags & FLAG_RELAY_ORIGIN != 0 {
-                Some((
-                    ErrorCode::ProtocolViolation,
-                    "the relay-origin flag is set by the relay only",
-                ))
-            } else if terminal == Some(Outcome::Unknown) {
-                Some((
-                    ErrorCode::ProtocolViolation,
-                    "unknown is appended by the relay only",
-                ))
-            } else if len > l.max_payload as usize {
-                Some((ErrorCode::PayloadTooLarge, "payload over the route's limit"))
-            } else {
-                None
+        let (wake, refusal) = loop {
+            let checked = {
+                let l = live.lock().unwrap_or_else(|p| p.into_inner());
+                (!l.evicted()).then(|| self.check(&l, dir, terminal, flags, len))
             };
-            (wake, refusal)
+            if let Some(checked) = checked {
+                break checked;
+            }
+            // The hub dropped this view from its cache: look it up again
+            // (rare; the check rides on the lock taken anyway).
+            match self.lookup(&key, dir, seq).await {
+                Some(fresh) => live = fresh,
+                None => return,
+            }
         };
         if let Some((code, message)) = refusal {
             self.error(code, Some(&key), dir, seq, message);
@@ -655,6 +623,70 @@ impl<S: EventStore> Session<S> {
             },
             received,
         });
+    }
+
+    /// Whom to wake for a frame on `dir`, and why it is refused, if it is.
+    fn check(
+        &self,
+        l: &Live,
+        dir: Direction,
+        terminal: Option<Outcome>,
+        flags: u8,
+        len: usize,
+    ) -> (Option<PeerId>, Option<(ErrorCode, &'static str)>) {
+        let wake = self.hub.wake_for(l, dir);
+        let refusal = if l.sender(dir) != &self.me.peer {
+            // Answered exactly like a missing delegation.
+            Some((ErrorCode::UnknownDelegation, "no such delegation"))
+        } else if flags & FLAG_RELAY_ORIGIN != 0 {
+            Some((
+                ErrorCode::ProtocolViolation,
+                "the relay-origin flag is set by the relay only",
+            ))
+        } else if terminal == Some(Outcome::Unknown) {
+            Some((
+                ErrorCode::ProtocolViolation,
+                "unknown is appended by the relay only",
+            ))
+        } else if len > l.max_payload as usize {
+            Some((ErrorCode::PayloadTooLarge, "payload over the route's limit"))
+        } else {
+            None
+        };
+        (wake, refusal)
+    }
+
+    /// The live view of `key` for a frame at `seq` (remembered for the next
+    /// frames of the batch); a missing delegation or an unavailable store is
+    /// answered with an error frame and `None`.
+    async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<LiveRef> {
+        match self.hub.live(key).await {
+            Ok(Some(l)) => {
+                self.last_live = Some((key.clone(), l.clone()));
+                Some(l)
+            }
+            Ok(None) => {
+                self.error(
+                    ErrorCode::UnknownDelegation,
+                    Some(key),
+                    dir,
+                    seq,
+                    "no such delegation",
+                );
+                None
+            }
+            Err(e) => {
+                warn!(error = %e, "store unavailable");
+                self.error(
+                    ErrorCode::StoreUnavailable,
+                    Some(key),
+                    dir,
+                    seq,
+                    "store unavailable; resend later",
+                );
+                None
+            }
+        }
     }
 
     /// Appends staged frames in one pipelined call, then acks and delivers.
