@@ -45,6 +45,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// One wake subscriber connection and its store URL.
+#[derive(Debug)]
+struct Link {
+    url: String,
+    /// `None` while it is (re)connecting.
+    conn: Mutex<Option<MultiplexedConnection>>,
+    /// Messages were dropped on a full queue since the last check.
+    overflowed: Arc<AtomicBool>,
+}
+
 /// This instance's view of the fleet.
 #[derive(Debug)]
 pub struct Fleet {
@@ -52,7 +62,6 @@ pub struct Fleet {
     pub node: String,
     /// Whether the store is shared (fleet coordination runs).
     pub enabled: bool,
-    urls: Vec<String>,
     /// Liveness lease, ms.
     pub node_lease_ms: u64,
     /// Sweeper lease, ms.
@@ -61,7 +70,7 @@ pub struct Fleet {
     /// One subscriber connection per store URL (every master of a Redis
     /// Cluster), so a wake-up is taken from the node whose script published
     /// it, never after a hop over the cluster bus.
-    links: Vec<Mutex<Option<MultiplexedConnection>>>,
+    links: Vec<Link>,
     /// Subscriber connections up now (subscribes wait for one).
     connected: tokio::sync::watch::Sender<usize>,
     /// Wake channels subscribed (peers held now or recently).
@@ -73,8 +82,6 @@ pub struct Fleet {
     live_nodes: Mutex<HashSet<String>>,
     multi: AtomicBool,
     leader: AtomicBool,
-    /// Per link: messages were dropped on a full queue.
-    overflowed: Vec<Arc<AtomicBool>>,
 }
 
 impl Fleet {
@@ -85,25 +92,27 @@ impl Fleet {
             let id = SessionId::random().to_string();
             format!("relay-{}", id.get(..12).unwrap_or(&id))
         });
-        let urls_len = urls.len();
         Fleet {
             enabled: !urls.is_empty(),
             live_nodes: Mutex::new(HashSet::from([node.clone()])),
             node,
-            urls,
             node_lease_ms: config.fleet.node_lease_ms,
             sweeper_lease_ms: config.fleet.sweeper_lease_ms,
             wake_queue: config.fleet.wake_queue,
-            links: (0..urls_len).map(|_| Mutex::new(None)).collect(),
+            links: urls
+                .into_iter()
+                .map(|url| Link {
+                    url,
+                    conn: Mutex::new(None),
+                    overflowed: Arc::new(AtomicBool::new(false)),
+                })
+                .collect(),
             connected: tokio::sync::watch::Sender::new(0),
             subscribed: tokio::sync::Mutex::new(HashSet::new()),
             held: Mutex::new(HashMap::new()),
             latest: Mutex::new(HashMap::new()),
             multi: AtomicBool::new(false),
             leader: AtomicBool::new(false),
-            overflowed: (0..urls_len)
-                .map(|_| Arc::new(AtomicBool::new(false)))
-                .collect(),
         }
     }
 
@@ -168,8 +177,11 @@ impl Fleet {
         }
         let mut subscribed = self.subscribed.lock().await;
         subscribed.insert(peer.clone());
-        let conns: Vec<MultiplexedConnection> =
-            self.links.iter().filter_map(|l| lock(l).clone()).collect();
+        let conns: Vec<MultiplexedConnection> = self
+            .links
+            .iter()
+            .filter_map(|l| lock(&l.conn).clone())
+            .collect();
         let channel = wake_channel(peer);
         let results = futures_util::future::join_all(conns.into_iter().map(|mut c| {
             let channel = channel.clone();
@@ -209,7 +221,7 @@ impl Fleet {
         }
         let channels: Vec<String> = stale.iter().map(wake_channel).collect();
         for link in &self.links {
-            let conn = lock(link).clone();
+            let conn = lock(&link.conn).clone();
             if let Some(mut conn) = conn {
                 // A link that fails here is reconnecting, and subscribes
                 // only what is held when it is back.
@@ -271,15 +283,14 @@ impl Fleet {
         stop: &tokio_util::sync::CancellationToken,
     ) -> Option<mpsc::Receiver<PushInfo>> {
         let mut delay = Duration::from_millis(50);
-        let url = self.urls.get(i)?.clone();
         let link = self.links.get(i)?;
         loop {
-            match self.open(i, &url).await {
+            match self.open(link).await {
                 Ok((conn, rx)) => {
                     // Every channel again, on the new connection; a subscribe
                     // racing with this waits for the lock and then uses it.
                     let subscribed = self.subscribed.lock().await;
-                    *lock(link) = Some(conn.clone());
+                    *lock(&link.conn) = Some(conn.clone());
                     let channels: Vec<String> = subscribed.iter().map(wake_channel).collect();
                     let mut conn = conn;
                     let ok = channels.is_empty()
@@ -292,7 +303,7 @@ impl Fleet {
                         self.connected.send_modify(|n| *n += 1);
                         return Some(rx);
                     }
-                    *lock(link) = None;
+                    *lock(&link.conn) = None;
                 }
                 Err(e) => {
                     warn!(error = %e, "wake subscriber cannot reach Redis; retrying");
@@ -311,7 +322,7 @@ impl Fleet {
         let Some(link) = self.links.get(i) else {
             return false;
         };
-        let conn = lock(link).clone();
+        let conn = lock(&link.conn).clone();
         let Some(mut conn) = conn else {
             return false;
         };
@@ -326,7 +337,7 @@ impl Fleet {
     /// Marks subscriber link `i` disconnected.
     pub fn disconnected(&self, i: usize) {
         if let Some(link) = self.links.get(i)
-            && lock(link).take().is_some()
+            && lock(&link.conn).take().is_some()
         {
             self.connected.send_modify(|n| *n = n.saturating_sub(1));
         }
@@ -335,17 +346,18 @@ impl Fleet {
     /// Whether link `i` dropped messages since the last call (its queue
     /// overflowed).
     pub fn take_overflow(&self, i: usize) -> bool {
-        self.overflowed
+        self.links
             .get(i)
-            .is_some_and(|o| o.swap(false, Ordering::Relaxed))
+            .is_some_and(|l| l.overflowed.swap(false, Ordering::Relaxed))
     }
 
     async fn open(
         &self,
-        i: usize,
-        url: &str,
+        link: &Link,
     ) -> Result<(MultiplexedConnection, mpsc::Receiver<PushInfo>), String> {
-        let info = url
+        let info = link
+            .url
+            .as_str()
             .into_connection_info()
             .map_err(|e| format!("wake subscriber URL: {e}"))?;
         let settings = info
@@ -355,11 +367,7 @@ impl Fleet {
         let client = redis::Client::open(info.set_redis_settings(settings))
             .map_err(|e| format!("wake subscriber: {e}"))?;
         let (tx, rx) = mpsc::channel(self.wake_queue);
-        let overflowed = self
-            .overflowed
-            .get(i)
-            .cloned()
-            .ok_or_else(|| format!("no subscriber link {i}"))?;
+        let overflowed = link.overflowed.clone();
         let sender = move |msg: PushInfo| -> Result<(), ()> {
             if let Err(e) = tx.try_send(msg) {
                 match e {

@@ -301,11 +301,7 @@ async fn wake_loop<S: EventStore>(
                     else {
                         continue;
                     };
-                    let peer = std::str::from_utf8(&channel)
-                        .ok()
-                        .and_then(|c| c.strip_prefix("oab:wake:"))
-                        .and_then(|p| oab_wire::PeerId::new(p).ok());
-                    if let Some(peer) = peer {
+                    if let Some(peer) = crate::store::peer_of_channel(&channel) {
                         hub.on_wake(peer, bytes::Bytes::from(payload));
                     }
                 }

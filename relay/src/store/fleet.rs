@@ -26,9 +26,18 @@ use oab_wire::{PeerId, SessionId};
 
 use super::StoreError;
 
+/// Prefix of every wake channel.
+const WAKE_PREFIX: &str = "oab:wake:";
+
 /// The channel that wakes the instance holding `peer`'s session.
 pub fn wake_channel(peer: &PeerId) -> String {
-    format!("oab:wake:{peer}")
+    format!("{WAKE_PREFIX}{peer}")
+}
+
+/// The peer whose wake channel `channel` is (`None` for any other name).
+pub fn peer_of_channel(channel: &[u8]) -> Option<PeerId> {
+    let name = std::str::from_utf8(channel).ok()?;
+    PeerId::new(name.strip_prefix(WAKE_PREFIX)?).ok()
 }
 
 /// A peer's session as recorded fleet-wide.
@@ -123,5 +132,23 @@ pub trait FleetStore {
         _messages: Vec<(PeerId, Bytes)>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         async { Ok(()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wake_channels_name_their_peer_and_nothing_else() {
+        let peer = PeerId::new("acme/callee").unwrap_or_else(|_| unreachable!());
+        assert_eq!(peer_of_channel(wake_channel(&peer).as_bytes()), Some(peer));
+        for other in [
+            &b"oab:wake:"[..],
+            b"oab:wak:acme/callee",
+            b"\xffoab:wake:a/b",
+        ] {
+            assert_eq!(peer_of_channel(other), None);
+        }
     }
 }
