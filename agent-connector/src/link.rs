@@ -257,6 +257,11 @@ pub(crate) enum Command {
         /// Events already processed (0 for a new delegation; a restored
         /// delegation resumes its up log after this).
         cursor: u64,
+        /// The relay may already hold this delegation (restored after a
+        /// restart, or re-attached): resume its up log once the open is
+        /// acknowledged, since the relay subscribes us by itself only when it
+        /// creates the delegation.
+        existing: bool,
         reply: oneshot::Sender<Result<(), LinkError>>,
     },
     Send {
@@ -937,6 +942,7 @@ impl Link {
             Command::Open {
                 open,
                 cursor,
+                existing,
                 reply,
             } => {
                 if self.delegations.contains_key(&open.key) {
@@ -954,9 +960,7 @@ impl Link {
                 };
                 let mut d = Delegation::new(true, target);
                 d.cursor = cursor;
-                // A restored delegation may already exist at the relay, which
-                // then does not subscribe us by itself.
-                d.resume_after_open = cursor > 0;
+                d.resume_after_open = existing;
                 d.out.next = 2;
                 d.out.unacked.push_back((1, bytes));
                 d.open_reply = Some(reply);
