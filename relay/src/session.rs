@@ -765,6 +765,13 @@ impl<S: EventStore> Session<S> {
                     req.seq,
                     &format!("the delegation already ended: {outcome}"),
                 ),
+                AppendOutcome::Unavailable => self.error(
+                    ErrorCode::StoreUnavailable,
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                    "store unavailable; resend later",
+                ),
                 AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => self.error(
                     ErrorCode::UnknownDelegation,
                     Some(&req.key),
