@@ -14,7 +14,9 @@
 //!   never needed: the resynchronisation reads what it would have said);
 //! - claims the peer's presence record (the claim's generation orders
 //!   sessions fleet-wide: the newest wins, an older one anywhere is closed
-//!   with `replaced`);
+//!   with `replaced`); a claim is above every generation this instance saw
+//!   for the peer and above the store's clock, so a store that lost its data
+//!   cannot hand out a generation that loses to one from before the loss;
 //! - renews its liveness in `oab:nodes` every third of `node_lease_ms`; a
 //!   presence record naming a node that stopped renewing counts as offline;
 //! - competes for the sweeper lease; the holder runs the fleet-wide lifecycle
@@ -78,6 +80,9 @@ pub struct Fleet {
     /// Peers whose session this instance holds: session and claim generation.
     held: Mutex<HashMap<PeerId, (SessionId, u64)>>,
     /// Highest claim generation announced per peer (from `T` messages).
+    /// At most one entry per configured peer: only their wake channels are
+    /// subscribed. Entries are never pruned; the next claim of the peer on
+    /// this instance takes its value as the floor (see [`Fleet::floor`]).
     latest: Mutex<HashMap<PeerId, u64>>,
     live_nodes: Mutex<HashSet<String>>,
     multi: AtomicBool,
@@ -241,6 +246,23 @@ impl Fleet {
         lock(&self.latest)
             .get(peer)
             .is_none_or(|&g| g <= generation)
+    }
+
+    /// The highest generation this instance has seen for `peer` (announced,
+    /// or held here): a new claim of the peer from here must be above it,
+    /// whatever the store remembers. A store that lost its data restarts the
+    /// peer's record empty; without this floor, an instance that saw
+    /// generation `n` before the loss would take every new session of the
+    /// peer for an older one until the store's generation got past `n`.
+    pub fn floor(&self, peer: &PeerId) -> u64 {
+        let announced = lock(&self.latest).get(peer).copied().unwrap_or(0);
+        // `u64::MAX` marks a session not claimed yet, not a generation.
+        let held = lock(&self.held)
+            .get(peer)
+            .map(|&(_, g)| g)
+            .filter(|&g| g != u64::MAX)
+            .unwrap_or(0);
+        announced.max(held)
     }
 
     /// Forgets `peer` if `session` is the one held. Returns whether it was.
@@ -423,6 +445,22 @@ mod tests {
         // Releasing only forgets the session named.
         assert!(!f.release(&peer, s1));
         assert!(f.release(&peer, s2));
+    }
+
+    #[test]
+    fn the_claim_floor_covers_every_generation_seen_here() {
+        let f = fleet();
+        let peer = PeerId::new("acme/callee").unwrap_or_else(|_| unreachable!());
+        assert_eq!(f.floor(&peer), 0);
+        let s = SessionId::random();
+        assert!(f.hold(&peer, s, 7));
+        assert_eq!(f.floor(&peer), 7, "the claim held here");
+        assert_eq!(f.announced(&peer, 9), Some(s));
+        assert_eq!(f.floor(&peer), 9, "a claim announced elsewhere");
+        // Neither a release nor an older announcement lowers it.
+        assert!(f.release(&peer, s));
+        assert_eq!(f.announced(&peer, 2), None);
+        assert_eq!(f.floor(&peer), 9);
     }
 
     #[test]

@@ -263,10 +263,12 @@ impl<S: EventStore> Hub<S> {
         if !self.fleet.enabled {
             return Ok(());
         }
+        // The floor is read before `subscribe` marks the session held.
+        let floor = self.fleet.floor(&me.peer);
         self.fleet.subscribe(&me.peer, me.id).await?;
         let generation = self
             .store
-            .claim_presence(&me.peer, &self.fleet.node, me.id)
+            .claim_presence(&me.peer, &self.fleet.node, me.id, floor)
             .await?;
         if !self.fleet.hold(&me.peer, me.id, generation) {
             info!(peer = %me.peer, session = %me.id, "a newer session of this peer holds it elsewhere");

@@ -17,10 +17,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use oab_relay::raw_client::ClientError;
+use oab_relay::raw_client::RawClient;
 use oab_relay::store::{EventStore, RedisStore, Retention};
 use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
-use oab_wire::{CloseCode, Digest, Direction, Frame, InstanceId, Open, Outcome};
+use oab_wire::{CloseCode, Digest, Direction, Frame, GapReason, InstanceId, Open, Outcome, Resume};
 
 /// Short leases so a dead instance is noticed within about a second.
 const FAST_LEASES: [&str; 2] = ["fleet.node_lease_ms=1500", "fleet.sweeper_lease_ms=1000"];
@@ -252,6 +253,144 @@ async fn sweeper_instance_drained(url: &str) {
     fleet[leader].terminate();
     let next = find_leader(&fleet).await;
     assert_ne!(next, leader);
+}
+
+/// Waits for the relay to close `c`; returns the close code.
+async fn close_code(c: &mut RawClient) -> u16 {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("closed within 20 s")
+        {
+            Ok(_) => continue,
+            Err(ClientError::Closed { code, .. }) => return code,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Resumes `dir` of `request` after `after` and returns the gap's reason;
+/// panics with the close code if the session is closed instead.
+async fn resume_to_gap(c: &mut RawClient, request: &str, dir: Direction, after: u64) -> GapReason {
+    c.send(&Frame::Resume(Resume {
+        key: key(request),
+        direction: dir,
+        after,
+    }))
+    .await
+    .unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("a gap within 20 s")
+        {
+            Ok(Frame::Gap(g)) => return g.reason,
+            Ok(Frame::Data(d)) => panic!("data from a log the store lost: {d:?}"),
+            Ok(_) => {}
+            Err(ClientError::Closed { code, reason }) => {
+                panic!("session closed ({code} {reason}) instead of answering its resume")
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// How the store loses its data.
+#[derive(Debug, Clone, Copy)]
+enum Loss {
+    FlushAll,
+    RestartWithoutPersistence,
+}
+
+/// `n` instances on a Redis without persistence. Caller and callee each
+/// connect several times (so every instance has seen generations well above
+/// 1 for them), work is under way, then the store loses everything, once by
+/// `FLUSHALL` and once by a restart. Each time both peers are closed with
+/// `store_unavailable` (retryable), are back in session on their first
+/// reconnect (to another instance when there are several), see their
+/// delegation end with a `Gap epoch_changed`, and new work flows.
+async fn store_loss_never_locks_peers_out(n: usize) {
+    let env = TestEnv::new("");
+    let mut redis = RedisServer::start(Persistence::None).unwrap();
+    let fleet = start_fleet(&env, &redis.url(), n).await;
+    for (round, loss) in [Loss::FlushAll, Loss::RestartWithoutPersistence]
+        .into_iter()
+        .enumerate()
+    {
+        let (ia, ib) = (InstanceId::random(), InstanceId::random());
+        let mut sessions = Vec::new();
+        for i in 0..6 {
+            let a = fleet[i % n].client_as(&env.caller, ia).await;
+            let b = fleet[(i + 1) % n].client_as(&env.callee, ib).await;
+            sessions.push((a, b));
+        }
+        let (mut a, mut b) = sessions.pop().unwrap();
+        drop(sessions);
+        let request = format!("loss{round}");
+        open_and_stream_up(&mut a, &mut b, &request, 3, 3).await;
+        let k = key(&request);
+        recv_until(&mut a, |f| match f {
+            Frame::Data(d) if d.key == k && d.seq == 3 => Some(()),
+            _ => None,
+        })
+        .await;
+        let epoch = a.welcome.epoch;
+        match loss {
+            Loss::FlushAll => {
+                let client = redis::Client::open(redis.url()).unwrap();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                redis::cmd("FLUSHALL")
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            Loss::RestartWithoutPersistence => {
+                redis.kill().unwrap();
+                redis.restart().unwrap();
+            }
+        }
+        for c in [&mut a, &mut b] {
+            assert_eq!(
+                close_code(c).await,
+                CloseCode::StoreUnavailable.as_u16(),
+                "{loss:?}: closed to reconcile, with a code that is retried"
+            );
+        }
+        // First reconnect, to the instance the other peer was on.
+        let mut a = fleet[0].client_as(&env.caller, ia).await;
+        let mut b = fleet[1 % n].client_as(&env.callee, ib).await;
+        assert_ne!(
+            a.welcome.epoch, epoch,
+            "{loss:?}: the welcome shows the loss"
+        );
+        assert_eq!(
+            resume_to_gap(&mut a, &request, Direction::Up, 3).await,
+            GapReason::EpochChanged,
+            "{loss:?}"
+        );
+        assert_eq!(
+            resume_to_gap(&mut b, &request, Direction::Down, 1).await,
+            GapReason::EpochChanged,
+            "{loss:?}"
+        );
+        // Both sessions carry new work.
+        let next = format!("after{round}");
+        a.send(&open_frame(&next, b"{}")).await.unwrap();
+        await_ack(&mut a, &next, Direction::Down, 1).await;
+        recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+        send_until_acked(&mut b, &next, 0, 2, true).await;
+        read_to_terminal(&mut a, &next, 0, 2).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_loss_never_locks_peers_out_of_one_relay() {
+    Box::pin(store_loss_never_locks_peers_out(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_loss_never_locks_peers_out_of_two_instances() {
+    Box::pin(store_loss_never_locks_peers_out(2)).await;
 }
 
 macro_rules! on_both_backends {

@@ -40,6 +40,10 @@ pub fn peer_of_channel(channel: &[u8]) -> Option<PeerId> {
     PeerId::new(name.strip_prefix(WAKE_PREFIX)?).ok()
 }
 
+/// The largest generation a claim hands out or takes as its floor (2^53 - 1:
+/// exact in the store's Lua numbers).
+pub const MAX_GENERATION: u64 = (1 << 53) - 1;
+
 /// A peer's session as recorded fleet-wide.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Presence {
@@ -47,7 +51,8 @@ pub struct Presence {
     pub node: String,
     /// The session (hex).
     pub session: String,
-    /// Increases with every claim of this peer: the newest session wins.
+    /// Increases with every claim of this peer, also across a loss of the
+    /// store's data: the newest session wins.
     pub generation: u64,
 }
 
@@ -61,12 +66,19 @@ pub trait FleetStore {
     }
 
     /// Records that `node` now holds `peer`'s session `session`; returns the
-    /// claim's generation (strictly increasing per peer).
+    /// claim's generation: strictly increasing per peer, above `floor` (the
+    /// highest generation the claiming instance has seen for this peer), and
+    /// never below the store's clock in microseconds. A store that lost the
+    /// record (a flush, a restart without persistence, a failover that lost
+    /// the last writes) therefore still hands out a generation above every
+    /// claim made before the loss: the clock has moved on since, and the
+    /// floor covers a clock that stepped back.
     fn claim_presence(
         &self,
         _peer: &PeerId,
         _node: &str,
         _session: SessionId,
+        _floor: u64,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send {
         async { Ok(0) }
     }

@@ -2,7 +2,7 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:presence:{<peer>}` | hash | `node`, `session` (hex), `gen` (claims so far; kept when released) |
+//! | `oab:presence:{<peer>}` | hash | `node`, `session` (hex), `gen` (the last claim's generation; kept when released) |
 //! | `oab:nodes` | zset | node name scored by the end of its liveness lease (Redis clock, ms) |
 //! | `oab:lease:<name>` | string | the holding node, with `PX` the lease |
 //!
@@ -22,10 +22,21 @@ use super::redis::RedisStore;
 /// Node liveness zset.
 const NODES_KEY: &str = "oab:nodes";
 
-/// `claim`: KEYS presence; ARGV node, session. Returns the new generation.
+/// `claim`: KEYS presence; ARGV node, session, floor. Returns the new
+/// generation: above the stored one, above `floor` (the highest generation
+/// the claiming instance has seen for the peer), and at least Redis's clock
+/// in microseconds, so that it stays above every earlier claim even after
+/// the store lost the record (see `FleetStore::claim_presence`). Numbers stay
+/// below 2^53, exact in Lua.
 const CLAIM_LUA: &str = r"
-local gen = redis.call('HINCRBY', KEYS[1], 'gen', 1)
-redis.call('HSET', KEYS[1], 'node', ARGV[1], 'session', ARGV[2])
+local t = redis.call('TIME')
+local gen = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local stored = tonumber(redis.call('HGET', KEYS[1], 'gen') or '0') or 0
+local floor = tonumber(ARGV[3]) or 0
+if stored + 1 > gen then gen = stored + 1 end
+if floor + 1 > gen then gen = floor + 1 end
+gen = string.format('%.0f', gen)
+redis.call('HSET', KEYS[1], 'gen', gen, 'node', ARGV[1], 'session', ARGV[2])
 return gen
 ";
 
@@ -129,10 +140,13 @@ impl FleetStore for RedisStore {
         peer: &PeerId,
         node: &str,
         session: SessionId,
+        floor: u64,
     ) -> Result<u64, StoreError> {
         let s = &scripts().claim;
         let mut cmd = evalsha(s, &presence_key(peer));
-        cmd.arg(node).arg(session.to_string());
+        cmd.arg(node)
+            .arg(session.to_string())
+            .arg(floor.min(super::fleet::MAX_GENERATION));
         let v = self.eval(s, cmd, false, "claim presence").await?;
         int(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
     }
