@@ -14,9 +14,15 @@
 //!   never needed: the resynchronisation reads what it would have said);
 //! - claims the peer's presence record (the claim's generation orders
 //!   sessions fleet-wide: the newest wins, an older one anywhere is closed
-//!   with `replaced`);
-//! - renews its liveness in `oab:nodes` every third of `node_lease_ms`; a
-//!   presence record naming a node that stopped renewing counts as offline;
+//!   with `replaced`); a claim is above every generation this instance saw
+//!   for the peer and above the store's clock, so a store that lost its data
+//!   cannot hand out a generation that loses to one from before the loss;
+//! - renews its liveness in `oab:nodes` every third of `node_lease_ms`,
+//!   under its name and its *incarnation* (random per process start); a
+//!   presence record naming a node that stopped renewing, or an earlier
+//!   incarnation of it, counts as offline. An instance that stops renewing,
+//!   comes back as a new incarnation (a restart within the lease), or leaves
+//!   cleanly is a [`Departure`]: the others resynchronise from the store;
 //! - competes for the sweeper lease; the holder runs the fleet-wide lifecycle
 //!   work (deadlines, `unknown` after the grace period, retention).
 
@@ -32,7 +38,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
-use crate::store::{StoreError, wake_channel};
+use crate::store::{Liveness, StoreError, wake_channel};
 
 /// The name of the fleet-wide sweeper lease.
 pub const SWEEPER_LEASE: &str = "sweeper";
@@ -43,6 +49,29 @@ const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How a relay instance left the fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DepartureKind {
+    /// It stopped renewing its liveness (a crash, a hang, a lost network).
+    Lapsed,
+    /// A new process renews under its name: the old one died (a crash and
+    /// a restart within the lease).
+    Restarted,
+    /// It shut down cleanly (SIGTERM: drained, then left).
+    Left,
+}
+
+/// A relay instance (one process of it) that left the fleet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Departure {
+    /// Its name.
+    pub node: String,
+    /// The incarnation that left.
+    pub incarnation: String,
+    /// How.
+    pub kind: DepartureKind,
 }
 
 /// One wake subscriber connection and its store URL.
@@ -60,6 +89,9 @@ struct Link {
 pub struct Fleet {
     /// This instance's name.
     pub node: String,
+    /// This process's incarnation: random per start, so that a restart under
+    /// the same name reads as the loss of the previous process.
+    pub incarnation: String,
     /// Whether the store is shared (fleet coordination runs).
     pub enabled: bool,
     /// Liveness lease, ms.
@@ -78,8 +110,13 @@ pub struct Fleet {
     /// Peers whose session this instance holds: session and claim generation.
     held: Mutex<HashMap<PeerId, (SessionId, u64)>>,
     /// Highest claim generation announced per peer (from `T` messages).
+    /// At most one entry per configured peer: only their wake channels are
+    /// subscribed. Entries are never pruned; the next claim of the peer on
+    /// this instance takes its value as the floor (see [`Fleet::floor`]).
     latest: Mutex<HashMap<PeerId, u64>>,
-    live_nodes: Mutex<HashSet<String>>,
+    /// Live instances by name, with their incarnation (`""`: not recorded),
+    /// as of the last liveness renewal; replaced whole by each renewal.
+    live_nodes: Mutex<HashMap<String, String>>,
     multi: AtomicBool,
     leader: AtomicBool,
 }
@@ -92,10 +129,15 @@ impl Fleet {
             let id = SessionId::random().to_string();
             format!("relay-{}", id.get(..12).unwrap_or(&id))
         });
+        let incarnation = {
+            let id = SessionId::random().to_string();
+            id.get(..16).unwrap_or(&id).to_owned()
+        };
         Fleet {
             enabled: !urls.is_empty(),
-            live_nodes: Mutex::new(HashSet::from([node.clone()])),
+            live_nodes: Mutex::new(HashMap::from([(node.clone(), incarnation.clone())])),
             node,
+            incarnation,
             node_lease_ms: config.fleet.node_lease_ms,
             sweeper_lease_ms: config.fleet.sweeper_lease_ms,
             wake_queue: config.fleet.wake_queue,
@@ -134,24 +176,58 @@ impl Fleet {
         }
     }
 
-    /// Records the live nodes from a liveness renewal.
-    /// Returns the instances that were live before and are not any more.
-    pub fn set_live_nodes(&self, nodes: Vec<String>) -> Vec<String> {
-        let mut set: HashSet<String> = nodes.into_iter().collect();
-        set.insert(self.node.clone());
-        let multi = set.len() > 1;
+    /// Records the live nodes from a liveness renewal. Returns the instance
+    /// processes that were live before and are not any more: lapsed,
+    /// replaced by a new incarnation of the same name, or left cleanly.
+    pub fn set_live_nodes(&self, view: Liveness) -> Vec<Departure> {
+        let mut now: HashMap<String, String> = view.live.into_iter().collect();
+        now.insert(self.node.clone(), self.incarnation.clone());
+        let multi = now.len() > 1;
         let mut live = lock(&self.live_nodes);
-        let lost: Vec<String> = live.difference(&set).cloned().collect();
-        if self.multi.swap(multi, Ordering::Relaxed) != multi || !lost.is_empty() {
-            info!(nodes = set.len(), ?lost, "fleet size changed");
+        let mut gone = Vec::new();
+        for (node, incarnation) in live.iter() {
+            if *node == self.node {
+                continue;
+            }
+            let kind = match now.get(node) {
+                // Same process; or one of them records no incarnation (an
+                // older relay version), so only its name can be compared.
+                Some(inc) if inc == incarnation || inc.is_empty() || incarnation.is_empty() => {
+                    continue;
+                }
+                Some(_) => DepartureKind::Restarted,
+                None => DepartureKind::Lapsed,
+            };
+            let left = view.left.iter().any(|(n, i)| n == node && i == incarnation);
+            gone.push(Departure {
+                node: node.clone(),
+                incarnation: incarnation.clone(),
+                kind: if left { DepartureKind::Left } else { kind },
+            });
         }
-        *live = set;
-        lost
+        let resized = now.len() != live.len();
+        if self.multi.swap(multi, Ordering::Relaxed) != multi || resized {
+            info!(nodes = now.len(), "fleet size changed");
+        }
+        *live = now;
+        gone
     }
 
-    /// Whether `node` renewed its liveness lately.
-    pub fn node_alive(&self, node: &str) -> bool {
-        node == self.node || lock(&self.live_nodes).contains(node)
+    /// How many instances are live (this one included), as last seen.
+    pub fn live_count(&self) -> usize {
+        lock(&self.live_nodes).len()
+    }
+
+    /// Whether the process `incarnation` of `node` renewed its liveness
+    /// lately (`""`: any process of that name, for records that do not name
+    /// one).
+    pub fn node_alive(&self, node: &str, incarnation: &str) -> bool {
+        if node == self.node {
+            return incarnation.is_empty() || incarnation == self.incarnation;
+        }
+        lock(&self.live_nodes)
+            .get(node)
+            .is_some_and(|live| incarnation.is_empty() || live.is_empty() || live == incarnation)
     }
 
     /// Subscribes to `peer`'s wake channel for its new `session`; returns
@@ -241,6 +317,23 @@ impl Fleet {
         lock(&self.latest)
             .get(peer)
             .is_none_or(|&g| g <= generation)
+    }
+
+    /// The highest generation this instance has seen for `peer` (announced,
+    /// or held here): a new claim of the peer from here must be above it,
+    /// whatever the store remembers. A store that lost its data restarts the
+    /// peer's record empty; without this floor, an instance that saw
+    /// generation `n` before the loss would take every new session of the
+    /// peer for an older one until the store's generation got past `n`.
+    pub fn floor(&self, peer: &PeerId) -> u64 {
+        let announced = lock(&self.latest).get(peer).copied().unwrap_or(0);
+        // `u64::MAX` marks a session not claimed yet, not a generation.
+        let held = lock(&self.held)
+            .get(peer)
+            .map(|&(_, g)| g)
+            .filter(|&g| g != u64::MAX)
+            .unwrap_or(0);
+        announced.max(held)
     }
 
     /// Forgets `peer` if `session` is the one held. Returns whether it was.
@@ -426,17 +519,67 @@ mod tests {
     }
 
     #[test]
+    fn the_claim_floor_covers_every_generation_seen_here() {
+        let f = fleet();
+        let peer = PeerId::new("acme/callee").unwrap_or_else(|_| unreachable!());
+        assert_eq!(f.floor(&peer), 0);
+        let s = SessionId::random();
+        assert!(f.hold(&peer, s, 7));
+        assert_eq!(f.floor(&peer), 7, "the claim held here");
+        assert_eq!(f.announced(&peer, 9), Some(s));
+        assert_eq!(f.floor(&peer), 9, "a claim announced elsewhere");
+        // Neither a release nor an older announcement lowers it.
+        assert!(f.release(&peer, s));
+        assert_eq!(f.announced(&peer, 2), None);
+        assert_eq!(f.floor(&peer), 9);
+    }
+
+    fn view(live: &[(&str, &str)], left: &[(&str, &str)]) -> Liveness {
+        let pairs = |v: &[(&str, &str)]| {
+            v.iter()
+                .map(|(n, i)| ((*n).to_owned(), (*i).to_owned()))
+                .collect()
+        };
+        Liveness {
+            live: pairs(live),
+            left: pairs(left),
+        }
+    }
+
+    fn departure(node: &str, incarnation: &str, kind: DepartureKind) -> Departure {
+        Departure {
+            node: node.into(),
+            incarnation: incarnation.into(),
+            kind,
+        }
+    }
+
+    #[test]
     fn liveness_decides_multi_and_node_alive() {
         let f = fleet();
+        let me = f.incarnation.clone();
+        assert_eq!(me.len(), 16);
         assert!(f.enabled);
         assert!(!f.multi());
-        assert!(f.node_alive("n1"));
-        assert!(f.set_live_nodes(vec!["n1".into(), "n2".into()]).is_empty());
+        assert!(f.node_alive("n1", ""));
+        assert!(f.node_alive("n1", &me));
+        assert!(
+            !f.node_alive("n1", "an-earlier-one"),
+            "a previous process of this node"
+        );
+        assert!(
+            f.set_live_nodes(view(&[("n1", &me), ("n2", "a")], &[]))
+                .is_empty()
+        );
         assert!(f.multi());
-        assert!(f.node_alive("n2"));
-        assert_eq!(f.set_live_nodes(vec![]), vec!["n2".to_owned()]);
+        assert!(f.node_alive("n2", "a") && f.node_alive("n2", ""));
+        assert!(!f.node_alive("n2", "b"));
+        assert_eq!(
+            f.set_live_nodes(view(&[], &[])),
+            vec![departure("n2", "a", DepartureKind::Lapsed)]
+        );
         assert!(!f.multi(), "this node counts itself");
-        assert!(!f.node_alive("n2"));
+        assert!(!f.node_alive("n2", ""));
         assert!(
             !Fleet::new(
                 &crate::config::Config::from_toml_with_overrides(
@@ -448,6 +591,40 @@ mod tests {
                 Vec::new()
             )
             .enabled
+        );
+    }
+
+    #[test]
+    fn a_new_incarnation_or_a_clean_leave_is_a_departure() {
+        let f = fleet();
+        let me = f.incarnation.clone();
+        f.set_live_nodes(view(
+            &[("n1", &me), ("n2", "a"), ("n3", "x"), ("old", "")],
+            &[],
+        ));
+        // n2 restarted within its lease, n3 left cleanly, and a node that
+        // records no incarnation is compared by name only.
+        let mut gone = f.set_live_nodes(view(&[("n2", "b"), ("old", "")], &[("n3", "x")]));
+        gone.sort_by(|a, b| a.node.cmp(&b.node));
+        assert_eq!(
+            gone,
+            vec![
+                departure("n2", "a", DepartureKind::Restarted),
+                departure("n3", "x", DepartureKind::Left),
+            ]
+        );
+        assert!(f.node_alive("n2", "b") && !f.node_alive("n2", "a"));
+        // Renewing the same view again: nothing more left.
+        assert!(
+            f.set_live_nodes(view(&[("n2", "b"), ("old", "")], &[("n3", "x")]))
+                .is_empty()
+        );
+        // A node that left and came back under its name within the lease:
+        // the old process left cleanly, the new one is simply live.
+        f.set_live_nodes(view(&[("n2", "b"), ("n3", "y")], &[("n3", "x")]));
+        assert_eq!(
+            f.set_live_nodes(view(&[("n2", "b")], &[("n3", "x"), ("n3", "y")])),
+            vec![departure("n3", "y", DepartureKind::Left)]
         );
     }
 }

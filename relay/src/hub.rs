@@ -26,11 +26,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
 use crate::config::{Config, Directory};
-use crate::fleet::Fleet;
+use crate::fleet::{DepartureKind, Fleet};
 use crate::metrics::Metrics;
 use crate::outbox::{Outbox, Pushed};
 use crate::store::{
-    AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, ReadOutcome, StoreError,
+    AppendOutcome, AppendRequest, DelegationMeta, EventStore, Liveness, Origin, ReadOutcome,
+    StoreError,
 };
 
 /// Entries read from the store per replay step.
@@ -263,10 +264,18 @@ impl<S: EventStore> Hub<S> {
         if !self.fleet.enabled {
             return Ok(());
         }
+        // The floor is read before `subscribe` marks the session held.
+        let floor = self.fleet.floor(&me.peer);
         self.fleet.subscribe(&me.peer, me.id).await?;
         let generation = self
             .store
-            .claim_presence(&me.peer, &self.fleet.node, me.id)
+            .claim_presence(
+                &me.peer,
+                &self.fleet.node,
+                &self.fleet.incarnation,
+                me.id,
+                floor,
+            )
             .await?;
         if !self.fleet.hold(&me.peer, me.id, generation) {
             info!(peer = %me.peer, session = %me.id, "a newer session of this peer holds it elsewhere");
@@ -1039,7 +1048,11 @@ impl<S: EventStore> Hub<S> {
             // Fresh liveness before acting on anyone.
             if let Ok(nodes) = self
                 .store
-                .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
+                .renew_node(
+                    &self.fleet.node,
+                    &self.fleet.incarnation,
+                    self.fleet.node_lease_ms,
+                )
                 .await
             {
                 self.live_nodes(nodes).await;
@@ -1068,16 +1081,55 @@ impl<S: EventStore> Hub<S> {
         self.observe_store("expire", started, expired.is_ok());
     }
 
-    /// Records the live instances from a liveness renewal.
-    async fn live_nodes(self: &Arc<Self>, nodes: Vec<String>) {
-        self.metrics.fleet_nodes.set(nodes.len() as i64);
-        let lost = self.fleet.set_live_nodes(nodes);
-        if !lost.is_empty() {
-            // A lost instance may have delivered entries only to sessions
-            // that had already moved here: re-read every log served here.
-            warn!(?lost, "relay instances stopped renewing; resynchronising");
-            self.resync().await;
+    /// Records the live instances from a liveness renewal, and
+    /// resynchronises if any instance process left the fleet.
+    async fn live_nodes(self: &Arc<Self>, view: Liveness) {
+        let departures = self.fleet.set_live_nodes(view);
+        self.metrics.fleet_nodes.set(self.fleet.live_count() as i64);
+        if departures.is_empty() {
+            return;
         }
+        let of = |kind: DepartureKind| -> Vec<String> {
+            departures
+                .iter()
+                .filter(|d| d.kind == kind)
+                .map(|d| format!("{}/{}", d.node, d.incarnation))
+                .collect()
+        };
+        let (lapsed, restarted, left) = (
+            of(DepartureKind::Lapsed),
+            of(DepartureKind::Restarted),
+            of(DepartureKind::Left),
+        );
+        // A crash is an incident; a clean leave (a drain) is routine.
+        if !lapsed.is_empty() {
+            warn!(lost = ?lapsed, "relay instances stopped renewing; resynchronising");
+        }
+        if !restarted.is_empty() {
+            warn!(
+                lost = ?restarted,
+                "relay instances restarted under the same name (a new incarnation): \
+                 the previous process died; resynchronising"
+            );
+        }
+        if !left.is_empty() {
+            info!(
+                ?left,
+                "relay instances left the fleet cleanly; resynchronising"
+            );
+        }
+        // A departed instance may have delivered entries only to sessions
+        // that had already moved here (and not published their nudges, if
+        // it died): re-read every log served here. After a clean leave the
+        // nudges were published; the round is cheap insurance.
+        let cause = if !restarted.is_empty() {
+            ResyncCause::InstanceRestarted
+        } else if !lapsed.is_empty() {
+            ResyncCause::InstanceLost
+        } else {
+            ResyncCause::InstanceLeft
+        };
+        self.resync(cause).await;
     }
 
     /// Whether `peer`'s session is held by another live instance (`None`
@@ -1089,7 +1141,7 @@ impl<S: EventStore> Hub<S> {
                 .into_iter()
                 .next()
                 .flatten()
-                .is_some_and(|p| self.fleet.node_alive(&p.node)),
+                .is_some_and(|p| self.fleet.node_alive(&p.node, &p.incarnation)),
         )
     }
 
@@ -1100,10 +1152,14 @@ impl<S: EventStore> Hub<S> {
     pub async fn fleet_tick(self: &Arc<Self>) {
         match self
             .store
-            .renew_node(&self.fleet.node, self.fleet.node_lease_ms)
+            .renew_node(
+                &self.fleet.node,
+                &self.fleet.incarnation,
+                self.fleet.node_lease_ms,
+            )
             .await
         {
-            Ok(nodes) => self.live_nodes(nodes).await,
+            Ok(view) => self.live_nodes(view).await,
             Err(e) => warn!(error = %e, "could not renew this instance's liveness"),
         }
         self.fleet.prune_subscriptions().await;
@@ -1117,8 +1173,9 @@ impl<S: EventStore> Hub<S> {
         let now = oab_wire::identity::now_ms();
         let mut off = lock(&self.offline_since);
         for (peer, p) in peers.into_iter().zip(presence) {
-            let online =
-                self.is_online(&peer) || p.as_ref().is_some_and(|p| self.fleet.node_alive(&p.node));
+            let online = self.is_online(&peer)
+                || p.as_ref()
+                    .is_some_and(|p| self.fleet.node_alive(&p.node, &p.incarnation));
             if online {
                 off.remove(&peer);
             } else {
@@ -1146,7 +1203,10 @@ impl<S: EventStore> Hub<S> {
             match self.store.presence(&targets).await {
                 Ok(p) => p
                     .iter()
-                    .map(|p| p.as_ref().is_some_and(|p| self.fleet.node_alive(&p.node)))
+                    .map(|p| {
+                        p.as_ref()
+                            .is_some_and(|p| self.fleet.node_alive(&p.node, &p.incarnation))
+                    })
                     .collect(),
                 Err(_) => vec![false; targets.len()],
             }
@@ -1368,8 +1428,12 @@ impl<S: EventStore> Hub<S> {
     /// After wake-ups may have been missed (the subscriber reconnected or its
     /// queue overflowed): re-checks every log read here against the store,
     /// and subscribes local callees to delegations opened meanwhile.
-    pub async fn resync(self: &Arc<Self>) {
+    pub async fn resync(self: &Arc<Self>, cause: ResyncCause) {
         self.metrics.wakes.with_label_values(&["resync"]).inc();
+        self.metrics
+            .resyncs
+            .with_label_values(&[cause.label()])
+            .inc();
         let lives: Vec<(DelegationKey, LiveRef)> = lock(&self.live)
             .iter()
             .map(|(k, l)| (k.clone(), l.clone()))
@@ -1420,6 +1484,45 @@ impl<S: EventStore> Hub<S> {
         });
         if let Ok(bytes) = encode(&frame) {
             outbox.push(bytes);
+        }
+    }
+}
+
+/// Why this instance re-reads the logs it serves from the store
+/// (`oab_resyncs_total{cause}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncCause {
+    /// A wake subscriber connection was lost and is back.
+    SubscriberReconnected,
+    /// A wake queue overflowed and dropped messages.
+    WakeQueueOverflow,
+    /// Another instance stopped renewing its liveness.
+    InstanceLost,
+    /// Another instance came back as a new process under the same name
+    /// within its lease.
+    InstanceRestarted,
+    /// Another instance shut down cleanly.
+    InstanceLeft,
+}
+
+impl ResyncCause {
+    /// Every cause, for the metric's label values.
+    pub const ALL: [ResyncCause; 5] = [
+        ResyncCause::SubscriberReconnected,
+        ResyncCause::WakeQueueOverflow,
+        ResyncCause::InstanceLost,
+        ResyncCause::InstanceRestarted,
+        ResyncCause::InstanceLeft,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResyncCause::SubscriberReconnected => "subscriber_reconnected",
+            ResyncCause::WakeQueueOverflow => "wake_queue_overflow",
+            ResyncCause::InstanceLost => "instance_lost",
+            ResyncCause::InstanceRestarted => "instance_restarted",
+            ResyncCause::InstanceLeft => "instance_left",
         }
     }
 }

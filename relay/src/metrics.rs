@@ -44,6 +44,12 @@ pub struct Metrics {
     /// store), by kind: `entry`, `nudge`, `claim`, `presence`, and `resync`
     /// rounds after missed messages.
     pub wakes: IntCounterVec,
+    /// Rounds of re-reading every log served here from the store, by cause:
+    /// `subscriber_reconnected`, `wake_queue_overflow`, and another
+    /// instance's departure: `instance_lost` (its liveness lapsed),
+    /// `instance_restarted` (a new process under its name within the
+    /// lease), `instance_left` (a clean shutdown).
+    pub resyncs: IntCounterVec,
     /// 1 while this instance holds the fleet-wide sweeper lease.
     pub sweeper_leader: IntGauge,
     /// Live relay instances sharing the store, as last seen.
@@ -241,6 +247,18 @@ impl Metrics {
                 "Wake-channel messages handled by this instance, by kind (and resync rounds).",
                 &["kind"],
             ),
+            resyncs: {
+                let c = counter_vec(
+                    &reg,
+                    "oab_resyncs_total",
+                    "Resynchronisations from the store, by cause.",
+                    &["cause"],
+                );
+                for cause in crate::hub::ResyncCause::ALL {
+                    c.with_label_values(&[cause.label()]);
+                }
+                c
+            },
             replaced: counter(
                 &reg,
                 "oab_sessions_replaced_total",

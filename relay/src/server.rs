@@ -259,7 +259,10 @@ pub async fn run<S: EventStore>(
             .store
             .release_lease(crate::fleet::SWEEPER_LEASE, node)
             .await;
-        let _ = hub.store.retire_node(node).await;
+        let _ = hub
+            .store
+            .retire_node(node, &hub.fleet.incarnation, hub.fleet.node_lease_ms)
+            .await;
         info!(%node, "left the fleet");
     }
     tracker.close();
@@ -310,7 +313,7 @@ async fn wake_loop<S: EventStore>(
             }
             if hub.fleet.take_overflow(i) {
                 warn!("wake queue overflowed; resynchronising from the store");
-                hub.resync().await;
+                hub.resync(crate::hub::ResyncCause::WakeQueueOverflow).await;
                 if !hub.fleet.ping(i).await {
                     break;
                 }
@@ -325,7 +328,8 @@ async fn wake_loop<S: EventStore>(
             Some(rx) => rx,
             None => return,
         };
-        hub.resync().await;
+        hub.resync(crate::hub::ResyncCause::SubscriberReconnected)
+            .await;
     }
 }
 

@@ -223,6 +223,12 @@ where
     // The session is registered first, so a delegation opened for this peer
     // while the welcome is being built is either in the welcome's list or
     // delivered on the session (after the welcome); never neither.
+    // The store's epoch, read afresh: after the store lost its data, a peer
+    // closed by another instance that noticed first may reconnect here
+    // before this instance's next sweep; it must get the new epoch in this
+    // welcome, not a close a moment later (this closes the sessions here
+    // that predate the loss, as the sweep would).
+    hub.check_epoch().await;
     hub.register(me.clone());
     if let Err(e) = hub.hold(&me).await {
         warn!(error = %e, "store unavailable for presence");

@@ -17,10 +17,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use oab_relay::raw_client::ClientError;
-use oab_relay::store::{EventStore, RedisStore, Retention};
+use oab_relay::raw_client::RawClient;
+use oab_relay::store::{AppendOutcome, AppendRequest, EventStore, Origin, RedisStore, Retention};
 use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
-use oab_wire::{CloseCode, Digest, Direction, Frame, InstanceId, Open, Outcome};
+use oab_wire::{CloseCode, Digest, Direction, Frame, GapReason, InstanceId, Open, Outcome, Resume};
 
 /// Short leases so a dead instance is noticed within about a second.
 const FAST_LEASES: [&str; 2] = ["fleet.node_lease_ms=1500", "fleet.sweeper_lease_ms=1000"];
@@ -254,6 +255,253 @@ async fn sweeper_instance_drained(url: &str) {
     assert_ne!(next, leader);
 }
 
+/// Waits for the relay to close `c`; returns the close code.
+async fn close_code(c: &mut RawClient) -> u16 {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("closed within 20 s")
+        {
+            Ok(_) => continue,
+            Err(ClientError::Closed { code, .. }) => return code,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Resumes `dir` of `request` after `after` and returns the gap's reason;
+/// panics with the close code if the session is closed instead.
+async fn resume_to_gap(c: &mut RawClient, request: &str, dir: Direction, after: u64) -> GapReason {
+    c.send(&Frame::Resume(Resume {
+        key: key(request),
+        direction: dir,
+        after,
+    }))
+    .await
+    .unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), c.recv())
+            .await
+            .expect("a gap within 20 s")
+        {
+            Ok(Frame::Gap(g)) => return g.reason,
+            Ok(Frame::Data(d)) => panic!("data from a log the store lost: {d:?}"),
+            Ok(_) => {}
+            Err(ClientError::Closed { code, reason }) => {
+                panic!("session closed ({code} {reason}) instead of answering its resume")
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// How the store loses its data.
+#[derive(Debug, Clone, Copy)]
+enum Loss {
+    FlushAll,
+    RestartWithoutPersistence,
+}
+
+/// `n` instances on a Redis without persistence. Caller and callee each
+/// connect several times (so every instance has seen generations well above
+/// 1 for them), work is under way, then the store loses everything, once by
+/// `FLUSHALL` and once by a restart. Each time both peers are closed with
+/// `store_unavailable` (retryable), are back in session on their first
+/// reconnect (to another instance when there are several), see their
+/// delegation end with a `Gap epoch_changed`, and new work flows.
+async fn store_loss_never_locks_peers_out(n: usize) {
+    let env = TestEnv::new("");
+    let mut redis = RedisServer::start(Persistence::None).unwrap();
+    let fleet = start_fleet(&env, &redis.url(), n).await;
+    for (round, loss) in [Loss::FlushAll, Loss::RestartWithoutPersistence]
+        .into_iter()
+        .enumerate()
+    {
+        let (ia, ib) = (InstanceId::random(), InstanceId::random());
+        let mut sessions = Vec::new();
+        for i in 0..6 {
+            let a = fleet[i % n].client_as(&env.caller, ia).await;
+            let b = fleet[(i + 1) % n].client_as(&env.callee, ib).await;
+            sessions.push((a, b));
+        }
+        let (mut a, mut b) = sessions.pop().unwrap();
+        drop(sessions);
+        let request = format!("loss{round}");
+        open_and_stream_up(&mut a, &mut b, &request, 3, 3).await;
+        let k = key(&request);
+        recv_until(&mut a, |f| match f {
+            Frame::Data(d) if d.key == k && d.seq == 3 => Some(()),
+            _ => None,
+        })
+        .await;
+        let epoch = a.welcome.epoch;
+        match loss {
+            Loss::FlushAll => {
+                let client = redis::Client::open(redis.url()).unwrap();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                redis::cmd("FLUSHALL")
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            Loss::RestartWithoutPersistence => {
+                redis.kill().unwrap();
+                redis.restart().unwrap();
+            }
+        }
+        for c in [&mut a, &mut b] {
+            assert_eq!(
+                close_code(c).await,
+                CloseCode::StoreUnavailable.as_u16(),
+                "{loss:?}: closed to reconcile, with a code that is retried"
+            );
+        }
+        // First reconnect, to the instance the other peer was on.
+        let mut a = fleet[0].client_as(&env.caller, ia).await;
+        let mut b = fleet[1 % n].client_as(&env.callee, ib).await;
+        assert_ne!(
+            a.welcome.epoch, epoch,
+            "{loss:?}: the welcome shows the loss"
+        );
+        assert_eq!(
+            resume_to_gap(&mut a, &request, Direction::Up, 3).await,
+            GapReason::EpochChanged,
+            "{loss:?}"
+        );
+        assert_eq!(
+            resume_to_gap(&mut b, &request, Direction::Down, 1).await,
+            GapReason::EpochChanged,
+            "{loss:?}"
+        );
+        // Both sessions carry new work.
+        let next = format!("after{round}");
+        a.send(&open_frame(&next, b"{}")).await.unwrap();
+        await_ack(&mut a, &next, Direction::Down, 1).await;
+        recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+        send_until_acked(&mut b, &next, 0, 2, true).await;
+        read_to_terminal(&mut a, &next, 0, 2).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_loss_never_locks_peers_out_of_one_relay() {
+    Box::pin(store_loss_never_locks_peers_out(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_loss_never_locks_peers_out_of_two_instances() {
+    Box::pin(store_loss_never_locks_peers_out(2)).await;
+}
+
+/// The value of `oab_resyncs_total{cause}` on `relay`.
+async fn resyncs(relay: &RelayProcess, cause: &str) -> f64 {
+    relay
+        .metric(&format!("oab_resyncs_total{{cause=\"{cause}\"}}"))
+        .await
+}
+
+/// Waits until every running instance sees `n` live instances.
+async fn await_fleet_size(fleet: &[RelayProcess], n: usize) {
+    for _ in 0..400 {
+        let mut all = true;
+        for r in fleet.iter().filter(|r| r.is_running()) {
+            all &= r.metric("oab_fleet_nodes").await == n as f64;
+        }
+        if all {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the instances did not all see {n} instances within 20 s");
+}
+
+/// Three instances with a long node lease (30 s); caller on relay-1, callee
+/// on relay-3. An entry of the callee's log is in the store with no wake-up
+/// published: what relay-2 leaves behind when it dies between an append and
+/// the nudge that would have told the callee's new instance. relay-2 is
+/// then killed and restarted under its name, well within its lease: the
+/// others see a new incarnation, count it as the loss of the old process,
+/// and resynchronise, which delivers the entry.
+async fn instance_restarted_within_its_lease(url: &str) {
+    let env = TestEnv::new("");
+    let mut fleet = Vec::new();
+    for i in 1..=3 {
+        let node = format!("fleet.node=relay-{i}");
+        let sets = [node.as_str(), "fleet.node_lease_ms=30000"];
+        fleet.push(RelayProcess::start_with(&env, url, &sets).await);
+    }
+    await_fleet_size(&fleet, 3).await;
+    let ia = InstanceId::random();
+    let mut a = fleet[0].client_as(&env.caller, ia).await;
+    let mut b = fleet[2].client_as(&env.callee, InstanceId::random()).await;
+    a.send(&open_frame("i1", b"{}")).await.unwrap();
+    await_ack(&mut a, "i1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    let store = RedisStore::connect(url, Retention::default())
+        .await
+        .unwrap();
+    let appended = store
+        .append(vec![AppendRequest {
+            key: key("i1"),
+            dir: Direction::Down,
+            seq: 2,
+            terminal: None,
+            origin: Origin::Peer(ia),
+            frame: oab_wire::encode(&data("i1", Direction::Down, 2, None, payload(2))).unwrap(),
+            now_ms: oab_wire::identity::now_ms(),
+            wake: None,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(appended, vec![AppendOutcome::Appended { seq: 2 }]);
+    fleet[1].restart().await;
+    let seq = recv_until(&mut b, |f| match f {
+        Frame::Data(d) if d.key == key("i1") => Some(d.seq),
+        _ => None,
+    })
+    .await;
+    assert_eq!(seq, 2);
+    for i in [0, 2] {
+        for _ in 0..400 {
+            if resyncs(&fleet[i], "instance_restarted").await >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(resyncs(&fleet[i], "instance_restarted").await, 1.0);
+        assert_eq!(resyncs(&fleet[i], "instance_lost").await, 0.0);
+        assert_eq!(resyncs(&fleet[i], "instance_left").await, 0.0);
+    }
+}
+
+/// An instance that shuts down cleanly (SIGTERM) is seen by the others as
+/// a clean leave, not as a crash.
+async fn instance_drained_reads_as_a_clean_leave(url: &str) {
+    let env = TestEnv::new("");
+    let mut fleet = Vec::new();
+    for i in 1..=3 {
+        // A lease no renewal misses on a loaded machine: a departure here
+        // is the drain, nothing else.
+        let node = format!("fleet.node=relay-{i}");
+        let sets = [node.as_str(), "fleet.node_lease_ms=6000"];
+        fleet.push(RelayProcess::start_with(&env, url, &sets).await);
+    }
+    await_fleet_size(&fleet, 3).await;
+    fleet[1].terminate();
+    await_fleet_size(&fleet, 2).await;
+    for i in [0, 2] {
+        for _ in 0..400 {
+            if resyncs(&fleet[i], "instance_left").await >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(resyncs(&fleet[i], "instance_left").await, 1.0);
+        assert_eq!(resyncs(&fleet[i], "instance_lost").await, 0.0);
+        assert_eq!(resyncs(&fleet[i], "instance_restarted").await, 0.0);
+    }
+}
+
 macro_rules! on_both_backends {
     ($($name:ident => $body:ident;)*) => {
         mod one_redis {
@@ -281,4 +529,14 @@ on_both_backends! {
     sweeper_instance_killed_deadline_still_expires_once => sweeper_instance_killed;
     newest_session_wins_across_instances => session_moves_between_instances;
     drained_sweeper_hands_its_lease_over_at_once => sweeper_instance_drained;
+    drained_instance_reads_as_a_clean_leave => instance_drained_reads_as_a_clean_leave;
+}
+
+/// One Redis only: with a 30 s lease, the others notice the new incarnation
+/// at their next renewal, up to 10 s later (the cluster variant of the
+/// drain test covers the liveness scripts on a cluster).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instance_restarted_within_its_lease_is_a_new_incarnation() {
+    let redis = RedisServer::start(Persistence::Aof).unwrap();
+    Box::pin(instance_restarted_within_its_lease(&redis.url())).await;
 }

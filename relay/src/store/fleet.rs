@@ -40,15 +40,34 @@ pub fn peer_of_channel(channel: &[u8]) -> Option<PeerId> {
     PeerId::new(name.strip_prefix(WAKE_PREFIX)?).ok()
 }
 
+/// The largest generation a claim hands out or takes as its floor (2^53 - 1:
+/// exact in the store's Lua numbers).
+pub const MAX_GENERATION: u64 = (1 << 53) - 1;
+
 /// A peer's session as recorded fleet-wide.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Presence {
     /// The instance holding it.
     pub node: String,
+    /// That instance's incarnation (its process start); `""` in a record
+    /// written by an instance that does not record one.
+    pub incarnation: String,
     /// The session (hex).
     pub session: String,
-    /// Increases with every claim of this peer: the newest session wins.
+    /// Increases with every claim of this peer, also across a loss of the
+    /// store's data: the newest session wins.
     pub generation: u64,
+}
+
+/// The relay instances sharing the store, as one liveness renewal saw them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Liveness {
+    /// Live instances: name and incarnation (`""` for an instance that does
+    /// not record one).
+    pub live: Vec<(String, String)>,
+    /// Instances that left cleanly within the last lease: name and
+    /// incarnation.
+    pub left: Vec<(String, String)>,
 }
 
 /// Fleet coordination through the store. Defaults are those of a store used
@@ -60,13 +79,22 @@ pub trait FleetStore {
         Vec::new()
     }
 
-    /// Records that `node` now holds `peer`'s session `session`; returns the
-    /// claim's generation (strictly increasing per peer).
+    /// Records that `node` (in its process `incarnation`) now holds `peer`'s
+    /// session `session`; returns the
+    /// claim's generation: strictly increasing per peer, above `floor` (the
+    /// highest generation the claiming instance has seen for this peer), and
+    /// never below the store's clock in microseconds. A store that lost the
+    /// record (a flush, a restart without persistence, a failover that lost
+    /// the last writes) therefore still hands out a generation above every
+    /// claim made before the loss: the clock has moved on since, and the
+    /// floor covers a clock that stepped back.
     fn claim_presence(
         &self,
         _peer: &PeerId,
         _node: &str,
+        _incarnation: &str,
         _session: SessionId,
+        _floor: u64,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send {
         async { Ok(0) }
     }
@@ -89,15 +117,23 @@ pub trait FleetStore {
         async move { Ok(vec![None; n]) }
     }
 
-    /// Renews `node`'s liveness for `lease_ms` and returns every live node
-    /// (this one included).
+    /// Renews the liveness of `node` in its process `incarnation` for
+    /// `lease_ms`, and returns every live node (this one included) and the
+    /// recent clean departures. Earlier incarnations of `node` are dropped:
+    /// their process is gone.
     fn renew_node(
         &self,
         node: &str,
+        incarnation: &str,
         _lease_ms: u64,
-    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
-        let me = node.to_owned();
-        async move { Ok(vec![me]) }
+    ) -> impl Future<Output = Result<Liveness, StoreError>> + Send {
+        let me = (node.to_owned(), incarnation.to_owned());
+        async move {
+            Ok(Liveness {
+                live: vec![me],
+                left: Vec::new(),
+            })
+        }
     }
 
     /// Takes or renews the lease `name` for `node`; `true` while `node`
@@ -121,8 +157,15 @@ pub trait FleetStore {
         async { Ok(()) }
     }
 
-    /// Removes `node` from the live instances (a clean shutdown).
-    fn retire_node(&self, _node: &str) -> impl Future<Output = Result<(), StoreError>> + Send {
+    /// Removes `node` (in its process `incarnation`) from the live
+    /// instances, leaving a notice for `lease_ms` that it left cleanly (a
+    /// clean shutdown).
+    fn retire_node(
+        &self,
+        _node: &str,
+        _incarnation: &str,
+        _lease_ms: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
         async { Ok(()) }
     }
 
