@@ -124,6 +124,18 @@ impl Live {
 /// A shared handle to a delegation's live state.
 pub type LiveRef = Arc<Mutex<Live>>;
 
+/// What [`Hub::subscribe`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subscribed {
+    /// Subscribed; the replay from the cursor runs.
+    Yes,
+    /// The session's peer does not receive that log.
+    Refused,
+    /// The view was dropped from the hub's cache since it was looked up:
+    /// look the delegation up again and retry.
+    Evicted,
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Critical sections hold no await and no fallible step that could leave
     // state half-updated, so a poisoned lock is still consistent.
@@ -216,7 +228,9 @@ impl<S: EventStore> Hub<S> {
                 "store epoch changed: the store lost its data"
             );
             self.epoch_changed.store(true, Ordering::Relaxed);
-            lock(&self.live).clear();
+            for (_, l) in lock(&self.live).drain() {
+                lock(&l).evicted = true;
+            }
             let sessions: Vec<SessionRef> = lock(&self.sessions).values().cloned().collect();
             for s in sessions {
                 s.outbox.close(
@@ -425,33 +439,39 @@ impl<S: EventStore> Hub<S> {
         caller: &SessionRef,
         open_frame: Bytes,
     ) -> LiveRef {
-        // With a shared store, a wake-up about this delegation (the callee's
-        // first entry, or the open echoed back) can arrive before this runs
-        // and load the view first: reuse that view, never replace it.
-        let live = {
-            let mut map = lock(&self.live);
-            match map.get(&meta.key) {
-                Some(l)
-                    if {
-                        let g = lock(l);
-                        g.terminal.is_none() && !g.evicted
-                    } =>
-                {
-                    l.clone()
-                }
-                stale => {
-                    if let Some(old) = stale {
-                        lock(old).evicted = true;
+        let live = loop {
+            // With a shared store, a wake-up about this delegation (the callee's
+            // first entry, or the open echoed back) can arrive before this runs
+            // and load the view first: reuse that view, never replace it.
+            let live = {
+                let mut map = lock(&self.live);
+                match map.get(&meta.key) {
+                    Some(l)
+                        if {
+                            let g = lock(l);
+                            g.terminal.is_none() && !g.evicted
+                        } =>
+                    {
+                        l.clone()
                     }
-                    let fresh = Arc::new(Mutex::new(self.live_from_meta(meta)));
-                    map.insert(meta.key.clone(), fresh.clone());
-                    fresh
+                    stale => {
+                        if let Some(old) = stale {
+                            lock(old).evicted = true;
+                        }
+                        let fresh = Arc::new(Mutex::new(self.live_from_meta(meta)));
+                        map.insert(meta.key.clone(), fresh.clone());
+                        fresh
+                    }
                 }
-            }
-        };
-        let callee = lock(&self.sessions).get(&meta.callee).cloned();
-        {
+            };
+            let callee = lock(&self.sessions).get(&meta.callee).cloned();
             let mut l = lock(&live);
+            // Subscriptions go only on the view the hub still caches: the
+            // sweep may have evicted this one (it had none yet) since it was
+            // cached above, and appends would then never reach it.
+            if l.evicted {
+                continue;
+            }
             if l.subs[1].as_ref().is_none_or(|s| s.session != caller.id) {
                 l.subs[1] = Some(self.new_sub(&meta.key, Direction::Up, caller, 0, false));
             }
@@ -461,7 +481,9 @@ impl<S: EventStore> Hub<S> {
                 l.subs[0] = Some(self.new_sub(&meta.key, Direction::Down, callee, 0, false));
             }
             let _ = self.deliver(&mut l, &meta.key, Direction::Down, 1, open_frame);
-        }
+            drop(l);
+            break live;
+        };
         // Up entries that arrived before the caller's subscription existed.
         let up_tail = lock(&live).tails[1];
         if up_tail > 0 {
@@ -652,7 +674,8 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// Subscribes a session to a log from `after` and starts its replay.
-    /// `false` if the session may not read that log (or it does not exist).
+    /// A view the sweep evicted since `live` was looked up gets no
+    /// subscription ([`Subscribed::Evicted`]): look the delegation up again.
     pub fn subscribe(
         self: &Arc<Self>,
         live: &LiveRef,
@@ -660,11 +683,17 @@ impl<S: EventStore> Hub<S> {
         dir: Direction,
         session: &SessionRef,
         after: u64,
-    ) -> bool {
+    ) -> Subscribed {
         let generation = {
             let mut l = lock(live);
+            // The sweep marks a view evicted under this lock and keeps every
+            // view with a subscription: checked here, the subscription lands
+            // on a view that stays cached and so sees every later append.
+            if l.evicted {
+                return Subscribed::Evicted;
+            }
             if l.receiver(dir) != &session.peer {
-                return false;
+                return Subscribed::Refused;
             }
             if let Some(sub) = l.sub_mut(dir).as_mut()
                 && sub.session == session.id
@@ -672,7 +701,7 @@ impl<S: EventStore> Hub<S> {
             {
                 sub.rewind = Some(after);
                 sub.delivered = after;
-                return true;
+                return Subscribed::Yes;
             }
             let sub = self.new_sub(key, dir, session, after, true);
             let generation = sub.generation;
@@ -681,7 +710,7 @@ impl<S: EventStore> Hub<S> {
         };
         self.metrics.replays.inc();
         self.spawn_replay(key.clone(), dir, generation, session.outbox.clone(), after);
-        true
+        Subscribed::Yes
     }
 
     fn spawn_replay(
@@ -1003,10 +1032,16 @@ impl<S: EventStore> Hub<S> {
         if self.fleet.is_leader() {
             self.sweep_fleet().await;
         }
-        // Evict delegations nobody here reads: finished ones, and with a
-        // shared store any (their receivers may have moved to another
-        // instance; the store has them). A session holding an evicted view
-        // sees the mark and looks the delegation up again.
+        self.evict_unread();
+        self.check_epoch().await;
+    }
+
+    /// Evicts the views of delegations nobody here reads: finished ones, and
+    /// with a shared store any (their receivers may have moved to another
+    /// instance; the store has them). Each is marked under its own lock: a
+    /// session holding an evicted view sees the mark and looks the delegation
+    /// up again, and nothing subscribes to a marked view.
+    fn evict_unread(&self) {
         let shared = self.fleet.enabled;
         lock(&self.live).retain(|_, l| {
             let mut l = lock(l);
@@ -1016,7 +1051,6 @@ impl<S: EventStore> Hub<S> {
             }
             keep
         });
-        self.check_epoch().await;
     }
 
     async fn sweep_fleet(self: &Arc<Self>) {
@@ -1360,12 +1394,10 @@ impl<S: EventStore> Hub<S> {
             _ => {
                 let hub = self.clone();
                 self.tasks.spawn(async move {
-                    if let Ok(Some(live)) = hub.live(&key).await {
-                        if adopt {
-                            hub.adopt(&live, &key, Some(frame), 1);
-                        } else {
-                            hub.appended(&live, &key, dir, seq, frame, terminal, true);
-                        }
+                    if adopt {
+                        hub.adopt(&key, Some(frame), 1).await;
+                    } else if let Ok(Some(live)) = hub.live(&key).await {
+                        hub.appended(&live, &key, dir, seq, frame, terminal, true);
                     }
                 });
             }
@@ -1375,18 +1407,35 @@ impl<S: EventStore> Hub<S> {
     /// Subscribes the callee's local session to a delegation's down log from
     /// the start, unless it is subscribed already; delivers `open` if given,
     /// else catches up to `tail` from the store.
-    fn adopt(
+    async fn adopt(self: &Arc<Self>, key: &DelegationKey, open: Option<Bytes>, tail: u64) {
+        // Looked up again while the sweep evicts the view in between.
+        loop {
+            let Ok(Some(live)) = self.live(key).await else {
+                return;
+            };
+            if self.adopt_view(&live, key, open.clone(), tail) {
+                return;
+            }
+        }
+    }
+
+    /// [`Hub::adopt`] on one view; `false` if the sweep evicted it (nothing
+    /// done).
+    fn adopt_view(
         self: &Arc<Self>,
         live: &LiveRef,
         key: &DelegationKey,
         open: Option<Bytes>,
         tail: u64,
-    ) {
+    ) -> bool {
         let mut l = lock(live);
+        if l.evicted {
+            return false;
+        }
         if l.subs[0].is_none() {
             let session = lock(&self.sessions).get(&l.callee).cloned();
             let Some(session) = session else {
-                return;
+                return true;
             };
             l.subs[0] = Some(self.new_sub(key, Direction::Down, &session, 0, false));
         }
@@ -1399,6 +1448,7 @@ impl<S: EventStore> Hub<S> {
                 self.nudged(live, key, Direction::Down, tail, None);
             }
         }
+        true
     }
 
     /// The log `dir` has entries up to `tail`: a live subscription behind it
@@ -1457,9 +1507,7 @@ impl<S: EventStore> Hub<S> {
                 .iter()
                 .filter(|m| m.callee == peer && m.terminal.is_none())
             {
-                if let Ok(Some(live)) = self.live(&m.key).await {
-                    self.adopt(&live, &m.key, None, m.down_tail);
-                }
+                self.adopt(&m.key, None, m.down_tail).await;
             }
         }
     }
@@ -1555,8 +1603,226 @@ fn parse_nudge(body: &[u8]) -> Option<(DelegationKey, Direction, u64)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+    use crate::outbox::{Inbox, outbox};
+    use crate::store::{OpenOutcome, OpenRequest, RedisStore, Retention};
+    use crate::testing::{Persistence, RedisServer};
+    use oab_wire::identity::Identity;
+    use oab_wire::{Digest, KeyId, Open, RequestId};
+    use std::time::Duration;
+
+    const CALLER: &str = "acme/caller";
+    const CALLEE: &str = "acme/callee";
+
+    /// How long any single wait of these tests may take.
+    const STEP: Duration = Duration::from_secs(10);
+
+    fn peer(s: &str) -> PeerId {
+        PeerId::new(s).unwrap()
+    }
+
+    /// A hub on a Redis store (so with the fleet on, as in production with
+    /// Redis), without sessions, sweeper or wake loop: the tests drive it.
+    async fn redis_hub(redis: &RedisServer) -> Arc<Hub<RedisStore>> {
+        let mut text = String::from(
+            "[relay]\nid = \"localhost\"\nlisten = \"127.0.0.1:0\"\n\
+             admin_listen = \"127.0.0.1:1\"\ntls_cert = \"unused\"\ntls_key = \"unused\"\n",
+        );
+        for p in [CALLER, CALLEE] {
+            let id = Identity::generate(peer(p), KeyId::new("k1").unwrap());
+            text.push_str(&format!(
+                "[[peers]]\nid = \"{p}\"\nkeys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n",
+                id.public_key()
+            ));
+        }
+        text.push_str(&format!(
+            "[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\n"
+        ));
+        let config = Config::from_toml_with_overrides(&text, "test", &[]).unwrap();
+        let store = RedisStore::connect(&redis.url(), Retention::default())
+            .await
+            .unwrap();
+        let epoch = store.epoch().await.unwrap();
+        let metrics = Metrics::new(&[peer(CALLER), peer(CALLEE)]);
+        let hub = Hub::new(
+            Arc::new(store),
+            Arc::new(config),
+            metrics,
+            epoch,
+            CancellationToken::new(),
+        );
+        assert!(hub.fleet.enabled, "a Redis store turns the fleet on");
+        hub
+    }
+
+    fn session(name: &str) -> (SessionRef, Inbox) {
+        let (out, inbox) = outbox(64, Duration::from_secs(10), &CancellationToken::new());
+        let me = SessionRef {
+            id: SessionId::random(),
+            peer: peer(name),
+            instance: InstanceId::random(),
+            outbox: out,
+        };
+        (me, inbox)
+    }
+
+    /// Opens a delegation in the store (as the caller's session does before
+    /// [`Hub::created`]); returns its meta and its `Open` frame.
+    async fn open_in_store(hub: &Hub<RedisStore>, request: &str) -> (DelegationMeta, Bytes) {
+        let payload = Bytes::from_static(b"signed request");
+        let open = Open {
+            key: DelegationKey::new(peer(CALLER), RequestId::new(request).unwrap()),
+            target: peer(CALLEE),
+            deadline_ms: oab_wire::identity::now_ms() + 60_000,
+            depth: 1,
+            digest: Digest::of(&payload),
+            ceiling: String::new(),
+            payload,
+        };
+        let frame = encode(&Frame::Open(open.clone())).unwrap();
+        let created = hub
+            .store
+            .open(OpenRequest {
+                key: open.key.clone(),
+                callee: open.target.clone(),
+                deadline_ms: open.deadline_ms,
+                digest: open.digest,
+                frame: frame.clone(),
+                now_ms: oab_wire::identity::now_ms(),
+                wake: None,
+            })
+            .await
+            .unwrap();
+        let OpenOutcome::Created(meta) = created else {
+            panic!("not created: {created:?}");
+        };
+        (meta, frame)
+    }
+
+    /// Appends the callee's terminal as its session does: looks the view
+    /// up, wakes the caller unless it is subscribed here, appends, applies.
+    async fn callee_completes(hub: &Arc<Hub<RedisStore>>, key: &DelegationKey) -> Bytes {
+        let frame = encode(&Frame::Data(Data {
+            key: key.clone(),
+            direction: Direction::Up,
+            seq: 1,
+            terminal: Some(Outcome::Completed),
+            flags: 0,
+            payload: Bytes::from_static(b"signed result"),
+        }))
+        .unwrap();
+        let live = hub.live(key).await.unwrap().unwrap();
+        let wake = hub.wake_for(&lock(&live), Direction::Up);
+        let woke = wake.is_some();
+        let appended = hub
+            .store
+            .append(vec![AppendRequest {
+                key: key.clone(),
+                dir: Direction::Up,
+                seq: 1,
+                terminal: Some(Outcome::Completed),
+                origin: Origin::Peer(InstanceId::random()),
+                frame: frame.clone(),
+                now_ms: oab_wire::identity::now_ms(),
+                wake,
+            }])
+            .await
+            .unwrap();
+        assert_eq!(appended, vec![AppendOutcome::Appended { seq: 1 }]);
+        hub.appended(
+            &live,
+            key,
+            Direction::Up,
+            1,
+            frame.clone(),
+            Some(Outcome::Completed),
+            woke,
+        );
+        frame
+    }
+
+    /// The next data frame queued for a session (bounded wait).
+    async fn next_data(inbox: &mut Inbox) -> Bytes {
+        tokio::time::timeout(STEP, inbox.data.recv())
+            .await
+            .expect("the caller's session gets the entry")
+            .expect("the session's queue is open")
+    }
+
+    /// The sweep evicts a just-created view (it has no subscription yet)
+    /// while `created` is between caching it and subscribing the caller:
+    /// the caller must end up subscribed on the view the hub keeps, so the
+    /// callee's terminal reaches it. (Before the fix the caller was
+    /// subscribed on the evicted view and never saw its delegation's up log:
+    /// a blocking send hung with the relay holding `completed`.)
+    #[test]
+    fn a_sweep_during_created_leaves_the_caller_subscribed() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let redis = RedisServer::start(Persistence::None).unwrap();
+        let hub = rt.block_on(redis_hub(&redis));
+        let (caller, mut inbox) = session(CALLER);
+        let (meta, open_frame) = rt.block_on(open_in_store(&hub, "r-created"));
+
+        // `created` looks up the callee's session after it cached the view:
+        // holding the session table pauses it exactly there.
+        let held = lock(&hub.sessions);
+        let creating = {
+            let (hub, meta, rt) = (hub.clone(), meta.clone(), rt.handle().clone());
+            std::thread::spawn(move || {
+                let _rt = rt.enter();
+                hub.created(&meta, &caller, open_frame)
+            })
+        };
+        let until = std::time::Instant::now() + STEP;
+        while !lock(&hub.live).contains_key(&meta.key) {
+            assert!(
+                std::time::Instant::now() < until,
+                "created never cached the view"
+            );
+            std::thread::yield_now();
+        }
+        hub.evict_unread();
+        drop(held);
+        let live = creating.join().unwrap();
+
+        assert!(
+            !lock(&live).evicted(),
+            "the caller was subscribed on a view the sweep had evicted"
+        );
+        let sent = rt.block_on(callee_completes(&hub, &meta.key));
+        assert_eq!(rt.block_on(next_data(&mut inbox)), sent);
+    }
+
+    /// A `Resume` whose lookup raced the sweep: the evicted view refuses the
+    /// subscription, and the one looked up again delivers the log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_resume_on_an_evicted_view_is_refused_and_retried() {
+        let redis = RedisServer::start(Persistence::None).unwrap();
+        let hub = redis_hub(&redis).await;
+        let (caller, mut inbox) = session(CALLER);
+        let (meta, _) = open_in_store(&hub, "r-resume").await;
+        let key = meta.key.clone();
+
+        let looked_up = hub.live(&key).await.unwrap().unwrap();
+        hub.evict_unread();
+        assert_eq!(
+            hub.subscribe(&looked_up, &key, Direction::Up, &caller, 0),
+            Subscribed::Evicted
+        );
+        let again = hub.live(&key).await.unwrap().unwrap();
+        assert_eq!(
+            hub.subscribe(&again, &key, Direction::Up, &caller, 0),
+            Subscribed::Yes
+        );
+        let sent = callee_completes(&hub, &key).await;
+        assert_eq!(next_data(&mut inbox).await, sent);
+    }
 
     #[test]
     fn nudges_round_trip_and_malformed_ones_are_refused() {

@@ -26,7 +26,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::hub::{Hub, Live, LiveRef, SessionRef};
+use crate::hub::{Hub, Live, LiveRef, SessionRef, Subscribed};
 use crate::outbox::{Inbox, outbox};
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
 
@@ -982,43 +982,51 @@ impl<S: EventStore> Session<S> {
 
     async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
         let hub = self.hub.clone();
-        let live = match hub.live(&key).await {
-            Ok(Some(l)) => l,
-            Ok(None) => {
-                hub.gap(
-                    &self.me.outbox,
-                    &key,
-                    dir,
-                    after,
-                    0,
-                    None,
-                    hub.missing_reason(),
-                );
-                return;
+        loop {
+            let live = match hub.live(&key).await {
+                Ok(Some(l)) => l,
+                Ok(None) => {
+                    hub.gap(
+                        &self.me.outbox,
+                        &key,
+                        dir,
+                        after,
+                        0,
+                        None,
+                        hub.missing_reason(),
+                    );
+                    return;
+                }
+                Err(e) => {
+                    warn!(error = %e, "store unavailable");
+                    self.error(
+                        ErrorCode::StoreUnavailable,
+                        Some(&key),
+                        dir,
+                        after,
+                        "store unavailable; resume later",
+                    );
+                    return;
+                }
+            };
+            match hub.subscribe(&live, &key, dir, &self.me, after) {
+                Subscribed::Yes => return,
+                // The sweep dropped the view since the lookup: look it up again.
+                Subscribed::Evicted => {}
+                Subscribed::Refused => {
+                    // Not this peer's log: answered exactly like a missing delegation.
+                    hub.gap(
+                        &self.me.outbox,
+                        &key,
+                        dir,
+                        after,
+                        0,
+                        None,
+                        hub.missing_reason(),
+                    );
+                    return;
+                }
             }
-            Err(e) => {
-                warn!(error = %e, "store unavailable");
-                self.error(
-                    ErrorCode::StoreUnavailable,
-                    Some(&key),
-                    dir,
-                    after,
-                    "store unavailable; resume later",
-                );
-                return;
-            }
-        };
-        if !hub.subscribe(&live, &key, dir, &self.me, after) {
-            // Not this peer's log: answered exactly like a missing delegation.
-            hub.gap(
-                &self.me.outbox,
-                &key,
-                dir,
-                after,
-                0,
-                None,
-                hub.missing_reason(),
-            );
         }
     }
 

@@ -344,6 +344,20 @@ pub async fn driver_topology(
     oab_connector::Connector,
     serde_json::Value,
 ) {
+    driver_topology_at(env, relay.addr, agent_url).await
+}
+
+/// [`driver_topology`] for a relay listening at `relay` (e.g. a relay
+/// process).
+pub async fn driver_topology_at(
+    env: &crate::common::Env,
+    relay: std::net::SocketAddr,
+    agent_url: &str,
+) -> (
+    oab_connector::Connector,
+    oab_connector::Connector,
+    serde_json::Value,
+) {
     use crate::common::{CALLEE, connector};
     let driver =
         oab_connector::a2a::A2aDriver::new(oab_connector::a2a::DriverOptions::new(agent_url))
@@ -352,13 +366,8 @@ pub async fn driver_topology(
         .agent_card()
         .await
         .expect("the driver resolves the server's card");
-    let b = connector(
-        env,
-        &env.callee,
-        relay.addr,
-        Some(std::sync::Arc::new(driver)),
-    );
-    let a = connector(env, &env.caller, relay.addr, None);
+    let b = connector(env, &env.callee, relay, Some(std::sync::Arc::new(driver)));
+    let a = connector(env, &env.caller, relay, None);
     a.connected().await.unwrap();
     b.connected().await.unwrap();
     b.publish(&card).await.unwrap();

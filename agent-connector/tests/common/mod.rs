@@ -46,6 +46,12 @@ pub struct Env {
     pub caller: Identity,
     pub callee: Identity,
     pub cert_der: Vec<u8>,
+    /// The relay certificate (PEM), for a relay process.
+    pub cert_pem: String,
+    /// The relay certificate's private key (PEM), for a relay process.
+    pub key_pem: String,
+    /// The relay config as TOML (what `config` was parsed from).
+    pub config_text: String,
     pub config: Config,
     pub tls: Arc<rustls::ServerConfig>,
 }
@@ -82,6 +88,9 @@ impl Env {
             caller,
             callee,
             cert_der: ss.cert_der,
+            cert_pem: ss.cert_pem,
+            key_pem: ss.key_pem,
+            config_text: text,
             config,
             tls,
         }
