@@ -249,6 +249,18 @@ pub enum LinkError {
     /// This request id is already in use with another payload.
     #[error("request id {0} already used in this connector")]
     Duplicate(String),
+    /// The relay's store lost events of this delegation after acknowledging
+    /// them (it restarted without its latest writes): nothing more can be
+    /// sent on it.
+    #[error(
+        "the relay's store lost acknowledged events of this delegation (it holds {held} of {acked}); nothing more can be sent on it"
+    )]
+    StoreLost {
+        /// Events the relay had acknowledged.
+        acked: u64,
+        /// Events its store still holds.
+        held: u64,
+    },
 }
 
 pub(crate) enum Command {
@@ -415,6 +427,10 @@ struct Outgoing {
     sent: u64,
     unacked: VecDeque<(u64, Bytes)>,
     waiters: Vec<(u64, oneshot::Sender<Result<u64, LinkError>>)>,
+    /// The relay's store lost entries of this log after acknowledging them
+    /// (it holds up to this sequence): they cannot be sent again, so
+    /// nothing more is sent on it.
+    lost: Option<u64>,
 }
 
 struct Delegation {
@@ -904,6 +920,9 @@ impl Link {
             let Some(d) = self.delegations.get_mut(&key) else {
                 continue;
             };
+            if d.out.lost.is_some() {
+                continue;
+            }
             for (seq, bytes) in d.out.unacked.iter() {
                 if *seq <= d.out.sent {
                     continue;
@@ -983,6 +1002,15 @@ impl Link {
                 if let Some(t) = d.terminal {
                     if let Some(a) = acked {
                         let _ = a.send(Err(LinkError::AlreadyTerminal(t)));
+                    }
+                    return;
+                }
+                if let Some(held) = d.out.lost {
+                    if let Some(a) = acked {
+                        let _ = a.send(Err(LinkError::StoreLost {
+                            acked: d.out.acked,
+                            held,
+                        }));
                     }
                     return;
                 }
@@ -1280,6 +1308,25 @@ impl Link {
         };
         debug!(%key, code = %name, seq = e.seq, message = %e.message, "relay refused a frame");
         match code {
+            Some(ErrorCode::SequenceGap) if e.seq < d.out.acked => {
+                // The relay acknowledged more than its store now holds:
+                // resending cannot repair that, and would be refused
+                // forever. The receiver is told with a gap by the relay.
+                warn!(%key, held = e.seq, acked = d.out.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
+                let lost = LinkError::StoreLost {
+                    acked: d.out.acked,
+                    held: e.seq,
+                };
+                d.out.lost = Some(e.seq);
+                self.buffered = self.buffered.saturating_sub(d.out.unacked.len());
+                d.out.unacked.clear();
+                for (_, w) in d.out.waiters.drain(..) {
+                    let _ = w.send(Err(lost.clone()));
+                }
+                if let Some(r) = d.open_reply.take() {
+                    let _ = r.send(Err(lost));
+                }
+            }
             Some(ErrorCode::SequenceGap) => {
                 // The relay holds up to e.seq: everything after is resent.
                 let tail = e.seq;

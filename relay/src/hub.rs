@@ -617,6 +617,14 @@ impl<S: EventStore> Hub<S> {
         woke: bool,
     ) {
         let mut l = lock(live);
+        if l.sub_mut(dir)
+            .as_ref()
+            .is_some_and(|s| !s.replaying && seq <= s.delivered)
+        {
+            // The store just took `seq`, yet the receiver already has it:
+            // the store lost entries it had acknowledged.
+            self.store_lost(&mut l, key, dir, seq - 1);
+        }
         let tail = l.tail_mut(dir);
         *tail = (*tail).max(seq);
         self.note_terminal(&mut l, terminal);
@@ -630,6 +638,44 @@ impl<S: EventStore> Hub<S> {
             self.tasks.spawn(async move {
                 let _ = hub.store.publish(vec![(receiver, msg)]).await;
             });
+        }
+    }
+
+    /// The store's log `dir` ends at `tail`, below what this view had seen:
+    /// the store lost entries it had acknowledged (a Redis restart that lost
+    /// writes not yet in its AOF, a failover to a replica that lagged). The
+    /// cached tail follows the store, and a receiver that already holds
+    /// entries past `tail` is told with a `Gap` (`epoch_changed`, as for a
+    /// store that lost everything) and unsubscribed, instead of waiting for
+    /// entries that will never come again under those numbers.
+    pub fn store_lost(&self, l: &mut Live, key: &DelegationKey, dir: Direction, tail: u64) {
+        *l.tail_mut(dir) = tail;
+        let terminal = l.terminal;
+        let slot = l.sub_mut(dir);
+        let Some(sub) = slot.as_ref().filter(|s| s.delivered > tail) else {
+            return;
+        };
+        warn!(%key, dir = dir.name(), tail, delivered = sub.delivered, "the store lost acknowledged entries; the receiver is told with a gap");
+        let (outbox, after) = (sub.outbox.clone(), sub.delivered);
+        *slot = None;
+        self.gap(
+            &outbox,
+            key,
+            dir,
+            after,
+            u64::from(tail > 0),
+            terminal,
+            GapReason::EpochChanged,
+        );
+    }
+
+    /// A sender's entry skipped ahead of the store's log, which ends at
+    /// `tail`: if the view had seen more, the store lost entries
+    /// ([`Self::store_lost`]).
+    pub fn hole(&self, live: &LiveRef, key: &DelegationKey, dir: Direction, tail: u64) {
+        let mut l = lock(live);
+        if *l.tail_mut(dir) > tail {
+            self.store_lost(&mut l, key, dir, tail);
         }
     }
 
@@ -969,8 +1015,13 @@ impl<S: EventStore> Hub<S> {
                 }
                 Some(AppendOutcome::Conflict { tail }) => {
                     let mut l = lock(&live);
-                    let t = l.tail_mut(dir);
-                    *t = (*t).max(tail);
+                    if *l.tail_mut(dir) > tail {
+                        // Below what this view had seen: the store lost
+                        // entries; the next round appends at its real tail.
+                        self.store_lost(&mut l, key, dir, tail);
+                    } else {
+                        *l.tail_mut(dir) = tail;
+                    }
                 }
                 Some(AppendOutcome::AlreadyTerminal { outcome: o }) => {
                     let mut l = lock(&live);

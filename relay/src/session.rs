@@ -757,13 +757,16 @@ impl<S: EventStore> Session<S> {
                     self.hub.nudged(&live, &req.key, req.dir, tail, None);
                     self.record_ack(req.key, req.dir, tail);
                 }
-                AppendOutcome::Hole { tail } => self.error(
-                    ErrorCode::SequenceGap,
-                    Some(&req.key),
-                    req.dir,
-                    tail,
-                    "sequence skips ahead of the log; resend from seq+1 of this error",
-                ),
+                AppendOutcome::Hole { tail } => {
+                    self.hub.hole(&live, &req.key, req.dir, tail);
+                    self.error(
+                        ErrorCode::SequenceGap,
+                        Some(&req.key),
+                        req.dir,
+                        tail,
+                        "sequence skips ahead of the log; resend from seq+1 of this error",
+                    );
+                }
                 AppendOutcome::AlreadyTerminal { outcome } => self.error(
                     ErrorCode::AlreadyTerminal,
                     Some(&req.key),

@@ -52,8 +52,14 @@ pub enum Persistence {
     /// Nothing (`--appendonly no`): a restart loses every key.
     None,
     /// Append-only file fsynced every second (`--appendonly yes
-    /// --appendfsync everysec`): a restart reloads the data.
+    /// --appendfsync everysec`): a restart reloads the data. A SIGKILL may
+    /// still lose what Redis acknowledged in its last two seconds: while a
+    /// background fsync is slow, Redis postpones its AOF writes and answers
+    /// all the same.
     Aof,
+    /// Append-only file fsynced before every answer (`--appendfsync
+    /// always`): nothing acknowledged is lost to a SIGKILL.
+    AofAlways,
 }
 
 /// Why the harness could not run `redis-server`.
@@ -207,9 +213,10 @@ impl RedisServer {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e.into()),
         }
-        let appendonly = match self.persistence {
-            Persistence::None => "no",
-            Persistence::Aof => "yes",
+        let (appendonly, fsync) = match self.persistence {
+            Persistence::None => ("no", "everysec"),
+            Persistence::Aof => ("yes", "everysec"),
+            Persistence::AofAlways => ("yes", "always"),
         };
         let mut cmd = Command::new(self.binary);
         cmd.arg("--port")
@@ -218,7 +225,7 @@ impl RedisServer {
             .arg(&socket)
             .arg("--unixsocketperm")
             .arg("700");
-        self.child = Some(spawn_server(cmd, dir, appendonly)?);
+        self.child = Some(spawn_server(cmd, dir, appendonly, fsync)?);
         match self.wait_ready() {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -311,9 +318,14 @@ fn answers_pong(s: &mut (impl Read + Write)) -> io::Result<bool> {
 }
 
 /// Adds the settings every test server shares (its directory and log, no
-/// RDB snapshots, AOF on or off fsynced every second, `noeviction`) and
+/// RDB snapshots, AOF on or off with the given fsync policy, `noeviction`) and
 /// starts it.
-fn spawn_server(mut cmd: Command, dir: &Path, appendonly: &str) -> Result<Child, HarnessError> {
+fn spawn_server(
+    mut cmd: Command,
+    dir: &Path,
+    appendonly: &str,
+    fsync: &str,
+) -> Result<Child, HarnessError> {
     cmd.arg("--dir")
         .arg(dir)
         .arg("--logfile")
@@ -325,7 +337,7 @@ fn spawn_server(mut cmd: Command, dir: &Path, appendonly: &str) -> Result<Child,
         .arg("--appendonly")
         .arg(appendonly)
         .arg("--appendfsync")
-        .arg("everysec")
+        .arg(fsync)
         .arg("--maxmemory-policy")
         .arg("noeviction")
         .stdin(Stdio::null())
@@ -403,7 +415,7 @@ impl ClusterNode {
             .arg(dir.join(format!("nodes-{}.conf", self.port)))
             .arg("--cluster-announce-ip")
             .arg("127.0.0.1");
-        self.child = Some(spawn_server(cmd, dir, "yes")?);
+        self.child = Some(spawn_server(cmd, dir, "yes", "everysec")?);
         match self.wait_ready() {
             Ok(()) => Ok(()),
             Err(e) => {
