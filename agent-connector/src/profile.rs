@@ -542,77 +542,16 @@ impl DelegationRequest {
     }
 }
 
-/// Appends the canonical JSON form of `value` to `out`.
-///
-/// The form is RFC 8785 (JCS) except for numbers: no insignificant
+/// The canonical JSON form of `value`: RFC 8785 (JCS), numbers included
+/// (ECMAScript's shortest round-trip form, so `1.0` is `1` and `1e21` is
+/// `1e+21`), as any JCS implementation writes it. No insignificant
 /// whitespace; object members sorted by the UTF-16 code units of their
-/// names; strings with `"` `\` escaped, `\b \f \n \r \t` for those controls,
-/// other controls below U+0020 as `\u00xx` (lower-case hex), everything else
-/// literal UTF-8; numbers exactly as `serde_json` writes them (integers in
-/// full, floats in shortest round-trip form).
-pub fn write_canonical_json(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-        Value::Number(n) => out.extend_from_slice(n.to_string().as_bytes()),
-        Value::String(s) => write_canonical_string(s, out),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical_json(item, out);
-            }
-            out.push(b']');
-        }
-        Value::Object(map) => {
-            let mut members: Vec<(&String, &Value)> = map.iter().collect();
-            members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-            out.push(b'{');
-            for (i, (k, v)) in members.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical_string(k, out);
-                out.push(b':');
-                write_canonical_json(v, out);
-            }
-            out.push(b'}');
-        }
-    }
-}
-
-fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    out.push(b'"');
-    let mut buf = [0u8; 4];
-    for ch in s.chars() {
-        match ch {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            '\u{08}' => out.extend_from_slice(b"\\b"),
-            '\u{0c}' => out.extend_from_slice(b"\\f"),
-            '\n' => out.extend_from_slice(b"\\n"),
-            '\r' => out.extend_from_slice(b"\\r"),
-            '\t' => out.extend_from_slice(b"\\t"),
-            c if (c as u32) < 0x20 => {
-                let b = c as u32 as usize;
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX.get(b >> 4).copied().unwrap_or(b'0'));
-                out.push(HEX.get(b & 0xf).copied().unwrap_or(b'0'));
-            }
-            c => out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes()),
-        }
-    }
-    out.push(b'"');
-}
-
-/// The canonical JSON form of `value` ([`write_canonical_json`]).
+/// names; strings escaped minimally.
 pub fn canonical_json(value: &Value) -> Vec<u8> {
-    let mut out = Vec::new();
-    write_canonical_json(value, &mut out);
-    out
+    // A `serde_json::Value` holds only finite numbers, the one thing JCS
+    // refuses; an error here would give a digest nothing matches (fail
+    // closed), never a panic.
+    serde_json_canonicalizer::to_vec(value).unwrap_or_default()
 }
 
 fn artifact_value(a: &Artifact) -> Value {
@@ -1659,6 +1598,12 @@ pub(crate) mod tests {
         assert_eq!(
             String::from_utf8(canonical_json(&v)).unwrap(),
             r#"{"A":{"y":-2,"z":1.5},"a":[true,null,"x\"\\\n\u0001é"],"b":1}"#
+        );
+        // Numbers as RFC 8785 writes them (ECMAScript form).
+        let v = json!({"n": [1.0, 1e21, 0.1, -0.0, 100, 1.5e-7]});
+        assert_eq!(
+            String::from_utf8(canonical_json(&v)).unwrap(),
+            r#"{"n":[1,1e+21,0.1,0,100,1.5e-7]}"#
         );
         // UTF-16 order: U+FFFD sorts after U+1F600's surrogates in UTF-16 (JCS).
         let v = json!({"\u{fffd}": 1, "\u{1f600}": 2});
