@@ -15,29 +15,17 @@ impl Digest {
         Digest(Sha256::digest(bytes).into())
     }
 
-    /// Parses `sha256:<hex>`.
+    /// Parses `sha256:<hex>` (64 hex digits, either case).
     pub fn parse(s: &str) -> Option<Self> {
-        let hex = s.strip_prefix("sha256:")?;
-        if hex.len() != 64 {
-            return None;
-        }
         let mut out = [0u8; 32];
-        for (i, byte) in out.iter_mut().enumerate() {
-            let pair = hex.get(2 * i..2 * i + 2)?;
-            *byte = u8::from_str_radix(pair, 16).ok()?;
-        }
+        ::hex::decode_to_slice(s.strip_prefix("sha256:")?, &mut out).ok()?;
         Some(Digest(out))
     }
 }
 
 /// Lower-case hex of bytes.
 pub fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
+    ::hex::encode(bytes)
 }
 
 impl fmt::Display for Digest {
