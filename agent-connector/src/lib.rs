@@ -11,6 +11,7 @@
 //! | [`authority`] | capabilities, policies, the fail-closed intersection, budgets, depth |
 //! | [`nonce`] | request nonces and the callee's replay cache |
 //! | [`events`] | the event payloads on the relay's logs |
+//! | [`keyfile`] | the identity file on disk (0600, never overwritten) |
 //! | [`audit`] | the audit trail |
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
@@ -24,6 +25,7 @@ pub mod caller;
 pub mod config;
 pub mod connector;
 pub mod events;
+pub mod keyfile;
 pub mod link;
 pub mod nonce;
 pub mod profile;

@@ -65,7 +65,7 @@ fn main() -> anyhow::Result<()> {
             let peer = PeerId::new(&peer)?;
             let key_id = KeyId::new(&key_id)?;
             let id = Identity::generate(peer, key_id);
-            id.save(&out)?;
+            oab_connector::keyfile::save(&id, &out)?;
             println!("wrote {} (keep it private)", out.display());
             println!("[[peers]]");
             println!("id = \"{}\"", id.peer);
@@ -103,7 +103,7 @@ fn main() -> anyhow::Result<()> {
 async fn run(path: PathBuf) -> anyhow::Result<()> {
     let config = ConnectorConfig::load(&path)?;
     let c = &config.connector;
-    let identity = Identity::load(&c.identity)?;
+    let identity = oab_connector::keyfile::load(&c.identity)?;
     let trust = match (&c.relay_ca, &c.relay_pin_sha256) {
         (Some(ca), _) => RelayTrust::Ca(load_ca_certs(ca)?),
         (None, Some(pin)) => RelayTrust::Pin(Digest::parse(pin).context("relay_pin_sha256")?),

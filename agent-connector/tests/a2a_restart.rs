@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 /// Writes the caller's `connector.toml` (and its identity) into `dir`.
 fn caller_config(env: &Env, dir: &Path, relay: std::net::SocketAddr, facade_port: u16) -> String {
     let identity = dir.join("caller.identity.toml");
-    env.caller.save(&identity).unwrap();
+    oab_connector::keyfile::save(&env.caller, &identity).unwrap();
     let pin = oab_wire::digest::hex(&Digest::of(&env.cert_der).0);
     let text = format!(
         r#"[connector]

@@ -96,7 +96,7 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
             std::fs::remove_file(file).map_err(io(file))?;
         }
         let id = Identity::generate(peer.clone(), key_id.clone());
-        id.save(file)?;
+        tls::write_file(file, &id.to_file_string(), true)?;
         let pk = PeerKey {
             key_id: key_id.clone(),
             public_key: id.public_key(),
@@ -151,7 +151,14 @@ mod tests {
         assert_eq!(c.peers.len(), 2);
         assert_eq!(c.routes.len(), 2);
         for (peer, file) in &first.identities {
-            assert_eq!(&Identity::load(file).unwrap().peer, peer);
+            let text = std::fs::read_to_string(file).unwrap();
+            assert_eq!(&Identity::from_file_str(&text, "t").unwrap().peer, peer);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt as _;
+                let mode = std::fs::metadata(file).unwrap().permissions().mode();
+                assert_eq!(mode & 0o777, 0o600, "identity files are private");
+            }
         }
         let second = prepare(&d).unwrap();
         assert!(!second.created);

@@ -18,8 +18,6 @@
 //! peer configuration.
 
 use std::fmt;
-use std::io::Write as _;
-use std::path::Path;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -34,22 +32,6 @@ pub const IDENTITY_FORMAT: &str = "oab-identity-v1";
 /// Errors loading, saving or parsing identities and keys.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
-    /// The file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The secret file is readable by group or others.
-    #[error("{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}`")]
-    Permissions {
-        /// The file.
-        path: String,
-        /// Its permission bits.
-        mode: u32,
-    },
     /// The file's content is not a valid identity.
     #[error("{path}: {reason}")]
     Format {
@@ -222,46 +204,6 @@ impl Identity {
         }
         Ok(id)
     }
-
-    /// Writes the identity file with mode 0600. Refuses to overwrite.
-    pub fn save(&self, path: &Path) -> Result<(), IdentityError> {
-        let io = |source| IdentityError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        let mut opts = std::fs::OpenOptions::new();
-        opts.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt as _;
-            opts.mode(0o600);
-        }
-        let mut f = opts.open(path).map_err(io)?;
-        f.write_all(self.to_file_string().as_bytes()).map_err(io)?;
-        f.sync_all().map_err(io)
-    }
-
-    /// Reads an identity file, refusing one that group or others can read.
-    pub fn load(path: &Path) -> Result<Self, IdentityError> {
-        let shown = path.display().to_string();
-        let io = |source| IdentityError::Io {
-            path: shown.clone(),
-            source,
-        };
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
-            if mode & 0o077 != 0 {
-                return Err(IdentityError::Permissions {
-                    path: shown.clone(),
-                    mode: mode & 0o777,
-                });
-            }
-        }
-        let text = std::fs::read_to_string(path).map_err(io)?;
-        Identity::from_file_str(&text, &shown)
-    }
 }
 
 /// One trusted public key of a peer, with an optional validity window.
@@ -380,26 +322,6 @@ mod tests {
         assert!(err.to_string().contains("missing field"), "{err}");
         let unknown = format!("{}\nextra = 1\n", id.to_file_string());
         assert!(Identity::from_file_str(&unknown, "f").is_err());
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn saved_with_0600_and_loose_files_refused() {
-        use std::os::unix::fs::PermissionsExt as _;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("id.toml");
-        let id = ident();
-        id.save(&path).unwrap();
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        assert_eq!(Identity::load(&path).unwrap().public_key(), id.public_key());
-        assert!(id.save(&path).is_err(), "never overwrites");
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let err = Identity::load(&path).unwrap_err();
-        assert!(
-            matches!(err, IdentityError::Permissions { mode: 0o644, .. }),
-            "{err}"
-        );
     }
 
     #[test]

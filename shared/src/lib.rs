@@ -1,7 +1,9 @@
 //! `oab-wire`: the wire protocol shared by the OAB relay and its connectors.
 //!
-//! No I/O lives here: only types, byte layouts and pure state machines, so
-//! both sides use the same code and every rule is testable in memory.
+//! No I/O lives here: only types, byte layouts and pure state machines
+//! (the identity file's text form included; the connector reads and writes
+//! the file), so both sides use the same code and every rule is testable in
+//! memory.
 //!
 //! | module | concern |
 //! |---|---|
@@ -11,7 +13,7 @@
 //! | [`frame`] | the frame types and their fields |
 //! | [`codec`] | byte layout, encoder, and the decoder contract |
 //! | [`digest`] | SHA-256 digests of exact bytes |
-//! | [`identity`] | ed25519 identities, key files, public keys, key windows |
+//! | [`identity`] | ed25519 identities, the identity file format, public keys, key windows |
 //! | [`handshake`] | the session handshake transcript and state machine |
 //! | [`envelope`] | signed envelopes (DSSE-style) for requests and results |
 //!

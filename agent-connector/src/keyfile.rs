@@ -1,0 +1,106 @@
+//! The identity file on disk: written once with mode 0600, never
+//! overwritten, and read only while nobody but its owner can read it.
+//!
+//! The file's format ([`Identity::to_file_string`],
+//! [`Identity::from_file_str`]) belongs to `oab-wire`; this module owns only
+//! the file system side, and never logs or prints the secret.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use oab_wire::identity::{Identity, IdentityError};
+
+/// Why an identity file could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyFileError {
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The secret file is readable by group or others.
+    #[error("{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}`")]
+    Permissions {
+        /// The file.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The file's content is not a valid identity.
+    #[error(transparent)]
+    Format(#[from] IdentityError),
+}
+
+/// Writes `identity` to a new file with mode 0600. Refuses to overwrite.
+pub fn save(identity: &Identity, path: &Path) -> Result<(), KeyFileError> {
+    let io = |source| KeyFileError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path).map_err(io)?;
+    f.write_all(identity.to_file_string().as_bytes())
+        .map_err(io)?;
+    f.sync_all().map_err(io)
+}
+
+/// Reads an identity file, refusing one that group or others can read.
+pub fn load(path: &Path) -> Result<Identity, KeyFileError> {
+    let shown = path.display().to_string();
+    let io = |source| KeyFileError::Io {
+        path: shown.clone(),
+        source,
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            return Err(KeyFileError::Permissions {
+                path: shown.clone(),
+                mode: mode & 0o777,
+            });
+        }
+    }
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    Ok(Identity::from_file_str(&text, &shown)?)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use oab_wire::{KeyId, PeerId};
+
+    #[cfg(unix)]
+    #[test]
+    fn saved_with_0600_and_loose_files_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("id.toml");
+        let id = Identity::generate(
+            PeerId::new("acme/build").unwrap(),
+            KeyId::new("k1").unwrap(),
+        );
+        save(&id, &path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(load(&path).unwrap().public_key(), id.public_key());
+        assert!(save(&id, &path).is_err(), "never overwrites");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = load(&path).unwrap_err();
+        assert!(
+            matches!(err, KeyFileError::Permissions { mode: 0o644, .. }),
+            "{err}"
+        );
+    }
+}
