@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use oab_wire::RequestId;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -24,7 +25,6 @@ use crate::a2a::profile::{self, Contract};
 use crate::a2a::tasks::{FacadeEvent, NewTask, TaskCell};
 use crate::caller::NewDelegation;
 use crate::profile::{ParentContext, Task};
-use oab_wire::RequestId;
 
 impl RpcCall {
     /// `SendMessage` (`streaming` false) and `SendStreamingMessage`: a
