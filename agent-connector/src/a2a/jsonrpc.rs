@@ -1,6 +1,7 @@
 //! The JSON-RPC 2.0 binding's envelope: parsing requests, building results
 //! and errors, the A2A error codes with their `google.rpc.ErrorInfo`
-//! detail, and the `A2A-Version` service parameter.
+//! detail, the mapping of the connector's refusals to those codes, and the
+//! `A2A-Version` service parameter.
 //!
 //! Every error this module builds is one JSON-RPC error object whose `data`
 //! is an array holding one ErrorInfo (`@type`, `reason`, `domain`,
@@ -10,6 +11,7 @@
 use serde_json::{Map, Value, json};
 
 use super::PROTOCOL_VERSION;
+use crate::caller::CallerError;
 
 /// The `@type` of a `google.rpc.ErrorInfo` detail.
 pub const ERROR_INFO_TYPE: &str = "type.googleapis.com/google.rpc.ErrorInfo";
@@ -158,6 +160,22 @@ impl A2aError {
     /// A complete JSON-RPC error response for request `id`.
     pub fn to_response(&self, id: &Value) -> Value {
         json!({ "jsonrpc": "2.0", "id": id, "error": self.to_error_object() })
+    }
+
+    /// A [`Caller`](crate::Caller) failure as answered to an A2A client:
+    /// the delegation profile's refusals (authority, profile, idempotency)
+    /// as [`A2aError::Refused`] with the connector's code; anything else as
+    /// [`A2aError::Internal`].
+    pub(crate) fn from_caller(e: CallerError) -> A2aError {
+        match e {
+            CallerError::Authority(_)
+            | CallerError::Profile(_)
+            | CallerError::IdempotencyMismatch(_) => A2aError::Refused {
+                code: e.code().to_string(),
+                message: e.to_string(),
+            },
+            other => A2aError::Internal(format!("{other:#}")),
+        }
     }
 }
 

@@ -2,11 +2,11 @@
 //!
 //! | module | concern |
 //! |---|---|
-//! | [`jsonrpc`] | the JSON-RPC 2.0 envelope, the A2A error codes, the `A2A-Version` check |
+//! | [`jsonrpc`] | the JSON-RPC 2.0 envelope, the A2A error codes (and the refusals mapped to them), the `A2A-Version` check |
 //! | [`model`] | A2A 1.0 JSON shapes: task states, timestamps, messages, artifacts |
 //! | [`profile`] | the OAB Delegation Profile extension: URI, activation, cursor, contract, metadata |
 //! | `tasks` | the facade's task table: delegation events folded into A2A tasks and events |
-//! | [`facade`] | caller side: per-peer agent cards and the JSON-RPC binding with SSE |
+//! | [`facade`] | caller side: per-peer agent cards and the JSON-RPC binding with SSE, one module per A2A method |
 //! | [`server`] | serving the facade on an injected listener until a shutdown token fires |
 //! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server |
 //!

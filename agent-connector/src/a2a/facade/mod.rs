@@ -1,0 +1,271 @@
+//! The caller side: a loopback A2A 1.0 server per remote peer, so any A2A
+//! client can delegate through the relay unchanged.
+//!
+//! Routes (axum), for the peer `namespace/name`:
+//! - `GET /peers/{namespace}/{name}/.well-known/agent-card.json`: the card
+//!   the peer published through the relay (or a synthesized one), with
+//!   `supportedInterfaces[0]` = this facade's JSON-RPC URL for the peer;
+//! - `POST /peers/{namespace}/{name}/` (and without the trailing slash):
+//!   the JSON-RPC 2.0 binding with every 1.0 method;
+//! - `GET /peers`: the reachable peers and their card URLs.
+//!
+//! Each `SendMessage` without a `taskId` starts one delegation; a message
+//! with a `taskId` goes down as a follow-up ([`Caller::send_message`]). One
+//! tracker task per delegation folds the connector's event log (replay, then
+//! live) into the task table; every read (`GetTask`, `ListTasks`, streams)
+//! is answered from that table, so reads work while the callee or the relay
+//! is away. A client that disconnects never cancels anything.
+//!
+//! This module owns the [`Facade`] handle, its options and delegation
+//! defaults, the routes, and the restore of a previous process's tasks. It
+//! never answers an A2A method itself: each method lives in its own module.
+//!
+//! | module | concern |
+//! |---|---|
+//! | `card` | agent cards and the peer list (`GET` routes) |
+//! | `rpc` | the JSON-RPC endpoint: envelope checks, the method table, replies |
+//! | `params` | reading typed members out of a method's params |
+//! | `send_message` | `SendMessage` and `SendStreamingMessage`: new task, follow-up |
+//! | `get_task` | `GetTask` |
+//! | `list_tasks` | `ListTasks`: filters and pages |
+//! | `cancel_task` | `CancelTask` |
+//! | `subscribe_to_task` | `SubscribeToTask`, with the profile's cursor |
+//! | `stream` | the SSE producer of one stream, fed from the task table |
+//! | `tracker` | the task that folds one delegation's events into the task table |
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use oab_wire::{PeerEntry, PeerId};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use super::model::{fresh_id, normalise_message};
+use super::tasks::{NewTask, TaskTable};
+use crate::caller::{Caller, CallerError};
+use crate::profile::{Budgets, RiskLevel};
+use tracker::track_delegation;
+
+mod cancel_task;
+mod card;
+mod get_task;
+mod list_tasks;
+mod params;
+mod rpc;
+mod send_message;
+mod stream;
+mod subscribe_to_task;
+mod tracker;
+
+pub use card::build_card;
+
+/// What a delegation asks for when the client says nothing (a plain A2A
+/// client, or a profile contract that leaves members out).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DelegationDefaults {
+    /// Capabilities requested (exact names).
+    pub capabilities: Vec<String>,
+    /// Whether the callee must not change anything.
+    pub read_only: bool,
+    /// Time from the request until the deadline.
+    pub timeout: Duration,
+    /// Budgets (zero is zero).
+    pub budgets: Budgets,
+    /// The caller-side agent named in the request's provenance.
+    pub agent: String,
+}
+
+impl Default for DelegationDefaults {
+    /// Read-only, no capabilities, ten minutes, small budgets at low risk.
+    fn default() -> Self {
+        DelegationDefaults {
+            capabilities: Vec::new(),
+            read_only: true,
+            timeout: Duration::from_secs(600),
+            budgets: Budgets {
+                tokens: 100_000,
+                cost_micros: 1_000_000,
+                risk: RiskLevel::Low,
+                output_bytes: 1_000_000,
+            },
+            agent: "a2a-facade".into(),
+        }
+    }
+}
+
+/// Facade settings.
+#[derive(Debug, Clone)]
+pub struct FacadeOptions {
+    /// The base URL clients reach the facade at (e.g.
+    /// `http://127.0.0.1:7070`), used in agent cards. `None`: taken from
+    /// each request's `Host` header, with `http://`.
+    pub public_url: Option<String>,
+    /// Delegation defaults.
+    pub defaults: DelegationDefaults,
+    /// How long a new task's stream waits for the callee's first event
+    /// before it sends the task (with the facade-minted id when the
+    /// callee's id is not known yet). Waiting lets a message-only answer be
+    /// streamed as a `message`.
+    pub first_event_wait: Duration,
+    /// How long `CancelTask` waits for the terminal before it returns the
+    /// task as it stands (a cancel never guarantees `canceled`).
+    pub cancel_wait: Duration,
+    /// How long an agent-card request waits for the relay's peer list.
+    pub peer_lookup_timeout: Duration,
+    /// Extra wait past a delegation's deadline for a blocking `SendMessage`
+    /// (the relay appends `expired` after the deadline).
+    pub deadline_grace: Duration,
+    /// Tasks remembered; past this the oldest finished task is forgotten.
+    pub max_tasks: usize,
+    /// A2A events kept per task for streams and cursor replay.
+    pub max_events_per_task: usize,
+}
+
+impl Default for FacadeOptions {
+    fn default() -> Self {
+        FacadeOptions {
+            public_url: None,
+            defaults: DelegationDefaults::default(),
+            first_event_wait: Duration::from_secs(1),
+            cancel_wait: Duration::from_secs(10),
+            peer_lookup_timeout: Duration::from_secs(2),
+            deadline_grace: Duration::from_secs(30),
+            max_tasks: 10_000,
+            max_events_per_task: 10_000,
+        }
+    }
+}
+
+/// The state behind every clone of a [`Facade`].
+#[derive(Debug)]
+struct Inner {
+    caller: Caller,
+    options: FacadeOptions,
+    /// Bounded by `max_tasks` and `max_events_per_task` (see [`TaskTable`]).
+    tasks: TaskTable,
+    /// The relay's last peer list, for card requests when a fresh one cannot
+    /// be had in time; replaced whole by each fresh list.
+    peers: Mutex<Option<Vec<PeerEntry>>>,
+    /// Fired by [`Facade::close`]: stops every tracker and open stream.
+    stop: CancellationToken,
+}
+
+/// The A2A facade of a connector's caller side. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Facade {
+    inner: Arc<Inner>,
+}
+
+/// What every route handler gets: the facade and the token that ends its
+/// open streams.
+#[derive(Clone)]
+struct RouterState {
+    inner: Arc<Inner>,
+    streams_stop: CancellationToken,
+}
+
+impl Facade {
+    /// A facade over `caller`.
+    pub fn new(caller: Caller, options: FacadeOptions) -> Facade {
+        let tasks = TaskTable::new(options.max_tasks, options.max_events_per_task);
+        Facade {
+            inner: Arc::new(Inner {
+                caller,
+                options,
+                tasks,
+                peers: Mutex::new(None),
+                stop: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// Takes back the delegations an earlier process of this connector left
+    /// open (from the caller's state folder): each gets its task again,
+    /// under the same ids, folded anew from the relay's log, so `GetTask`,
+    /// `ListTasks` and `SubscribeToTask` (cursors included) work across a
+    /// restart. Call it once, before serving. Returns how many were taken
+    /// back.
+    pub async fn restore(&self) -> Result<usize, CallerError> {
+        let inner = &self.inner;
+        let handles = inner.caller.restore().await?;
+        let mut restored = 0;
+        for handle in handles {
+            let Some(request) = inner.caller.request(&handle) else {
+                continue;
+            };
+            let message = request.task.a2a_message.clone().unwrap_or_else(|| {
+                json!({
+                    "messageId": fresh_id("msg"),
+                    "role": "ROLE_USER",
+                    "parts": [{ "text": request.task.text }],
+                })
+            });
+            let context_id = message
+                .get("contextId")
+                .and_then(Value::as_str)
+                .map_or_else(
+                    || {
+                        let d = oab_wire::Digest::of(request.request_id.as_str().as_bytes());
+                        format!("ctx-{}", &oab_wire::digest::hex(&d.0)[..32])
+                    },
+                    str::to_string,
+                );
+            let (cell, fresh) = inner.tasks.insert(NewTask {
+                peer: handle.callee.clone(),
+                handle,
+                context_id,
+                first_message: normalise_message(&message, "ROLE_USER").unwrap_or(Value::Null),
+                deadline_ms: request.deadline_ms,
+                created_ms: request.issued_ms,
+            });
+            if fresh {
+                let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
+                tokio::spawn(track_delegation(inner.clone(), cell.clone()).instrument(span));
+                restored += 1;
+            }
+        }
+        Ok(restored)
+    }
+
+    /// The routes; open streams end when [`Facade::close`] is called.
+    pub fn router(&self) -> Router {
+        self.router_until(self.inner.stop.child_token())
+    }
+
+    /// The routes; open streams end when `streams_stop` fires (so a
+    /// graceful shutdown of the server is not held up by SSE clients).
+    pub fn router_until(&self, streams_stop: CancellationToken) -> Router {
+        let ctx = RouterState {
+            inner: self.inner.clone(),
+            streams_stop,
+        };
+        Router::new()
+            .route("/peers", get(card::list_peers))
+            .route(
+                "/peers/{namespace}/{name}/.well-known/agent-card.json",
+                get(card::agent_card),
+            )
+            .route("/peers/{namespace}/{name}", post(rpc::rpc))
+            .route("/peers/{namespace}/{name}/", post(rpc::rpc))
+            .with_state(ctx)
+    }
+
+    /// The JSON-RPC URL of `peer` under `base` (e.g. `http://127.0.0.1:7070`).
+    pub fn interface_url(base: &str, peer: &PeerId) -> String {
+        format!("{}/peers/{}/", base.trim_end_matches('/'), peer.as_str())
+    }
+
+    /// Stops every tracker and open stream. Delegations go on at the relay;
+    /// the connector keeps their events.
+    pub fn close(&self) {
+        self.inner.stop.cancel();
+    }
+}
+
+/// The peer named by a route's `{namespace}/{name}`.
+fn peer_of(namespace: &str, name: &str) -> Option<PeerId> {
+    PeerId::new(&format!("{namespace}/{name}")).ok()
+}

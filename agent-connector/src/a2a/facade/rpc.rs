@@ -1,0 +1,175 @@
+//! The JSON-RPC endpoint: the checks every request passes (media type,
+//! envelope, `A2A-Version`, peer), the method table, and how a method's
+//! reply becomes an HTTP response (JSON, or an SSE stream).
+//!
+//! Each method is answered by a function of [`RpcCall`] in a module of its
+//! own; this module never reads or changes a task itself. Errors become
+//! responses through [`A2aError::to_response`], never built here.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use oab_wire::PeerId;
+use serde_json::{Map, Value};
+use tokio::sync::mpsc;
+use tracing::{Instrument as _, warn};
+
+use super::{Inner, RouterState, peer_of};
+use crate::a2a::jsonrpc::{
+    A2aError, RpcRequest, VERSION_HEADER, check_version, parse_request, result_response,
+};
+use crate::a2a::profile::{self, PROFILE_URI};
+use crate::a2a::tasks::TaskCell;
+
+/// One JSON-RPC call, as every method function gets it.
+pub(super) struct RpcCall {
+    pub(super) ctx: RouterState,
+    /// The peer named by the route.
+    pub(super) peer: PeerId,
+    /// The request's id, echoed in every answer (stream events included).
+    pub(super) id: Value,
+    pub(super) params: Map<String, Value>,
+    /// Whether the request activated the OAB Delegation Profile.
+    pub(super) profile: bool,
+    pub(super) headers: HeaderMap,
+}
+
+/// What a method answers.
+pub(super) enum Reply {
+    /// A `result`.
+    Result(Value),
+    /// An SSE stream of results.
+    Stream(mpsc::Receiver<Event>),
+}
+
+fn json_response(value: &Value, profile: bool) -> Response {
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    let mut resp = ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+    echo_profile(&mut resp, profile);
+    resp
+}
+
+fn echo_profile(resp: &mut Response, profile: bool) {
+    if profile {
+        resp.headers_mut().insert(
+            profile::EXTENSIONS_HEADER,
+            HeaderValue::from_static(PROFILE_URI),
+        );
+    }
+}
+
+fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+    query?
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v)
+}
+
+/// `POST /peers/{namespace}/{name}/`: one JSON-RPC request, checked
+/// (media type, envelope, `A2A-Version`, peer), then answered by its method.
+pub(super) async fn rpc(
+    State(ctx): State<RouterState>,
+    Path((namespace, name)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let profile = profile::requested(&headers);
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let media = ct
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        if !(media == "application/json" || media.ends_with("+json")) {
+            let e = A2aError::ContentTypeNotSupported(format!(
+                "Content-Type {media:?}; the JSON-RPC binding takes application/json"
+            ));
+            return json_response(&e.to_response(&Value::Null), profile);
+        }
+    }
+    let RpcRequest { id, method, params } = match parse_request(&body) {
+        Ok(r) => r,
+        Err((id, e)) => return json_response(&e.to_response(&id), profile),
+    };
+    let version_header = headers.get(VERSION_HEADER).and_then(|v| v.to_str().ok());
+    let version_query = query_param(query.as_deref(), VERSION_HEADER);
+    if let Err(e) = check_version(version_header, version_query) {
+        return json_response(&e.to_response(&id), profile);
+    }
+    let Some(peer) = peer_of(&namespace, &name) else {
+        let e = A2aError::InvalidParams(format!("no peer {namespace}/{name}"));
+        return json_response(&e.to_response(&id), profile);
+    };
+    let span = tracing::debug_span!("a2a", %peer, %method);
+    let call = RpcCall {
+        ctx,
+        peer,
+        id: id.clone(),
+        params,
+        profile,
+        headers,
+    };
+    let reply = dispatch(&call, &method).instrument(span).await;
+    match reply {
+        Ok(Reply::Result(v)) => json_response(&result_response(&id, v), profile),
+        Ok(Reply::Stream(rx)) => {
+            let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+            });
+            let mut resp = Sse::new(stream)
+                .keep_alive(KeepAlive::default())
+                .into_response();
+            echo_profile(&mut resp, profile);
+            resp
+        }
+        Err(e) => {
+            if let A2aError::Internal(detail) = &e {
+                warn!(%detail, "a2a call failed");
+            }
+            json_response(&e.to_response(&id), profile)
+        }
+    }
+}
+
+/// The method table: each A2A 1.0 method and the function that answers it.
+async fn dispatch(call: &RpcCall, method: &str) -> Result<Reply, A2aError> {
+    match method {
+        "SendMessage" => call.send_message(false).await,
+        "SendStreamingMessage" => call.send_message(true).await,
+        "GetTask" => call.get_task(),
+        "ListTasks" => call.list_tasks(),
+        "CancelTask" => call.cancel_task().await,
+        "SubscribeToTask" => call.subscribe_to_task(),
+        "GetExtendedAgentCard" => Err(A2aError::ExtendedAgentCardNotConfigured),
+        "CreateTaskPushNotificationConfig"
+        | "GetTaskPushNotificationConfig"
+        | "ListTaskPushNotificationConfigs"
+        | "DeleteTaskPushNotificationConfig" => Err(A2aError::PushNotificationNotSupported),
+        other => Err(A2aError::MethodNotFound(other.chars().take(64).collect())),
+    }
+}
+
+impl RpcCall {
+    /// The facade behind the route.
+    pub(super) fn inner(&self) -> &Inner {
+        &self.ctx.inner
+    }
+
+    /// The task `id` of this call's peer, or `TaskNotFound`.
+    pub(super) fn find_task(&self, id: &str) -> Result<Arc<TaskCell>, A2aError> {
+        self.inner()
+            .tasks
+            .find(&self.peer, id)
+            .ok_or_else(|| A2aError::TaskNotFound(id.chars().take(256).collect()))
+    }
+}
