@@ -17,9 +17,9 @@ use oab_wire::{
 };
 use tracing::{Instrument as _, debug, warn};
 
-use super::views::Live;
+use super::views::DelegationView;
 use super::wakeups::nudge;
-use super::{Hub, LiveRef, SessionRef, lock};
+use super::{Hub, SessionRef, ViewRef, lock};
 use crate::outbox::{Outbox, Pushed};
 use crate::store::{EventStore, ReadOutcome};
 
@@ -39,13 +39,13 @@ pub enum Subscribed {
 }
 
 impl<S: EventStore> Hub<S> {
-    /// Applies a durable append to the live view and delivers the frame.
+    /// Applies a durable append to the view and delivers the frame.
     /// `woke`: the append was published to the receiver's wake channel; if
     /// not and the receiver is not subscribed here, it gets a nudge instead.
     #[allow(clippy::too_many_arguments)] // the entry's fields
     pub fn appended(
         self: &Arc<Self>,
-        live: &LiveRef,
+        live: &ViewRef,
         key: &DelegationKey,
         dir: Direction,
         seq: u64,
@@ -85,7 +85,13 @@ impl<S: EventStore> Hub<S> {
     /// entries past `tail` is told with a `Gap` (`epoch_changed`, as for a
     /// store that lost everything) and unsubscribed, instead of waiting for
     /// entries that will never come again under those numbers.
-    pub fn store_lost(&self, l: &mut Live, key: &DelegationKey, dir: Direction, tail: u64) {
+    pub fn store_lost(
+        &self,
+        l: &mut DelegationView,
+        key: &DelegationKey,
+        dir: Direction,
+        tail: u64,
+    ) {
         *l.tail_mut(dir) = tail;
         let terminal = l.terminal;
         let slot = l.sub_mut(dir);
@@ -109,7 +115,7 @@ impl<S: EventStore> Hub<S> {
     /// A sender's entry skipped ahead of the store's log, which ends at
     /// `tail`: if the view had seen more, the store lost entries
     /// ([`Self::store_lost`]).
-    pub fn hole(&self, live: &LiveRef, key: &DelegationKey, dir: Direction, tail: u64) {
+    pub fn hole(&self, live: &ViewRef, key: &DelegationKey, dir: Direction, tail: u64) {
         let mut l = lock(live);
         if *l.tail_mut(dir) > tail {
             self.store_lost(&mut l, key, dir, tail);
@@ -121,7 +127,7 @@ impl<S: EventStore> Hub<S> {
     /// Returns whether the receiver is subscribed here.
     pub(super) fn deliver(
         self: &Arc<Self>,
-        l: &mut Live,
+        l: &mut DelegationView,
         key: &DelegationKey,
         dir: Direction,
         seq: u64,
@@ -161,7 +167,7 @@ impl<S: EventStore> Hub<S> {
     /// subscription ([`Subscribed::Evicted`]): look the delegation up again.
     pub fn subscribe(
         self: &Arc<Self>,
-        live: &LiveRef,
+        live: &ViewRef,
         key: &DelegationKey,
         dir: Direction,
         session: &SessionRef,
@@ -186,7 +192,7 @@ impl<S: EventStore> Hub<S> {
                 sub.delivered = after;
                 return Subscribed::Yes;
             }
-            let sub = self.new_sub(key, dir, session, after, true);
+            let sub = self.new_subscription(key, dir, session, after, true);
             let generation = sub.generation;
             *l.sub_mut(dir) = Some(sub);
             generation
@@ -235,7 +241,7 @@ impl<S: EventStore> Hub<S> {
                 }
                 Ok(ReadOutcome::Unknown) => {
                     self.gap(&outbox, &key, dir, start, 0, None, self.missing_reason());
-                    self.drop_sub(&key, dir, generation);
+                    self.drop_subscription(&key, dir, generation);
                     return;
                 }
                 Ok(ReadOutcome::Trimmed {
@@ -251,7 +257,7 @@ impl<S: EventStore> Hub<S> {
                         terminal,
                         GapReason::Trimmed,
                     );
-                    self.drop_sub(&key, dir, generation);
+                    self.drop_subscription(&key, dir, generation);
                     return;
                 }
                 Ok(ReadOutcome::Lost { tail, terminal }) => {
@@ -268,12 +274,12 @@ impl<S: EventStore> Hub<S> {
                         terminal,
                         GapReason::EpochChanged,
                     );
-                    self.drop_sub(&key, dir, generation);
+                    self.drop_subscription(&key, dir, generation);
                     return;
                 }
                 Ok(ReadOutcome::Entries { entries, tail, .. }) => (entries, tail),
             };
-            let Ok(Some(live)) = self.live(&key).await else {
+            let Ok(Some(live)) = self.view(&key).await else {
                 return;
             };
             let mut rewound = false;
@@ -406,13 +412,13 @@ mod tests {
         let (meta, _) = open_in_store(&hub, "r-resume").await;
         let key = meta.key.clone();
 
-        let looked_up = hub.live(&key).await.unwrap().unwrap();
+        let looked_up = hub.view(&key).await.unwrap().unwrap();
         hub.evict_unread();
         assert_eq!(
             hub.subscribe(&looked_up, &key, Direction::Up, &caller, 0),
             Subscribed::Evicted
         );
-        let again = hub.live(&key).await.unwrap().unwrap();
+        let again = hub.view(&key).await.unwrap().unwrap();
         assert_eq!(
             hub.subscribe(&again, &key, Direction::Up, &caller, 0),
             Subscribed::Yes

@@ -33,7 +33,7 @@ impl<S: EventStore> Hub<S> {
                 "store epoch changed: the store lost its data"
             );
             self.epoch_changed.store(true, Ordering::Relaxed);
-            for (_, l) in lock(&self.live).drain() {
+            for (_, l) in lock(&self.views).drain() {
                 lock(&l).evicted = true;
             }
             let sessions: Vec<SessionRef> = lock(&self.sessions).values().cloned().collect();

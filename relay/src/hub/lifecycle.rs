@@ -18,25 +18,25 @@ use oab_wire::{
 };
 use tracing::{info, warn};
 
-use super::views::Live;
-use super::{Hub, LiveRef, SessionRef, lock};
+use super::views::DelegationView;
+use super::{Hub, SessionRef, ViewRef, lock};
 use crate::store::{AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, StoreError};
 
 impl<S: EventStore> Hub<S> {
-    /// Inserts the live view of a delegation that was just created, with the
+    /// Inserts the view of a delegation that was just created, with the
     /// caller subscribed to its up log and the callee (if online) to its down log.
     pub fn created(
         self: &Arc<Self>,
         meta: &DelegationMeta,
         caller: &SessionRef,
         open_frame: Bytes,
-    ) -> LiveRef {
+    ) -> ViewRef {
         let live = loop {
             // With a shared store, a wake-up about this delegation (the callee's
             // first entry, or the open echoed back) can arrive before this runs
             // and load the view first: reuse that view, never replace it.
             let live = {
-                let mut map = lock(&self.live);
+                let mut map = lock(&self.views);
                 match map.get(&meta.key) {
                     Some(l)
                         if {
@@ -50,7 +50,7 @@ impl<S: EventStore> Hub<S> {
                         if let Some(old) = stale {
                             lock(old).evicted = true;
                         }
-                        let fresh = Arc::new(Mutex::new(self.live_from_meta(meta)));
+                        let fresh = Arc::new(Mutex::new(self.view_from_meta(meta)));
                         map.insert(meta.key.clone(), fresh.clone());
                         fresh
                     }
@@ -65,12 +65,13 @@ impl<S: EventStore> Hub<S> {
                 continue;
             }
             if l.subs[1].as_ref().is_none_or(|s| s.session != caller.id) {
-                l.subs[1] = Some(self.new_sub(&meta.key, Direction::Up, caller, 0, false));
+                l.subs[1] = Some(self.new_subscription(&meta.key, Direction::Up, caller, 0, false));
             }
             if let Some(callee) = &callee
                 && l.subs[0].is_none()
             {
-                l.subs[0] = Some(self.new_sub(&meta.key, Direction::Down, callee, 0, false));
+                l.subs[0] =
+                    Some(self.new_subscription(&meta.key, Direction::Down, callee, 0, false));
             }
             let _ = self.deliver(&mut l, &meta.key, Direction::Down, 1, open_frame);
             drop(l);
@@ -79,7 +80,7 @@ impl<S: EventStore> Hub<S> {
         // Up entries that arrived before the caller's subscription existed.
         let up_tail = lock(&live).tails[1];
         if up_tail > 0 {
-            self.nudged(&live, &meta.key, Direction::Up, up_tail, None);
+            self.catch_up(&live, &meta.key, Direction::Up, up_tail, None);
         }
         self.metrics.delegations_opened.inc();
         self.count_open(&meta.key.caller, &meta.callee, 1);
@@ -98,7 +99,7 @@ impl<S: EventStore> Hub<S> {
         key: &DelegationKey,
         caller: &SessionRef,
     ) -> Result<(), StoreError> {
-        let Some(live) = self.live(key).await? else {
+        let Some(live) = self.view(key).await? else {
             return Ok(());
         };
         let (read_up, callee) = {
@@ -117,7 +118,7 @@ impl<S: EventStore> Hub<S> {
         Ok(())
     }
 
-    pub(super) fn note_terminal(&self, l: &mut Live, outcome: Option<Outcome>) {
+    pub(super) fn note_terminal(&self, l: &mut DelegationView, outcome: Option<Outcome>) {
         if let Some(outcome) = outcome
             && l.terminal.is_none()
         {
@@ -142,7 +143,7 @@ impl<S: EventStore> Hub<S> {
         reason: &str,
     ) -> bool {
         for _ in 0..64 {
-            let Ok(Some(live)) = self.live(key).await else {
+            let Ok(Some(live)) = self.view(key).await else {
                 return false;
             };
             let (seq, wake) = {
@@ -373,7 +374,7 @@ mod tests {
             })
         };
         let until = std::time::Instant::now() + STEP;
-        while !lock(&hub.live).contains_key(&meta.key) {
+        while !lock(&hub.views).contains_key(&meta.key) {
             assert!(
                 std::time::Instant::now() < until,
                 "created never cached the view"

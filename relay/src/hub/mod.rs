@@ -15,12 +15,12 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | `registry` | sessions online here, register/unregister, the fleet-wide presence claim, offline times |
-//! | `views` | the cached view of a delegation: loading from the store, subscriptions, eviction |
-//! | `delivery` | live delivery of appends, subscribe and replay from a cursor, gaps, store-lost entries |
-//! | `lifecycle` | created/reopened delegations, terminals, relay-originated appends, the sweep, lost callees |
+//! | `registry` | sessions online here, (un)registering, presence claims, offline times |
+//! | `views` | [`DelegationView`]: loading, subscriptions, eviction |
+//! | `delivery` | live delivery, subscribe and replay from a cursor, gaps, lost entries |
+//! | `lifecycle` | created/reopened, terminals, relay-originated appends, the sweep |
 //! | `caps` | open-delegation counts per caller and per route |
-//! | `wakeups` | wake-ups between instances: targets, nudges, callees subscribed from a wake-up, resync, live instances |
+//! | `wakeups` | wake-ups between instances, nudges, catch-up, resync, live instances |
 //! | `peers` | `Peers` payloads and presence announcements |
 //! | `epoch` | the store epoch: a store that lost its data |
 //!
@@ -55,9 +55,9 @@ mod test_support;
 mod views;
 mod wakeups;
 
-use caps::Counts;
+use caps::OpenCounts;
 pub use delivery::Subscribed;
-pub use views::{Live, LiveRef};
+pub use views::{DelegationView, ViewRef};
 pub use wakeups::ResyncCause;
 
 /// A live session as the hub sees it.
@@ -96,13 +96,30 @@ pub struct Hub<S> {
     pub shutdown: CancellationToken,
     /// Presence, wake-ups and leases shared with other instances.
     pub fleet: Arc<Fleet>,
+    /// The session of each peer online here (at most one per configured
+    /// peer); an entry is removed when that session unregisters.
     sessions: Mutex<HashMap<PeerId, SessionRef>>,
-    live: Mutex<HashMap<DelegationKey, LiveRef>>,
-    counts: Mutex<Counts>,
+    /// The cached view of each delegation looked up here; pruned by the
+    /// sweep (views nobody here reads) and emptied when the store epoch
+    /// changes.
+    views: Mutex<HashMap<DelegationKey, ViewRef>>,
+    /// Open-delegation counts, keyed by configured callers and routes; a
+    /// caller's entries are reset at each of its handshakes.
+    open_counts: Mutex<OpenCounts>,
+    /// Since when each configured peer has been offline (ms); an entry is
+    /// removed when the peer registers here, when the sweep finds it online
+    /// elsewhere or has ended its lost work, and when the fleet upkeep sees
+    /// it online.
     offline_since: Mutex<HashMap<PeerId, u64>>,
-    session_subs: Mutex<HashMap<SessionId, HashSet<(DelegationKey, Direction)>>>,
+    /// The logs each session subscribed to, so its subscriptions can be
+    /// dropped when it ends; an entry is removed when the session
+    /// unregisters.
+    session_subscriptions: Mutex<HashMap<SessionId, HashSet<(DelegationKey, Direction)>>>,
+    /// The next subscription generation.
     generations: std::sync::atomic::AtomicU64,
+    /// The store epoch last seen.
     epoch: std::sync::atomic::AtomicU64,
+    /// The store epoch changed since start: missing delegations were lost.
     epoch_changed: AtomicBool,
 }
 
@@ -130,10 +147,10 @@ impl<S: EventStore> Hub<S> {
             tasks: TaskTracker::new(),
             shutdown,
             sessions: Mutex::new(HashMap::new()),
-            live: Mutex::new(HashMap::new()),
-            counts: Mutex::new(Counts::default()),
+            views: Mutex::new(HashMap::new()),
+            open_counts: Mutex::new(OpenCounts::default()),
             offline_since: Mutex::new(offline),
-            session_subs: Mutex::new(HashMap::new()),
+            session_subscriptions: Mutex::new(HashMap::new()),
             generations: std::sync::atomic::AtomicU64::new(1),
             epoch: std::sync::atomic::AtomicU64::new(epoch),
             epoch_changed: AtomicBool::new(false),

@@ -51,7 +51,7 @@ impl<S: EventStore> Hub<S> {
     /// its wake channel, claims its presence record, and announces the claim
     /// so an older session of the peer on another instance is closed. Runs
     /// before the `Welcome`. A no-op without a shared store.
-    pub async fn hold(self: &Arc<Self>, me: &SessionRef) -> Result<(), StoreError> {
+    pub async fn claim_presence(self: &Arc<Self>, me: &SessionRef) -> Result<(), StoreError> {
         if !self.fleet.enabled {
             return Ok(());
         }
@@ -85,7 +85,7 @@ impl<S: EventStore> Hub<S> {
 
     /// Forgets a session that ended and drops its subscriptions.
     pub fn unregister(self: &Arc<Self>, session: &SessionRef) {
-        let subscribed = lock(&self.session_subs)
+        let subscribed = lock(&self.session_subscriptions)
             .remove(&session.id)
             .unwrap_or_default();
         self.metrics.sessions.dec();
@@ -103,7 +103,7 @@ impl<S: EventStore> Hub<S> {
         };
         let mut nudges = Vec::new();
         for (key, dir) in subscribed {
-            let live = lock(&self.live).get(&key).cloned();
+            let live = lock(&self.views).get(&key).cloned();
             if let Some(live) = live {
                 let mut l = lock(&live);
                 let tail = *l.tail_mut(dir);

@@ -127,7 +127,7 @@ pub(super) async fn callee_completes(hub: &Arc<Hub<RedisStore>>, key: &Delegatio
         payload: Bytes::from_static(b"signed result"),
     }))
     .unwrap();
-    let live = hub.live(key).await.unwrap().unwrap();
+    let live = hub.view(key).await.unwrap().unwrap();
     let wake = hub.wake_for(&lock(&live), Direction::Up);
     let woke = wake.is_some();
     let appended = hub

@@ -1,7 +1,7 @@
-//! The in-memory view of a delegation ([`Live`]): a cache of the store's
-//! meta (log tails, terminal) plus at most one receiver subscription per
-//! direction, loaded from the store on first use and evicted by the sweep
-//! when nobody here reads it.
+//! The in-memory view of a delegation ([`DelegationView`]): a cache of the
+//! store's meta (log tails, terminal) plus at most one receiver subscription
+//! per direction, loaded from the store on first use and evicted by the
+//! sweep when nobody here reads it.
 //!
 //! Never decides what the store decides (appends are checked there; a view
 //! may be stale when another instance appended). Never awaits while holding
@@ -18,8 +18,11 @@ use super::{Hub, SessionRef, lock};
 use crate::outbox::Outbox;
 use crate::store::{DelegationMeta, EventStore};
 
+/// A receiver's subscription to one log of a delegation: the session it
+/// feeds and its cursor. Removed when the session ends or its queue closes,
+/// when a newer subscription replaces it, or when a gap ends the log for it.
 #[derive(Debug)]
-pub(super) struct Sub {
+pub(super) struct Subscription {
     pub(super) session: SessionId,
     /// Unique per subscription: a replay task serves only its own generation,
     /// so a second `Resume` supersedes the first instead of racing it.
@@ -36,7 +39,7 @@ pub(super) struct Sub {
 /// The in-memory view of one delegation (a cache of the store's meta plus
 /// the receivers). Loaded lazily from the store.
 #[derive(Debug)]
-pub struct Live {
+pub struct DelegationView {
     /// The caller.
     pub caller: PeerId,
     /// The callee.
@@ -45,12 +48,12 @@ pub struct Live {
     pub max_payload: u32,
     pub(super) tails: [u64; 2],
     pub(super) terminal: Option<Outcome>,
-    pub(super) subs: [Option<Sub>; 2],
+    pub(super) subs: [Option<Subscription>; 2],
     /// Dropped from the hub's cache: holders must look it up again.
     pub(super) evicted: bool,
 }
 
-impl Live {
+impl DelegationView {
     /// The peer that sends on `dir`.
     pub fn sender(&self, dir: Direction) -> &PeerId {
         match dir {
@@ -81,7 +84,7 @@ impl Live {
         }
     }
 
-    pub(super) fn sub_mut(&mut self, dir: Direction) -> &mut Option<Sub> {
+    pub(super) fn sub_mut(&mut self, dir: Direction) -> &mut Option<Subscription> {
         match dir {
             Direction::Down => &mut self.subs[0],
             Direction::Up => &mut self.subs[1],
@@ -89,16 +92,16 @@ impl Live {
     }
 }
 
-/// A shared handle to a delegation's live state.
-pub type LiveRef = Arc<Mutex<Live>>;
+/// A shared handle to a delegation's view.
+pub type ViewRef = Arc<Mutex<DelegationView>>;
 
 impl<S: EventStore> Hub<S> {
-    /// The live view of a delegation, loading it from the store if needed.
-    pub async fn live(
+    /// The view of a delegation, loading it from the store if needed.
+    pub async fn view(
         &self,
         key: &DelegationKey,
-    ) -> Result<Option<LiveRef>, crate::store::StoreError> {
-        if let Some(l) = lock(&self.live).get(key) {
+    ) -> Result<Option<ViewRef>, crate::store::StoreError> {
+        if let Some(l) = lock(&self.views).get(key) {
             return Ok(Some(l.clone()));
         }
         let started = Instant::now();
@@ -107,19 +110,22 @@ impl<S: EventStore> Hub<S> {
         let Some(meta) = meta? else {
             return Ok(None);
         };
-        let fresh = Arc::new(Mutex::new(self.live_from_meta(&meta)));
+        let fresh = Arc::new(Mutex::new(self.view_from_meta(&meta)));
         Ok(Some(
-            lock(&self.live).entry(key.clone()).or_insert(fresh).clone(),
+            lock(&self.views)
+                .entry(key.clone())
+                .or_insert(fresh)
+                .clone(),
         ))
     }
 
-    pub(super) fn live_from_meta(&self, meta: &DelegationMeta) -> Live {
+    pub(super) fn view_from_meta(&self, meta: &DelegationMeta) -> DelegationView {
         let max_payload = self
             .directory
             .route(&meta.key.caller, &meta.callee)
             .and_then(|r| r.max_payload)
             .unwrap_or(self.config.limits.max_payload);
-        Live {
+        DelegationView {
             caller: meta.key.caller.clone(),
             callee: meta.callee.clone(),
             max_payload,
@@ -130,19 +136,19 @@ impl<S: EventStore> Hub<S> {
         }
     }
 
-    pub(super) fn new_sub(
+    pub(super) fn new_subscription(
         &self,
         key: &DelegationKey,
         dir: Direction,
         session: &SessionRef,
         delivered: u64,
         replaying: bool,
-    ) -> Sub {
-        lock(&self.session_subs)
+    ) -> Subscription {
+        lock(&self.session_subscriptions)
             .entry(session.id)
             .or_default()
             .insert((key.clone(), dir));
-        Sub {
+        Subscription {
             session: session.id,
             generation: self.generations.fetch_add(1, Ordering::Relaxed),
             outbox: session.outbox.clone(),
@@ -152,8 +158,8 @@ impl<S: EventStore> Hub<S> {
         }
     }
 
-    pub(super) fn drop_sub(&self, key: &DelegationKey, dir: Direction, generation: u64) {
-        let live = lock(&self.live).get(key).cloned();
+    pub(super) fn drop_subscription(&self, key: &DelegationKey, dir: Direction, generation: u64) {
+        let live = lock(&self.views).get(key).cloned();
         if let Some(live) = live {
             let mut l = lock(&live);
             let slot = l.sub_mut(dir);
@@ -170,7 +176,7 @@ impl<S: EventStore> Hub<S> {
     /// up again, and nothing subscribes to a marked view.
     pub(super) fn evict_unread(&self) {
         let shared = self.fleet.enabled;
-        lock(&self.live).retain(|_, l| {
+        lock(&self.views).retain(|_, l| {
             let mut l = lock(l);
             let keep = l.subs.iter().any(Option::is_some) || (l.terminal.is_none() && !shared);
             if !keep {

@@ -16,8 +16,8 @@ use bytes::Bytes;
 use oab_wire::{CloseCode, DelegationKey, Direction, Frame, Outcome, PeerId};
 use tracing::{debug, info, warn};
 
-use super::views::Live;
-use super::{Hub, LiveRef, lock};
+use super::views::DelegationView;
+use super::{Hub, ViewRef, lock};
 use crate::fleet::DepartureKind;
 use crate::store::{EventStore, Liveness};
 
@@ -27,7 +27,7 @@ impl<S: EventStore> Hub<S> {
     /// delivery is enough; if its session has in fact moved, the unsubscribe
     /// here nudges it, and if this instance dies first, the new one
     /// resynchronises when it sees this one's liveness lapse).
-    pub fn wake_for(&self, l: &Live, dir: Direction) -> Option<PeerId> {
+    pub fn wake_for(&self, l: &DelegationView, dir: Direction) -> Option<PeerId> {
         if !self.fleet.enabled {
             return None;
         }
@@ -75,9 +75,9 @@ impl<S: EventStore> Hub<S> {
                     return;
                 };
                 self.metrics.wakes.with_label_values(&["nudge"]).inc();
-                let live = lock(&self.live).get(&key).cloned();
+                let live = lock(&self.views).get(&key).cloned();
                 if let Some(live) = live {
-                    self.nudged(&live, &key, dir, tail, None);
+                    self.catch_up(&live, &key, dir, tail, None);
                 }
             }
             b'T' => {
@@ -121,10 +121,10 @@ impl<S: EventStore> Hub<S> {
         frame: Bytes,
         terminal: Option<Outcome>,
     ) {
-        let cached = lock(&self.live).get(&key).cloned();
-        let adopt = dir == Direction::Down && seq == 1 && self.is_online(peer);
+        let cached = lock(&self.views).get(&key).cloned();
+        let open_for_callee_here = dir == Direction::Down && seq == 1 && self.is_online(peer);
         match cached {
-            Some(live) if !adopt || lock(&live).subs[0].is_some() => {
+            Some(live) if !open_for_callee_here || lock(&live).subs[0].is_some() => {
                 self.appended(&live, &key, dir, seq, frame, terminal, true);
             }
             // Nobody reads it here.
@@ -137,9 +137,9 @@ impl<S: EventStore> Hub<S> {
             _ => {
                 let hub = self.clone();
                 self.tasks.spawn(async move {
-                    if adopt {
-                        hub.adopt(&key, Some(frame), 1).await;
-                    } else if let Ok(Some(live)) = hub.live(&key).await {
+                    if open_for_callee_here {
+                        hub.subscribe_callee(&key, Some(frame), 1).await;
+                    } else if let Ok(Some(live)) = hub.view(&key).await {
                         hub.appended(&live, &key, dir, seq, frame, terminal, true);
                     }
                 });
@@ -150,23 +150,28 @@ impl<S: EventStore> Hub<S> {
     /// Subscribes the callee's local session to a delegation's down log from
     /// the start, unless it is subscribed already; delivers `open` if given,
     /// else catches up to `tail` from the store.
-    async fn adopt(self: &Arc<Self>, key: &DelegationKey, open: Option<Bytes>, tail: u64) {
+    async fn subscribe_callee(
+        self: &Arc<Self>,
+        key: &DelegationKey,
+        open: Option<Bytes>,
+        tail: u64,
+    ) {
         // Looked up again while the sweep evicts the view in between.
         loop {
-            let Ok(Some(live)) = self.live(key).await else {
+            let Ok(Some(live)) = self.view(key).await else {
                 return;
             };
-            if self.adopt_view(&live, key, open.clone(), tail) {
+            if self.subscribe_callee_on(&live, key, open.clone(), tail) {
                 return;
             }
         }
     }
 
-    /// [`Hub::adopt`] on one view; `false` if the sweep evicted it (nothing
-    /// done).
-    fn adopt_view(
+    /// [`Hub::subscribe_callee`] on one view; `false` if the sweep evicted
+    /// it (nothing done).
+    fn subscribe_callee_on(
         self: &Arc<Self>,
-        live: &LiveRef,
+        live: &ViewRef,
         key: &DelegationKey,
         open: Option<Bytes>,
         tail: u64,
@@ -180,7 +185,7 @@ impl<S: EventStore> Hub<S> {
             let Some(session) = session else {
                 return true;
             };
-            l.subs[0] = Some(self.new_sub(key, Direction::Down, &session, 0, false));
+            l.subs[0] = Some(self.new_subscription(key, Direction::Down, &session, 0, false));
         }
         match open {
             Some(frame) => {
@@ -188,7 +193,7 @@ impl<S: EventStore> Hub<S> {
             }
             None => {
                 drop(l);
-                self.nudged(live, key, Direction::Down, tail, None);
+                self.catch_up(live, key, Direction::Down, tail, None);
             }
         }
         true
@@ -196,9 +201,9 @@ impl<S: EventStore> Hub<S> {
 
     /// The log `dir` has entries up to `tail`: a live subscription behind it
     /// catches up from the store.
-    pub(crate) fn nudged(
+    pub(crate) fn catch_up(
         self: &Arc<Self>,
-        live: &LiveRef,
+        live: &ViewRef,
         key: &DelegationKey,
         dir: Direction,
         tail: u64,
@@ -227,7 +232,7 @@ impl<S: EventStore> Hub<S> {
             .resyncs
             .with_label_values(&[cause.label()])
             .inc();
-        let lives: Vec<(DelegationKey, LiveRef)> = lock(&self.live)
+        let lives: Vec<(DelegationKey, ViewRef)> = lock(&self.views)
             .iter()
             .map(|(k, l)| (k.clone(), l.clone()))
             .collect();
@@ -237,7 +242,7 @@ impl<S: EventStore> Hub<S> {
             }
             if let Ok(Some(meta)) = self.store.meta(&key).await {
                 for dir in [Direction::Down, Direction::Up] {
-                    self.nudged(&live, &key, dir, meta.tail(dir), meta.terminal);
+                    self.catch_up(&live, &key, dir, meta.tail(dir), meta.terminal);
                 }
             }
         }
@@ -250,7 +255,7 @@ impl<S: EventStore> Hub<S> {
                 .iter()
                 .filter(|m| m.callee == peer && m.terminal.is_none())
             {
-                self.adopt(&m.key, None, m.down_tail).await;
+                self.subscribe_callee(&m.key, None, m.down_tail).await;
             }
         }
     }
