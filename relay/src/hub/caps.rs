@@ -3,7 +3,7 @@
 //! seen, and reseeded from the store at each handshake of the caller
 //! (delegations may have ended on another instance meanwhile).
 //!
-//! Never reads the store itself and never blocks: `may_open` is answered
+//! Never reads the store itself and never awaits: `may_open` is answered
 //! from memory on the frame path.
 
 use std::collections::HashMap;
