@@ -10,7 +10,7 @@
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
-//! | [`hub`] | shared state: sessions, delegation live views, delivery and replay |
+//! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |

@@ -26,7 +26,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::hub::{Hub, Live, LiveRef, SessionRef, Subscribed};
+use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
 use crate::outbox::{Inbox, outbox};
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
 
@@ -230,7 +230,7 @@ where
     // that predate the loss, as the sweep would).
     hub.check_epoch().await;
     hub.register(me.clone());
-    if let Err(e) = hub.hold(&me).await {
+    if let Err(e) = hub.claim_presence(&me).await {
         warn!(error = %e, "store unavailable for presence");
         m.handshakes.with_label_values(&["store"]).inc();
         hub.unregister(&me);
@@ -318,7 +318,7 @@ where
 }
 
 struct Pending {
-    live: LiveRef,
+    live: ViewRef,
     req: AppendRequest,
     received: Instant,
 }
@@ -335,7 +335,7 @@ struct Session<S> {
     /// The current batch is over the peer's frame rate.
     batch_limited: bool,
     /// The last delegation looked up (consecutive frames mostly share one).
-    last_live: Option<(DelegationKey, LiveRef)>,
+    last_live: Option<(DelegationKey, ViewRef)>,
 }
 
 enum End {
@@ -634,7 +634,7 @@ impl<S: EventStore> Session<S> {
     /// Whom to wake for a frame on `dir`, and why it is refused, if it is.
     fn check(
         &self,
-        l: &Live,
+        l: &DelegationView,
         dir: Direction,
         terminal: Option<Outcome>,
         flags: u8,
@@ -665,8 +665,8 @@ impl<S: EventStore> Session<S> {
     /// The live view of `key` for a frame at `seq` (remembered for the next
     /// frames of the batch); a missing delegation or an unavailable store is
     /// answered with an error frame and `None`.
-    async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<LiveRef> {
-        match self.hub.live(key).await {
+    async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<ViewRef> {
+        match self.hub.view(key).await {
             Ok(Some(l)) => {
                 self.last_live = Some((key.clone(), l.clone()));
                 Some(l)
@@ -754,7 +754,7 @@ impl<S: EventStore> Session<S> {
                     // Stored before (a resend, or a batch the Redis Cluster
                     // client re-sent after a lost connection): make sure a
                     // receiver here did not miss it.
-                    self.hub.nudged(&live, &req.key, req.dir, tail, None);
+                    self.hub.catch_up(&live, &req.key, req.dir, tail, None);
                     self.record_ack(req.key, req.dir, tail);
                 }
                 AppendOutcome::Hole { tail } => {
@@ -986,7 +986,7 @@ impl<S: EventStore> Session<S> {
     async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
         let hub = self.hub.clone();
         loop {
-            let live = match hub.live(&key).await {
+            let live = match hub.view(&key).await {
                 Ok(Some(l)) => l,
                 Ok(None) => {
                     hub.gap(

@@ -1,0 +1,170 @@
+//! The relay's shared state: who is online, and for every active delegation
+//! where its logs stand and who receives them.
+//!
+//! **Delivery model.** Each delegation direction has at most one receiver
+//! subscription (the receiving peer's current session) with a cursor
+//! `delivered`. A durable append delivers the frame directly when it is the
+//! next one for a *live* subscription; otherwise the subscription is (or
+//! becomes) *replaying*: a task reads the log from the cursor, sends in order,
+//! and switches back to live under the delegation's lock once it caught up
+//! with the tail. Appends and the live/replay switch take the same lock, so
+//! the seam has no loss, duplicate or reordering.
+//!
+//! This module owns the [`Hub`] itself (its state and constructor) and the
+//! types shared by its parts; each part adds its own `impl Hub` block:
+//!
+//! | module | owns |
+//! |---|---|
+//! | `registry` | sessions online here, (un)registering, presence claims, offline times |
+//! | `views` | [`DelegationView`]: loading, subscriptions, eviction |
+//! | `delivery` | live delivery, subscribe and replay from a cursor, gaps, lost entries |
+//! | `lifecycle` | created/reopened, terminals, relay-originated appends, the sweep |
+//! | `caps` | open-delegation counts per caller and per route |
+//! | `wakeups` | wake-ups between instances, nudges, catch-up, resync, live instances |
+//! | `peers` | `Peers` payloads and presence announcements |
+//! | `epoch` | the store epoch: a store that lost its data |
+//!
+//! **Locks.** Every lock here is a `std` mutex held for a few statements,
+//! never across an await. The order is: the view map before a view; a view
+//! before the session table, the subscription index or the counts; the
+//! offline times before the session table.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use oab_wire::{DelegationKey, Direction, InstanceId, PeerId, SessionId};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, Directory};
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::outbox::Outbox;
+use crate::store::EventStore;
+
+mod caps;
+mod delivery;
+mod epoch;
+mod lifecycle;
+mod peers;
+mod registry;
+#[cfg(test)]
+mod test_support;
+mod views;
+mod wakeups;
+
+use caps::OpenCounts;
+pub use delivery::Subscribed;
+pub use views::{DelegationView, ViewRef};
+pub use wakeups::ResyncCause;
+
+/// A live session as the hub sees it.
+#[derive(Debug, Clone)]
+pub struct SessionRef {
+    /// Session id.
+    pub id: SessionId,
+    /// Authenticated peer.
+    pub peer: PeerId,
+    /// The peer's process instance.
+    pub instance: InstanceId,
+    /// Its queue.
+    pub outbox: Outbox,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections hold no await and no fallible step that could leave
+    // state half-updated, so a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The shared relay state.
+#[derive(Debug)]
+pub struct Hub<S> {
+    /// The durable store.
+    pub store: Arc<S>,
+    /// The configuration.
+    pub config: Arc<Config>,
+    /// Peers and routes.
+    pub directory: Arc<Directory>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Tracks spawned replay and sweep tasks.
+    pub tasks: TaskTracker,
+    /// Cancelled on shutdown.
+    pub shutdown: CancellationToken,
+    /// Presence, wake-ups and leases shared with other instances.
+    pub fleet: Arc<Fleet>,
+    /// The session of each peer online here (at most one per configured
+    /// peer); an entry is removed when that session unregisters.
+    sessions: Mutex<HashMap<PeerId, SessionRef>>,
+    /// The cached view of each delegation looked up here; pruned by the
+    /// sweep (views nobody here reads) and emptied when the store epoch
+    /// changes.
+    views: Mutex<HashMap<DelegationKey, ViewRef>>,
+    /// Open-delegation counts, keyed by configured callers and routes; a
+    /// caller's entries are reset at each of its handshakes.
+    open_counts: Mutex<OpenCounts>,
+    /// Since when each configured peer has been offline (ms); an entry is
+    /// removed when the peer registers here, when the sweep finds it online
+    /// elsewhere or has ended its lost work, and when the fleet upkeep sees
+    /// it online.
+    offline_since: Mutex<HashMap<PeerId, u64>>,
+    /// The logs each session subscribed to, so its subscriptions can be
+    /// dropped when it ends; an entry is removed when the session
+    /// unregisters.
+    session_subscriptions: Mutex<HashMap<SessionId, HashSet<(DelegationKey, Direction)>>>,
+    /// The next subscription generation.
+    generations: std::sync::atomic::AtomicU64,
+    /// The store epoch last seen.
+    epoch: std::sync::atomic::AtomicU64,
+    /// The store epoch changed since start: missing delegations were lost.
+    epoch_changed: AtomicBool,
+}
+
+impl<S: EventStore> Hub<S> {
+    /// A hub over a store. `epoch` is the store epoch read at start.
+    pub fn new(
+        store: Arc<S>,
+        config: Arc<Config>,
+        metrics: Metrics,
+        epoch: u64,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        let directory = Arc::new(Directory::new(&config));
+        let now = oab_wire::identity::now_ms();
+        // Every configured peer counts as offline since the relay started, so
+        // a callee that never comes back still ends `unknown` after the grace.
+        let offline = directory.peers.iter().map(|p| (p.clone(), now)).collect();
+        let fleet = Arc::new(Fleet::new(&config, store.wake_urls()));
+        Arc::new(Hub {
+            fleet,
+            store,
+            config,
+            directory,
+            metrics,
+            tasks: TaskTracker::new(),
+            shutdown,
+            sessions: Mutex::new(HashMap::new()),
+            views: Mutex::new(HashMap::new()),
+            open_counts: Mutex::new(OpenCounts::default()),
+            offline_since: Mutex::new(offline),
+            session_subscriptions: Mutex::new(HashMap::new()),
+            generations: std::sync::atomic::AtomicU64::new(1),
+            epoch: std::sync::atomic::AtomicU64::new(epoch),
+            epoch_changed: AtomicBool::new(false),
+        })
+    }
+
+    /// Records a store operation's latency and result.
+    pub fn observe_store(&self, op: &str, started: Instant, ok: bool) {
+        self.metrics
+            .store_latency
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+        if !ok {
+            self.metrics.store_errors.with_label_values(&[op]).inc();
+        }
+    }
+}
