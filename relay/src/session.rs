@@ -742,8 +742,15 @@ impl<S: EventStore> Session<S> {
             match outcome {
                 AppendOutcome::Appended { seq } => {
                     let woke = req.wake.is_some();
-                    self.hub
-                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal, woke);
+                    self.hub.appended_here(
+                        &live,
+                        &req.key,
+                        req.dir,
+                        seq,
+                        req.frame,
+                        req.terminal,
+                        woke,
+                    );
                     self.hub
                         .metrics
                         .ack_latency

@@ -39,6 +39,35 @@ pub enum Subscribed {
 }
 
 impl<S: EventStore> Hub<S> {
+    /// [`Self::appended`] for an entry this instance appended itself: the
+    /// store just took `seq`, so a receiver that already has `seq` means the
+    /// store lost entries it had acknowledged ([`Self::store_lost`]).
+    /// Entries learnt from wake-ups go to [`Self::appended`] directly: their
+    /// copies (one per cluster node) legitimately arrive after the receiver
+    /// has them.
+    #[allow(clippy::too_many_arguments)] // the entry's fields
+    pub fn appended_here(
+        self: &Arc<Self>,
+        live: &ViewRef,
+        key: &DelegationKey,
+        dir: Direction,
+        seq: u64,
+        frame: Bytes,
+        terminal: Option<Outcome>,
+        woke: bool,
+    ) {
+        {
+            let mut l = lock(live);
+            if l.sub_mut(dir)
+                .as_ref()
+                .is_some_and(|s| !s.replaying && seq <= s.delivered)
+            {
+                self.store_lost(&mut l, key, dir, seq - 1);
+            }
+        }
+        self.appended(live, key, dir, seq, frame, terminal, woke);
+    }
+
     /// Applies a durable append to the view and delivers the frame.
     /// `woke`: the append was published to the receiver's wake channel; if
     /// not and the receiver is not subscribed here, it gets a nudge instead.
@@ -54,14 +83,6 @@ impl<S: EventStore> Hub<S> {
         woke: bool,
     ) {
         let mut l = lock(live);
-        if l.sub_mut(dir)
-            .as_ref()
-            .is_some_and(|s| !s.replaying && seq <= s.delivered)
-        {
-            // The store just took `seq`, yet the receiver already has it:
-            // the store lost entries it had acknowledged.
-            self.store_lost(&mut l, key, dir, seq - 1);
-        }
         let tail = l.tail_mut(dir);
         *tail = (*tail).max(seq);
         self.note_terminal(&mut l, terminal);

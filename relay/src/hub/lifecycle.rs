@@ -196,7 +196,7 @@ impl<S: EventStore> Hub<S> {
             match res.ok().and_then(|v| v.into_iter().next()) {
                 Some(AppendOutcome::Appended { seq }) => {
                     info!(%key, dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
-                    self.appended(&live, key, dir, seq, bytes, outcome, wake.is_some());
+                    self.appended_here(&live, key, dir, seq, bytes, outcome, wake.is_some());
                     return true;
                 }
                 Some(AppendOutcome::Conflict { tail }) => {
