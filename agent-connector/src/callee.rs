@@ -263,6 +263,29 @@ struct Running {
     messages: mpsc::Sender<Value>,
 }
 
+/// What a delegation's serving task receives when its `Open` is
+/// registered: the cancel token and the caller's messages, live from the
+/// moment the `Open` arrived, so a cancel or a message that follows it at
+/// once is never lost while the request is checked and accepted.
+struct Registered {
+    cancel: CancellationToken,
+    messages: mpsc::Receiver<Value>,
+    _entry: RunningEntry,
+}
+
+/// Removes a delegation's entry from `running` when its serving task ends,
+/// however it ends.
+struct RunningEntry {
+    rt: Arc<CalleeRuntime>,
+    key: DelegationKey,
+}
+
+impl Drop for RunningEntry {
+    fn drop(&mut self) {
+        lock(&self.rt.running).remove(&self.key);
+    }
+}
+
 /// The callee runtime: consumes what the link receives for this peer.
 pub(crate) struct CalleeRuntime {
     pub(crate) link: LinkHandle,
@@ -270,6 +293,9 @@ pub(crate) struct CalleeRuntime {
     pub(crate) trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
     pub(crate) options: Option<CalleeOptions>,
     pub(crate) audit: Arc<dyn AuditSink>,
+    /// Delegations being served, from their `Open` until their serving
+    /// task ends (pruned by [`RunningEntry`]); at most one entry per
+    /// concurrent `Open`, refused or not.
     running: Mutex<HashMap<DelegationKey, Running>>,
     nonces: Mutex<NonceCache>,
     global: Arc<Semaphore>,
@@ -313,9 +339,13 @@ impl CalleeRuntime {
         while let Some(item) = incoming.recv().await {
             match item {
                 Incoming::Open(open) => {
+                    let Some(registered) = self.register(&open.key) else {
+                        // Redelivered while it is being served: nothing to do.
+                        continue;
+                    };
                     let rt = self.clone();
                     let span = tracing::info_span!("delegation", key = %open.key);
-                    tokio::spawn(async move { rt.serve(open).await }.instrument(span));
+                    tokio::spawn(async move { rt.serve(open, registered).await }.instrument(span));
                 }
                 Incoming::Cancel {
                     key, relay_origin, ..
@@ -352,11 +382,39 @@ impl CalleeRuntime {
         }
     }
 
+    /// Registers a delegation whose `Open` arrived, before anything awaits;
+    /// `None` when it is already being served.
+    fn register(self: &Arc<Self>, key: &DelegationKey) -> Option<Registered> {
+        let mut running = lock(&self.running);
+        if running.contains_key(key) {
+            return None;
+        }
+        let cancel = CancellationToken::new();
+        // Bounded: the run loop waits (back-pressure) when an executor does
+        // not read its caller's messages; emptied by the executor.
+        let (tx, rx) = mpsc::channel(64);
+        running.insert(
+            key.clone(),
+            Running {
+                cancel: cancel.clone(),
+                messages: tx,
+            },
+        );
+        Some(Registered {
+            cancel,
+            messages: rx,
+            _entry: RunningEntry {
+                rt: self.clone(),
+                key: key.clone(),
+            },
+        })
+    }
+
     fn audit(&self, key: &DelegationKey, event: AuditEvent) -> AuditRecord {
         AuditRecord::new(now_ms(), Side::Callee, key, event)
     }
 
-    async fn serve(self: Arc<Self>, open: Open) {
+    async fn serve(self: Arc<Self>, open: Open, registered: Registered) {
         let key = open.key.clone();
         let started_ms = now_ms();
         let task_id = format!("task-{}", oab_wire::InstanceId::random().to_hex());
@@ -427,15 +485,11 @@ impl CalleeRuntime {
         let Some(options) = self.options.clone() else {
             return;
         };
-        let cancel = CancellationToken::new();
-        let (msg_tx, msg_rx) = mpsc::channel(64);
-        lock(&self.running).insert(
-            key.clone(),
-            Running {
-                cancel: cancel.clone(),
-                messages: msg_tx,
-            },
-        );
+        let Registered {
+            cancel,
+            messages: msg_rx,
+            _entry,
+        } = registered;
         let run = TaskRun {
             key: key.clone(),
             task_id: task_id.clone(),
@@ -446,24 +500,30 @@ impl CalleeRuntime {
             messages: msg_rx,
             context: DelegationContext::new(key.clone(), authority.clone()),
         };
-        self.audit.record(
-            &self
-                .audit(&key, AuditEvent::Executing)
-                .with_task_id(task_id.clone()),
-        );
         let deadline = verified.request.deadline_ms.min(authority.deadline_ms);
         let until = tokio::time::Instant::now()
             + std::time::Duration::from_millis(deadline.saturating_sub(now_ms()));
-        let fut = SERVING.scope(key.clone(), options.executor.execute(run));
-        tokio::pin!(fut);
         let mut deadline_hit = false;
-        let execution = tokio::select! {
-            e = &mut fut => e,
-            () = tokio::time::sleep_until(until) => {
-                deadline_hit = true;
-                cancel.cancel();
-                // The worker must stop before the terminal is sent.
-                fut.await
+        let execution = if cancel.is_cancelled() {
+            // Cancelled while it was being accepted: no worker was started.
+            drop(run);
+            Execution::stopped(StopReason::Cancelled)
+        } else {
+            self.audit.record(
+                &self
+                    .audit(&key, AuditEvent::Executing)
+                    .with_task_id(task_id.clone()),
+            );
+            let fut = SERVING.scope(key.clone(), options.executor.execute(run));
+            tokio::pin!(fut);
+            tokio::select! {
+                e = &mut fut => e,
+                () = tokio::time::sleep_until(until) => {
+                    deadline_hit = true;
+                    cancel.cancel();
+                    // The worker must stop before the terminal is sent.
+                    fut.await
+                }
             }
         };
         drop(permits);

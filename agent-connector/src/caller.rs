@@ -191,6 +191,17 @@ impl CallerRecord {
         }
     }
 
+    /// The record of a delegation saved by an earlier process.
+    fn from_saved(s: SavedDelegation) -> Self {
+        CallerRecord {
+            callee: s.callee,
+            spec: None,
+            request: s.request,
+            request_digest: s.request_digest,
+            envelope: s.envelope,
+        }
+    }
+
     fn saved(&self, key: &DelegationKey, cursor: u64, finished: bool) -> SavedDelegation {
         SavedDelegation {
             key: key.clone(),
@@ -320,40 +331,42 @@ impl Caller {
             .map_err(|e| CallerError::State(e.to_string()))?;
         let mut handles = Vec::new();
         for s in saved.into_iter().filter(|s| !s.finished) {
-            let payload = Bytes::from(s.envelope.clone());
-            let open = Open {
-                key: s.key.clone(),
-                target: s.callee.clone(),
-                deadline_ms: s.request.deadline_ms,
-                depth: s.request.depth,
-                digest: Digest::of(&payload),
-                ceiling: String::new(),
-                payload,
-            };
-            lock(&self.records).insert(
-                s.key.clone(),
-                CallerRecord {
-                    callee: s.callee.clone(),
-                    spec: None,
-                    request: s.request,
-                    request_digest: s.request_digest,
-                    envelope: s.envelope,
-                },
-            );
-            let (reply, _ignored) = oneshot::channel();
-            self.link
-                .command(Command::Open {
-                    open,
-                    cursor: s.cursor,
-                    reply,
-                })
-                .await?;
-            handles.push(DelegationHandle {
-                key: s.key,
-                callee: s.callee,
-            });
+            handles.push(self.reattach(s).await?);
         }
         Ok(handles)
+    }
+
+    /// Takes a saved delegation back into this connector: its record, and
+    /// its open resent to the relay (which holds it already, or creates it
+    /// if the first open never arrived), with the up log resumed after the
+    /// saved cursor once the open is acknowledged.
+    async fn reattach(&self, s: SavedDelegation) -> Result<DelegationHandle, CallerError> {
+        let payload = Bytes::from(s.envelope.clone());
+        let open = Open {
+            key: s.key.clone(),
+            target: s.callee.clone(),
+            deadline_ms: s.request.deadline_ms,
+            depth: s.request.depth,
+            digest: Digest::of(&payload),
+            ceiling: String::new(),
+            payload,
+        };
+        let cursor = if s.finished { 0 } else { s.cursor };
+        let handle = DelegationHandle {
+            key: s.key.clone(),
+            callee: s.callee.clone(),
+        };
+        lock(&self.records).insert(s.key.clone(), CallerRecord::from_saved(s));
+        let (reply, _ignored) = oneshot::channel();
+        self.link
+            .command(Command::Open {
+                open,
+                cursor,
+                existing: true,
+                reply,
+            })
+            .await?;
+        Ok(handle)
     }
 
     /// Records that the application finished processing `event`: after a
@@ -400,6 +413,20 @@ impl Caller {
                     key,
                     callee: rec.callee.clone(),
                 })
+            } else {
+                Err(CallerError::IdempotencyMismatch(request_id.to_string()))
+            };
+        }
+        // Started by an earlier process of this connector (and finished
+        // before this one restored what was open): the same request is the
+        // same delegation, re-attached; its events come again from the relay.
+        if let Some(state) = &self.state
+            && let Some(saved) = state
+                .load(&key)
+                .map_err(|e| CallerError::State(e.to_string()))?
+        {
+            return if CallerRecord::from_saved(saved.clone()).same(&spec, peer) {
+                self.reattach(saved).await
             } else {
                 Err(CallerError::IdempotencyMismatch(request_id.to_string()))
             };
@@ -482,6 +509,7 @@ impl Caller {
             .command(Command::Open {
                 open,
                 cursor: 0,
+                existing: false,
                 reply,
             })
             .await?;

@@ -47,6 +47,13 @@ use crate::trust::RelayTrust;
 /// `list_peers` calls waiting for one answer, at most.
 const MAX_PEER_WAITERS: usize = 1_024;
 
+/// Pause before resending what the relay refused with a retryable code
+/// (`store_unavailable`, `rate_limited`, `too_many_delegations`). A deadline
+/// set by the first refusal and kept until it fires: other traffic does not
+/// push it back, so a log refused during a store outage goes out again at
+/// most this long after the outage ends.
+const RETRY_AFTER: Duration = Duration::from_millis(250);
+
 /// Where the relay is and how to reach it.
 #[derive(Debug, Clone)]
 pub struct LinkSettings {
@@ -250,6 +257,11 @@ pub(crate) enum Command {
         /// Events already processed (0 for a new delegation; a restored
         /// delegation resumes its up log after this).
         cursor: u64,
+        /// The relay may already hold this delegation (restored after a
+        /// restart, or re-attached): resume its up log once the open is
+        /// acknowledged, since the relay subscribes us by itself only when it
+        /// creates the delegation.
+        existing: bool,
         reply: oneshot::Sender<Result<(), LinkError>>,
     },
     Send {
@@ -378,7 +390,8 @@ pub fn spawn(
         drain_hint: None,
         control: Vec::new(),
         descriptor: None,
-        retry_pending: false,
+        retry_at: None,
+        retry: std::collections::HashSet::new(),
         heartbeat: Duration::from_secs(15),
         online: false,
         ready: std::collections::HashSet::new(),
@@ -410,8 +423,12 @@ struct Delegation {
     out: Outgoing,
     /// Last sequence received on our receiving log.
     cursor: u64,
-    /// A resume is in flight (do not send another for a hole).
+    /// A resume is in flight on this session (do not send another for a
+    /// hole). Void on the next session.
     resuming: bool,
+    /// The relay refused our resume with a retryable code: resend it when
+    /// the retry deadline fires.
+    resume_retry: bool,
     terminal: Option<Outcome>,
     events: VecDeque<UpEvent>,
     subscribers: Vec<(mpsc::Sender<Result<UpEvent, EventError>>, u64)>,
@@ -429,6 +446,7 @@ impl Delegation {
             out: Outgoing::default(),
             cursor: 0,
             resuming: false,
+            resume_retry: false,
             terminal: None,
             events: VecDeque::new(),
             subscribers: Vec::new(),
@@ -488,8 +506,12 @@ struct Link {
     /// Unsequenced frames to send once connected (peer queries, publish).
     control: Vec<Bytes>,
     descriptor: Option<Bytes>,
-    /// A retryable refusal happened: resend after a short pause.
-    retry_pending: bool,
+    /// When to resend what the relay refused with a retryable code (see
+    /// [`RETRY_AFTER`]); `None` while nothing waits.
+    retry_at: Option<tokio::time::Instant>,
+    /// Logs refused with a retryable code, resent from their last ack when
+    /// `retry_at` fires. Emptied then, and on every new session.
+    retry: std::collections::HashSet<DelegationKey>,
     /// Ping interval asked by the relay.
     heartbeat: Duration,
     /// Whether a session is up (control frames are queued only then; the
@@ -734,7 +756,6 @@ impl Link {
         }
         let heartbeat = self.heartbeat;
         let dead = heartbeat * self.settings.dead_after_heartbeats.max(2);
-        let retry_after = Duration::from_millis(200);
         let mut ping = tokio::time::interval(heartbeat);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_rx = tokio::time::Instant::now();
@@ -777,8 +798,8 @@ impl Link {
                     }
                     self.pump(&mut out);
                 }
-                () = tokio::time::sleep(retry_after), if self.retry_pending => {
-                    self.retry_pending = false;
+                () = tokio::time::sleep_until(self.retry_at.unwrap_or_else(tokio::time::Instant::now)), if self.retry_at.is_some() => {
+                    self.retry_now(&mut out);
                     self.pump(&mut out);
                 }
                 _ = ping.tick() => {
@@ -807,7 +828,9 @@ impl Link {
 
     fn after_welcome(&mut self, list: &[DelegationCursor], out: &mut Vec<Bytes>) {
         self.control.clear();
-        self.retry_pending = false;
+        // Everything goes out again from its last ack on this session.
+        self.retry_at = None;
+        self.retry.clear();
         if let Some(d) = &self.descriptor
             && let Ok(b) = encode(&Frame::Publish(d.clone()))
         {
@@ -818,59 +841,66 @@ impl Link {
         {
             out.push(b);
         }
-        let resume = |key: &DelegationKey, dir: Direction, after: u64, out: &mut Vec<Bytes>| {
-            if let Ok(b) = encode(&Frame::Resume(Resume {
-                key: key.clone(),
-                direction: dir,
-                after,
-            })) {
-                out.push(b);
-            }
-        };
+        // New work for us that arrived while we were away.
         for c in list {
-            match self.delegations.get_mut(&c.key) {
-                // An unacknowledged open resumes once acknowledged (a resume
-                // before the open lands would be answered with a gap).
-                Some(d) if d.terminal.is_none() && !(d.is_caller && d.out.acked == 0) => {
-                    d.resuming = true;
-                    resume(&c.key, d.recv_dir(), d.cursor, out);
-                }
-                Some(d) if d.is_caller && d.out.acked == 0 => d.resume_after_open = true,
-                Some(_) => {}
-                None if !c.is_caller && c.terminal.is_none() => {
-                    // New work for us that arrived while we were away.
-                    let mut d = Delegation::new(false, c.counterpart.clone());
-                    d.resuming = true;
-                    resume(&c.key, Direction::Down, 0, out);
-                    self.delegations.insert(c.key.clone(), d);
-                }
-                None => {}
+            if !c.is_caller && c.terminal.is_none() && !self.delegations.contains_key(&c.key) {
+                self.delegations
+                    .insert(c.key.clone(), Delegation::new(false, c.counterpart.clone()));
             }
         }
-        // Local delegations the relay did not list and that still wait for
-        // events: ask anyway, the answer is the data or a gap.
+        // The receiver decides what to resume, not the welcome: every
+        // delegation without a terminal here is resumed from its cursor on
+        // every new session, listed or not (a delegation that finished while
+        // we were away is not listed, and its terminal must still arrive).
+        // A resume of an earlier session is void on this one.
         for (key, d) in self.delegations.iter_mut() {
-            if d.terminal.is_none()
-                && !d.resuming
-                && !list.iter().any(|c| &c.key == key)
-                && d.out.acked > 0
-            {
+            d.resuming = false;
+            d.resume_retry = false;
+            if d.terminal.is_some() {
+                continue;
+            }
+            if d.is_caller && d.out.acked == 0 {
+                // The open goes out again; resume once it is acknowledged (a
+                // resume before the open lands would be answered with a gap,
+                // and a relay that already had the open does not subscribe
+                // us by itself).
+                d.resume_after_open = true;
+                continue;
+            }
+            d.resuming = true;
+            resume_frame(key, d.recv_dir(), d.cursor, out);
+        }
+    }
+
+    /// The retry deadline fired: refused logs go out again from their last
+    /// ack, refused resumes are sent again.
+    fn retry_now(&mut self, out: &mut Vec<Bytes>) {
+        self.retry_at = None;
+        self.ready.extend(self.retry.drain());
+        for (key, d) in self.delegations.iter_mut() {
+            if std::mem::take(&mut d.resume_retry) && d.terminal.is_none() {
                 d.resuming = true;
-                resume(key, d.recv_dir(), d.cursor, out);
+                resume_frame(key, d.recv_dir(), d.cursor, out);
             }
         }
     }
 
+    /// Schedules a retry (keeps an earlier deadline).
+    fn retry_later(&mut self) {
+        self.retry_at
+            .get_or_insert_with(|| tokio::time::Instant::now() + RETRY_AFTER);
+    }
+
     /// Moves unsent frames into `out`, within each log's in-flight window.
+    /// Logs waiting for the retry deadline stay put; the others go on.
     fn pump(&mut self, out: &mut Vec<Bytes>) {
         out.append(&mut self.control);
-        if self.retry_pending {
-            // Resent by the retry timer, not in a tight loop.
-            return;
-        }
         let window = u64::from(self.max_in_flight);
         // Only logs with something new to send (or a window that opened).
         for key in self.ready.drain() {
+            if self.retry.contains(&key) {
+                continue;
+            }
             let Some(d) = self.delegations.get_mut(&key) else {
                 continue;
             };
@@ -912,6 +942,7 @@ impl Link {
             Command::Open {
                 open,
                 cursor,
+                existing,
                 reply,
             } => {
                 if self.delegations.contains_key(&open.key) {
@@ -929,9 +960,7 @@ impl Link {
                 };
                 let mut d = Delegation::new(true, target);
                 d.cursor = cursor;
-                // A restored delegation may already exist at the relay, which
-                // then does not subscribe us by itself.
-                d.resume_after_open = cursor > 0;
+                d.resume_after_open = existing;
                 d.out.next = 2;
                 d.out.unacked.push_back((1, bytes));
                 d.open_reply = Some(reply);
@@ -1078,13 +1107,7 @@ impl Link {
                 {
                     d.resume_after_open = false;
                     d.resuming = true;
-                    if let Ok(b) = encode(&Frame::Resume(Resume {
-                        key: a.key.clone(),
-                        direction: Direction::Up,
-                        after: d.cursor,
-                    })) {
-                        out.push(b);
-                    }
+                    resume_frame(&a.key, Direction::Up, d.cursor, out);
                 }
             }
             Frame::Data(d) => self.data(d, out).await,
@@ -1273,10 +1296,16 @@ impl Link {
                 | ErrorCode::RateLimited
                 | ErrorCode::TooManyDelegations,
             ) => {
-                // Retryable: resend from the acked point after a pause.
-                d.out.sent = d.out.acked;
-                self.ready.insert(key.clone());
-                self.retry_pending = true;
+                if e.direction == d.recv_dir() {
+                    // Our resume was refused: ask again after the pause.
+                    d.resuming = false;
+                    d.resume_retry = true;
+                } else {
+                    // Resend from the acked point after the pause.
+                    d.out.sent = d.out.acked;
+                    self.retry.insert(key.clone());
+                }
+                self.retry_later();
             }
             Some(ErrorCode::AlreadyTerminal) => {
                 let won = Outcome::ALL
@@ -1317,6 +1346,17 @@ impl Link {
     }
 }
 
+/// Queues a `Resume` of `dir` after `after`.
+fn resume_frame(key: &DelegationKey, dir: Direction, after: u64, out: &mut Vec<Bytes>) {
+    if let Ok(b) = encode(&Frame::Resume(Resume {
+        key: key.clone(),
+        direction: dir,
+        after,
+    })) {
+        out.push(b);
+    }
+}
+
 /// Checks a received sequence against the cursor: `true` to process it.
 /// A hole asks the relay to resume from the cursor (once).
 fn in_order(d: &mut Delegation, seq: u64, key: &DelegationKey, out: &mut Vec<Bytes>) -> bool {
@@ -1326,13 +1366,7 @@ fn in_order(d: &mut Delegation, seq: u64, key: &DelegationKey, out: &mut Vec<Byt
     if seq > d.cursor + 1 {
         if !d.resuming {
             d.resuming = true;
-            if let Ok(b) = encode(&Frame::Resume(Resume {
-                key: key.clone(),
-                direction: d.recv_dir(),
-                after: d.cursor,
-            })) {
-                out.push(b);
-            }
+            resume_frame(key, d.recv_dir(), d.cursor, out);
         }
         return false;
     }

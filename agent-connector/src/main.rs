@@ -170,6 +170,18 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
             ..FacadeOptions::default()
         };
         let facade = Facade::new(connector.caller().clone(), options);
+        // Delegations an earlier process left open get their tasks back
+        // before the first client asks.
+        let restored = facade
+            .restore()
+            .await
+            .context("restoring delegations from connector.state_dir")?;
+        if restored > 0 {
+            tracing::info!(
+                restored,
+                "took back delegations left open by an earlier run"
+            );
+        }
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding a2a.facade_listen {addr}"))?;

@@ -213,3 +213,120 @@ async fn official_sdk_client_and_server_through_the_relay() {
     relay.stop().await;
     agent.kill().await.unwrap();
 }
+
+/// The texts of a status event's message.
+fn status_text(message: Option<&Value>) -> Option<String> {
+    let parts = message?.get("parts")?.as_array()?;
+    let t: String = parts
+        .iter()
+        .filter_map(|p| p.get("text").and_then(Value::as_str))
+        .collect();
+    (!t.is_empty()).then_some(t)
+}
+
+/// The official-SDK agent streams progress (one a millisecond) while the
+/// caller cancels: some progress is still in flight when the driver learns
+/// of the cancel, and the agent's cancel handler emits more after the
+/// driver's `CancelTask`. For every delegation, the progress the caller
+/// received equals what the agent emitted before its terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_around_a_cancel_reaches_the_caller_through_the_driver() {
+    use futures_util::StreamExt as _;
+    use oab_connector::EventKind;
+    use oab_wire::Outcome;
+
+    const RACES: usize = 210;
+    let (_agent, port) = sample_agent().await;
+    let agent_url = format!("http://127.0.0.1:{port}");
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (a, b, _card) = driver_topology(&env, &relay, &agent_url).await;
+    let a = Arc::new(a);
+    let http = reqwest::Client::new();
+    let run = oab_wire::InstanceId::random().to_hex();
+    let slots = Arc::new(tokio::sync::Semaphore::new(8));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..RACES {
+        let (a, http, agent_url) = (a.clone(), http.clone(), agent_url.clone());
+        let slot = slots.clone().acquire_owned().await.unwrap();
+        // The caller cancels once it saw `after` ticks (0: right after the
+        // delegation was opened, before the agent has a task); the agent
+        // goes on ticking meanwhile, so the cancel lands mid-stream.
+        let after = i % 7;
+        let mid = format!("race-{run}-{i}");
+        tasks.spawn(async move {
+            let _slot = slot;
+            let mut spec = spec("race");
+            spec.task.a2a_message = Some(serde_json::json!({
+                "messageId": mid, "role": "ROLE_USER", "parts": [{ "text": "race" }],
+            }));
+            let h = a.caller().delegate(&peer(CALLEE), spec).await.unwrap();
+            let mut events = a.caller().events(&h, 0).await.unwrap();
+            if after == 0 {
+                a.caller().cancel(&h, "race").await.unwrap();
+            }
+            let mut got = Vec::new();
+            let outcome = loop {
+                let ev = tokio::time::timeout(STEP, events.next())
+                    .await
+                    .expect("the terminal arrives in time")
+                    .expect("the stream lasts until the terminal")
+                    .unwrap();
+                match ev.kind {
+                    EventKind::Status { message, .. } => {
+                        if let Some(t) = status_text(message.as_ref()) {
+                            got.push(t);
+                            if got.len() == after {
+                                a.caller().cancel(&h, "race").await.unwrap();
+                            }
+                        }
+                    }
+                    EventKind::Terminal(t) => break t.outcome,
+                    _ => {}
+                }
+            };
+            let emitted: Value = http
+                .get(format!("{agent_url}/test/emitted/{mid}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            (mid, got, outcome, emitted)
+        });
+    }
+    let (mut ran, mut cancel_seen) = (0, 0);
+    while let Some(r) = tasks.join_next().await {
+        let (mid, got, outcome, emitted) = r.unwrap();
+        // A delegation cancelled before the callee started it never
+        // reached the agent (the agent answers 404 for it).
+        let sent: Vec<String> =
+            serde_json::from_value(emitted["emitted"].clone()).unwrap_or_default();
+        assert_eq!(
+            got, sent,
+            "{mid} ({outcome:?}, agent ended {}): received vs emitted",
+            emitted["terminal"]
+        );
+        assert_eq!(outcome, Outcome::Cancelled, "{mid}");
+        if emitted.get("terminal").is_some() {
+            ran += 1;
+            assert_eq!(emitted["terminal"], "canceled", "{mid}");
+            cancel_seen += usize::from(got.last().is_some_and(|t| t == "cancel seen"));
+        }
+    }
+    println!("{ran} of {RACES} delegations reached the agent before the cancel");
+    assert!(
+        ran >= RACES * 6 / 7,
+        "the cancel raced a running agent: {ran}"
+    );
+    assert_eq!(
+        cancel_seen, ran,
+        "the cancel handler's progress arrived every time"
+    );
+    if let Ok(a) = Arc::try_unwrap(a) {
+        a.shutdown().await;
+    }
+    b.shutdown().await;
+    relay.stop().await;
+}

@@ -337,3 +337,178 @@ async fn relay_drain_and_restart_on_redis_loses_nothing() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// A caller's event stream that must deliver every event once, in order.
+struct InOrder {
+    events: oab_connector::caller::EventStream,
+    last: u64,
+}
+
+impl InOrder {
+    async fn next(&mut self) -> oab_connector::DelegationEvent {
+        let ev = tokio::time::timeout(Duration::from_secs(30), self.events.next())
+            .await
+            .expect("an event in time")
+            .expect("stream open")
+            .expect("no gap");
+        assert_eq!(ev.seq, self.last + 1, "every event once, in order");
+        self.last = ev.seq;
+        ev
+    }
+}
+
+/// Waits (bounded) until `cond` holds, checking every few milliseconds.
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !cond().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The caller resumes a delegation it is caught up on (a reconnect), its
+/// link then drops before the next frame, and the delegation finishes while
+/// it is away: the relay's next welcome no longer lists it, and the caller
+/// must still fetch the terminal (it resumes every delegation it has no
+/// terminal for, whatever the previous session left behind).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegation_that_finishes_while_the_caller_is_away_still_reaches_it() {
+    let env = env_fast();
+    let store = Arc::new(MemoryStore::new(Retention::default()));
+    let relay = Relay::start(&env, store.clone()).await;
+    let pa = Proxy::start(relay.addr).await.unwrap();
+    let exec = Paced::gated(5, Duration::from_millis(1), 2);
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    let a = connector(&env, &env.caller, pa.addr(), None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("finish while the caller is away"))
+        .await
+        .unwrap();
+    let events = a.caller().events(&h, 0).await.unwrap();
+    let mut events = InOrder { events, last: 0 };
+    // Accepted, then two statuses: the executor now waits at its gate.
+    while events.last < 3 {
+        events.next().await;
+    }
+    let pa_h = pa.handle();
+    for _ in 0..3 {
+        // A reconnect while caught up: the caller resumes the listed
+        // delegation, and nothing comes back yet.
+        let before = pa_h.stats().accepted;
+        pa_h.cut_all();
+        pa_h.wait_until(|s| s.accepted > before).await;
+        a.connected().await.unwrap();
+        // A round trip through the link and the relay: the welcome's
+        // resumes went out before this answer came back.
+        a.caller().list_peers().await.unwrap();
+    }
+    // Away (the link stalls, then drops) while the delegation finishes.
+    pa_h.set_fault(Fault::Stall);
+    pa_h.cut_all();
+    exec.open_gate();
+    let key = h.key.clone();
+    eventually("the relay holds the terminal", || {
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            use oab_relay::store::EventStore as _;
+            matches!(store.meta(&key).await, Ok(Some(m)) if m.terminal.is_some())
+        }
+    })
+    .await;
+    pa_h.set_fault(Fault::Pass);
+    pa_h.cut_all();
+    let t = loop {
+        if let EventKind::Terminal(t) = events.next().await.kind {
+            break t;
+        }
+    };
+    assert_eq!(t.outcome, Outcome::Completed);
+    assert_eq!(events.last, 7, "accepted, five statuses, the terminal");
+    a.caller().verify(&h, &t).unwrap();
+    assert_eq!(exec.runs(), 1);
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
+
+/// Redis is killed while the callee streams and the caller cancels during
+/// the outage: appends refused as `store_unavailable` are resent once the
+/// store is back (the retry deadline is not pushed back by the link's other
+/// traffic, here a ping every 100 ms), so the delegation goes on and the
+/// cancel takes effect after the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_pauses_delegations_only_while_it_lasts() {
+    let env = env_fast();
+    let mut redis =
+        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::Aof).unwrap();
+    let store = Arc::new(
+        oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
+            .await
+            .unwrap(),
+    );
+    let relay = Relay::start(&env, store).await;
+    let exec = Paced::new(1_000_000, Duration::from_millis(2));
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("stream through store outages"))
+        .await
+        .unwrap();
+    let events = a.caller().events(&h, 0).await.unwrap();
+    let mut events = InOrder { events, last: 0 };
+    // The callee's frames pile up unacknowledged while the store is down.
+    let refused = async |b: &oab_connector::Connector| {
+        let key = h.key.clone();
+        let caller = b.caller().clone();
+        eventually("the callee's appends wait for the store", move || {
+            let (caller, h) = (
+                caller.clone(),
+                oab_connector::DelegationHandle {
+                    key: key.clone(),
+                    callee: peer(CALLEE),
+                },
+            );
+            async move { caller.get(&h).await.is_ok_and(|s| s.sent > s.acked + 20) }
+        })
+        .await;
+    };
+    for _ in 0..3 {
+        let target = events.last + 20;
+        while events.last < target {
+            events.next().await;
+        }
+        redis.kill().unwrap();
+        refused(&b).await;
+        redis.restart().unwrap();
+    }
+    let target = events.last + 20;
+    while events.last < target {
+        events.next().await;
+    }
+    // A cancel during an outage takes effect after it.
+    redis.kill().unwrap();
+    refused(&b).await;
+    a.caller().cancel(&h, "enough").await.unwrap();
+    redis.restart().unwrap();
+    let t = loop {
+        if let EventKind::Terminal(t) = events.next().await.kind {
+            break t;
+        }
+    };
+    assert_eq!(t.outcome, Outcome::Cancelled);
+    a.caller().verify(&h, &t).unwrap();
+    assert_eq!(exec.runs(), 1);
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}

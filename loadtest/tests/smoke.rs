@@ -68,6 +68,7 @@ async fn cancel_race_smoke_agrees_on_one_terminal_each() {
     let r = &report.json["result"];
     assert_eq!(r["delegations"], 200, "{r}");
     assert_eq!(r["agreed"], 200, "{r}");
+    assert_eq!(r["progress_equal"], 200, "{r}");
     let outcomes = r["outcomes"].as_object().unwrap();
     let total: u64 = outcomes.values().map(|v| v.as_u64().unwrap()).sum();
     assert_eq!(total, 200, "{r}");

@@ -463,6 +463,37 @@ impl<S: EventStore> Hub<S> {
         live
     }
 
+    /// An open the store already had (a resend after a lost ack, a retry
+    /// after a store error that did commit, a restarted caller): both ends
+    /// get the delegation as if it had just been created here. The caller's
+    /// session reads the up log from its start unless it already does; the
+    /// callee, when its session is here and reads nothing of it, gets the
+    /// down log from its start (the open included). Receivers drop what they
+    /// already processed by sequence.
+    pub async fn reopened(
+        self: &Arc<Self>,
+        key: &DelegationKey,
+        caller: &SessionRef,
+    ) -> Result<(), StoreError> {
+        let Some(live) = self.live(key).await? else {
+            return Ok(());
+        };
+        let (read_up, callee) = {
+            let l = lock(&live);
+            let read_up = l.subs[1].as_ref().is_none_or(|s| s.session != caller.id);
+            let callee = (l.subs[0].is_none() && l.terminal.is_none()).then(|| l.callee.clone());
+            (read_up, callee)
+        };
+        if read_up {
+            self.subscribe(&live, key, Direction::Up, caller, 0);
+        }
+        let callee = callee.and_then(|c| lock(&self.sessions).get(&c).cloned());
+        if let Some(callee) = callee {
+            self.subscribe(&live, key, Direction::Down, &callee, 0);
+        }
+        Ok(())
+    }
+
     /// Adjusts open-delegation counts.
     fn count_open(&self, caller: &PeerId, callee: &PeerId, delta: i32) {
         let mut c = lock(&self.counts);

@@ -765,6 +765,13 @@ impl<S: EventStore> Session<S> {
                     req.seq,
                     &format!("the delegation already ended: {outcome}"),
                 ),
+                AppendOutcome::Unavailable => self.error(
+                    ErrorCode::StoreUnavailable,
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                    "store unavailable; resend later",
+                ),
                 AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => self.error(
                     ErrorCode::UnknownDelegation,
                     Some(&req.key),
@@ -817,9 +824,7 @@ impl<S: EventStore> Session<S> {
         // that could have changed since the first attempt (deadline, caps).
         match hub.store.meta(&key).await {
             Ok(Some(m)) if m.digest == open.digest => {
-                self.record_ack(key, Direction::Down, 1);
-                self.send_acks();
-                return;
+                return self.reopened(key).await;
             }
             Ok(Some(_)) => {
                 return refuse(
@@ -933,7 +938,7 @@ impl<S: EventStore> Session<S> {
                     .observe(started.elapsed().as_secs_f64());
                 self.record_ack(key, Direction::Down, 1);
             }
-            Ok(OpenOutcome::Existing(_)) => self.record_ack(key, Direction::Down, 1),
+            Ok(OpenOutcome::Existing(_)) => return self.reopened(key).await,
             Ok(OpenOutcome::Mismatch(_)) => refuse(
                 self,
                 ErrorCode::IdempotencyMismatch,
@@ -948,6 +953,24 @@ impl<S: EventStore> Session<S> {
                 );
             }
         }
+        self.send_acks();
+    }
+
+    /// Answers an open the store already had: acknowledged, and delivered to
+    /// both ends as if created now ([`Hub::reopened`]).
+    async fn reopened(&mut self, key: DelegationKey) {
+        if let Err(e) = self.hub.reopened(&key, &self.me).await {
+            warn!(error = %e, "store unavailable");
+            self.error(
+                ErrorCode::StoreUnavailable,
+                Some(&key),
+                Direction::Down,
+                1,
+                "store unavailable; resend later",
+            );
+            return;
+        }
+        self.record_ack(key, Direction::Down, 1);
         self.send_acks();
     }
 

@@ -347,3 +347,127 @@ async fn cancel_race<S: EventStore>(store: Arc<S>) {
     assert_eq!(replayed, seen.get("race-0").copied());
     relay.stop().await;
 }
+
+/// A store that stores an open and then reports a failure, once: as when
+/// Redis runs the open script and the connection drops before its reply.
+struct OpenCommitsThenFails {
+    inner: oab_relay::store::MemoryStore,
+    fail_next_open: std::sync::atomic::AtomicBool,
+}
+
+impl oab_relay::store::FleetStore for OpenCommitsThenFails {}
+
+impl EventStore for OpenCommitsThenFails {
+    async fn open(
+        &self,
+        req: oab_relay::store::OpenRequest,
+    ) -> Result<oab_relay::store::OpenOutcome, oab_relay::store::StoreError> {
+        let outcome = self.inner.open(req).await?;
+        if self
+            .fail_next_open
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(oab_relay::store::StoreError::Unavailable(
+                "connection lost after the open was stored".into(),
+            ));
+        }
+        Ok(outcome)
+    }
+    async fn append(
+        &self,
+        reqs: Vec<oab_relay::store::AppendRequest>,
+    ) -> Result<Vec<oab_relay::store::AppendOutcome>, oab_relay::store::StoreError> {
+        self.inner.append(reqs).await
+    }
+    async fn read(
+        &self,
+        key: &oab_wire::DelegationKey,
+        dir: Direction,
+        after: u64,
+        limit: usize,
+    ) -> Result<oab_relay::store::ReadOutcome, oab_relay::store::StoreError> {
+        self.inner.read(key, dir, after, limit).await
+    }
+    async fn meta(
+        &self,
+        key: &oab_wire::DelegationKey,
+    ) -> Result<Option<oab_relay::store::DelegationMeta>, oab_relay::store::StoreError> {
+        self.inner.meta(key).await
+    }
+    async fn delegations_of(
+        &self,
+        peer: &oab_wire::PeerId,
+    ) -> Result<Vec<oab_relay::store::DelegationMeta>, oab_relay::store::StoreError> {
+        self.inner.delegations_of(peer).await
+    }
+    async fn due(
+        &self,
+        now_ms: u64,
+        limit: usize,
+    ) -> Result<Vec<oab_wire::DelegationKey>, oab_relay::store::StoreError> {
+        self.inner.due(now_ms, limit).await
+    }
+    async fn expire_finished(&self, now_ms: u64) -> Result<u64, oab_relay::store::StoreError> {
+        self.inner.expire_finished(now_ms).await
+    }
+    async fn put_descriptor(
+        &self,
+        peer: &oab_wire::PeerId,
+        descriptor: Bytes,
+    ) -> Result<(), oab_relay::store::StoreError> {
+        self.inner.put_descriptor(peer, descriptor).await
+    }
+    async fn descriptor(
+        &self,
+        peer: &oab_wire::PeerId,
+    ) -> Result<Option<Bytes>, oab_relay::store::StoreError> {
+        self.inner.descriptor(peer).await
+    }
+    async fn epoch(&self) -> Result<u64, oab_relay::store::StoreError> {
+        self.inner.epoch().await
+    }
+    async fn ping(&self) -> Result<(), oab_relay::store::StoreError> {
+        self.inner.ping().await
+    }
+}
+
+/// The store stored an open but its answer was lost: the relay refuses it
+/// as `store_unavailable`, the caller resends it, and the resend (found in
+/// the store) is delivered to the callee and subscribes the caller, exactly
+/// as a first open would be, instead of being only acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_resent_after_a_store_error_that_did_commit_is_delivered() {
+    let store = Arc::new(OpenCommitsThenFails {
+        inner: oab_relay::store::MemoryStore::new(oab_relay::store::Retention::default()),
+        fail_next_open: std::sync::atomic::AtomicBool::new(true),
+    });
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, store).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    let open = open_frame("o1", b"{}");
+    a.send(&open).await.unwrap();
+    let refused = recv_until(&mut a, |f| match f {
+        Frame::Error(e) => Some(e.code),
+        _ => None,
+    })
+    .await;
+    assert_eq!(refused, ErrorCode::StoreUnavailable.as_u16());
+    a.send(&open).await.unwrap();
+    await_ack(&mut a, "o1", Direction::Down, 1).await;
+    // The callee gets the open live, and the caller its up log.
+    recv_until(&mut b, |f| {
+        matches!(f, Frame::Open(o) if o.key == key("o1")).then_some(())
+    })
+    .await;
+    b.send(&data("o1", Direction::Up, 1, None, payload(1)))
+        .await
+        .unwrap();
+    let got = recv_until(&mut a, |f| match f {
+        Frame::Data(d) if d.key == key("o1") => Some(d.seq),
+        _ => None,
+    })
+    .await;
+    assert_eq!(got, 1);
+    relay.stop().await;
+}

@@ -1407,6 +1407,23 @@ async fn cluster_spreads_delegations_over_shards_and_keeps_batch_order() {
     let mut cluster = cluster;
     cluster.wait_aof_written(2).unwrap();
     cluster.kill_node(2).unwrap();
+    // While node 2 is down, a batch over all three nodes: the entries on
+    // the live nodes are stored, the one on node 2 is refused on its own
+    // (resent later by its sender), nothing else waits for the dead node.
+    assert_eq!(
+        s.append(vec![
+            peer_entry(&a, Direction::Down, 6),
+            peer_entry(&c, Direction::Down, 4),
+            peer_entry(&b, Direction::Down, 4),
+        ])
+        .await
+        .unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 6 },
+            AppendOutcome::Unavailable,
+            AppendOutcome::Appended { seq: 4 },
+        ]
+    );
     let cluster = tokio::task::spawn_blocking(move || cluster.restart_node(2).map(|()| cluster))
         .await
         .unwrap()
@@ -1991,6 +2008,7 @@ mod props {
                     AppendOutcome::AlreadyTerminal { .. } => "already terminal",
                     AppendOutcome::Conflict { .. } => "conflict",
                     AppendOutcome::Unknown => "append unknown",
+                    AppendOutcome::Unavailable => "append unavailable",
                 })
                 .collect(),
             Reply::Read(ReadOutcome::Entries { entries, .. }) if !entries.is_empty() => {

@@ -172,6 +172,18 @@ struct Session {
     /// Artifact ids already sent up.
     sent: std::collections::HashSet<String>,
     cancel_sent: bool,
+    /// The grace ran out before the server confirmed the cancel.
+    cancel_unconfirmed: bool,
+}
+
+/// A cancel under way during a streaming turn.
+struct CancelInFlight<'a> {
+    /// The end of `cancel_grace`.
+    until: tokio::time::Instant,
+    /// The `CancelTask` call, once the server's task id is known.
+    call: Option<Pin<Box<dyn Future<Output = Option<Value>> + Send + 'a>>>,
+    /// What it answered.
+    answer: Option<Value>,
 }
 
 /// SSE framing: splits a byte stream into events (`event:` name, joined
@@ -523,31 +535,134 @@ impl DriverInner {
         Value::Object(o)
     }
 
-    /// Cancels the server's task and waits (bounded) for its terminal,
-    /// polling `GetTask`. Returns the final state and status message
-    /// (`canceled` when the server's task is unknown or did not finish in
-    /// time).
+    /// Cancels the server's task when no stream is open (the task waits
+    /// for input, or the server does not stream) and waits (bounded) for its
+    /// terminal. Returns the final state and status message.
     async fn cancel_now(
         &self,
         card: &ResolvedCard,
         s: &mut Session,
         run: &TaskRun,
     ) -> (TaskState, Option<Value>) {
-        s.cancel_sent = true;
-        let Some(task_id) = s.task_id.clone() else {
-            return (TaskState::Canceled, None);
-        };
+        match self.settle_cancel(card, s, run, None).await {
+            TurnEnd::Terminal(state, message) => (state, message),
+            _ => (TaskState::Canceled, None),
+        }
+    }
+
+    /// `CancelTask` for the server's task: the task it answers with, or
+    /// (when the task is no longer cancelable) the task as `GetTask` reads
+    /// it; `None` when neither answered.
+    async fn cancel_call(&self, card: &ResolvedCard, task_id: String) -> Option<Value> {
         let mut p = Map::new();
         p.insert("id".into(), json!(task_id));
-        let mut task = match self.unary(card, "CancelTask", p).await {
+        match self.unary(card, "CancelTask", p).await {
             Ok(t) => Some(t),
             Err(DriverError::Rpc { code: -32002, .. }) => self.get_task(card, &task_id).await.ok(),
             Err(e) => {
                 warn!(error = %e, "CancelTask failed");
                 None
             }
+        }
+    }
+
+    /// Waits for `next` (the server's response, or the next chunk of its
+    /// stream) while watching `run.cancel`. Once the cancel fired,
+    /// `CancelTask` is sent as soon as the server's task id is known and
+    /// runs alongside the stream, which keeps being read: everything the
+    /// server streams before its terminal still goes up. `None` when
+    /// `cancel_grace` ran out first.
+    async fn next_watching_cancel<'a, F: Future + Unpin>(
+        &'a self,
+        card: &'a ResolvedCard,
+        s: &mut Session,
+        run: &TaskRun,
+        cancel: &mut Option<CancelInFlight<'a>>,
+        next: &mut F,
+    ) -> Option<F::Output> {
+        loop {
+            if run.cancel.is_cancelled() {
+                let c = cancel.get_or_insert_with(|| CancelInFlight {
+                    until: tokio::time::Instant::now() + self.options.cancel_grace,
+                    call: None,
+                    answer: None,
+                });
+                if !s.cancel_sent
+                    && let Some(id) = s.task_id.clone()
+                {
+                    s.cancel_sent = true;
+                    c.call = Some(Box::pin(self.cancel_call(card, id)));
+                }
+            }
+            let until = cancel.as_ref().map(|c| c.until);
+            let call = cancel.as_mut().and_then(|c| c.call.as_mut());
+            // Unbiased: a server that keeps streaming cannot hold off the
+            // cancel's answer or the end of the grace.
+            tokio::select! {
+                item = &mut *next => return Some(item),
+                answer = async {
+                    match call {
+                        Some(call) => call.await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if let Some(c) = cancel.as_mut() {
+                        c.call = None;
+                        c.answer = answer;
+                    }
+                }
+                () = run.cancel.cancelled(), if until.is_none() => {}
+                () = async {
+                    match until {
+                        Some(until) => tokio::time::sleep_until(until).await,
+                        None => std::future::pending().await,
+                    }
+                } => return None,
+            }
+        }
+    }
+
+    /// Ends a cancelled turn whose stream gave no terminal (it ended, broke,
+    /// or the grace ran out): sends `CancelTask` if it was not sent yet,
+    /// takes its answer (bounded), and polls `GetTask` until the server's
+    /// task is terminal or the grace ends. A task the server never
+    /// confirmed within the grace is reported `canceled` and marked so in
+    /// the execution's output (`cancelConfirmed: false`): what the server
+    /// emits after that is not forwarded.
+    async fn settle_cancel(
+        &self,
+        card: &ResolvedCard,
+        s: &mut Session,
+        run: &TaskRun,
+        cancel: Option<CancelInFlight<'_>>,
+    ) -> TurnEnd {
+        let (until, call, answer) = match cancel {
+            Some(c) => (c.until, c.call, c.answer),
+            None => (
+                tokio::time::Instant::now() + self.options.cancel_grace,
+                None,
+                None,
+            ),
         };
-        let until = tokio::time::Instant::now() + self.options.cancel_grace;
+        let mut task = match (answer, call) {
+            (Some(a), _) => Some(a),
+            (None, Some(call)) => tokio::time::timeout_at(until, call).await.ok().flatten(),
+            (None, None) => match s.task_id.clone() {
+                Some(id) if !s.cancel_sent => {
+                    s.cancel_sent = true;
+                    tokio::time::timeout_at(until, self.cancel_call(card, id))
+                        .await
+                        .ok()
+                        .flatten()
+                }
+                _ => None,
+            },
+        };
+        s.cancel_sent = true;
+        let Some(task_id) = s.task_id.clone() else {
+            // The server never named a task: nothing runs there to stop.
+            return TurnEnd::Terminal(TaskState::Canceled, None);
+        };
         loop {
             let state = task
                 .as_ref()
@@ -558,10 +673,12 @@ impl DriverInner {
                 && st.is_terminal()
             {
                 self.absorb_artifacts(s, t, &run.sink).await;
-                return (st, t.pointer("/status/message").cloned());
+                return TurnEnd::Terminal(st, t.pointer("/status/message").cloned());
             }
             if tokio::time::Instant::now() >= until {
-                return (TaskState::Canceled, None);
+                warn!("the local A2A server did not confirm the cancel in time");
+                s.cancel_unconfirmed = true;
+                return TurnEnd::Terminal(TaskState::Canceled, None);
             }
             // Poll the server's task at a bounded rate until the grace ends.
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -620,13 +737,54 @@ impl DriverInner {
             }
             (None, None) => return TurnEnd::Failed("nothing to resume".into()),
         };
-        let resp = tokio::select! {
-            r = self.post(card, &body, true).send() => r,
-            () = run.cancel.cancelled(), if !s.cancel_sent => return self.cancelled_turn(card, s, run).await,
+        let mut cancel = None;
+        let resubscribe = outgoing.is_none();
+        let end = self
+            .stream_turn(card, s, &body, resubscribe, run, &mut cancel)
+            .await;
+        match end {
+            TurnEnd::Terminal(..) | TurnEnd::Message(_) => {
+                // The stream gave the terminal: let a `CancelTask` still
+                // under way finish (bounded) rather than cut it off.
+                if let Some(CancelInFlight {
+                    until,
+                    call: Some(call),
+                    ..
+                }) = cancel
+                {
+                    let _ = tokio::time::timeout_at(until, call).await;
+                }
+                end
+            }
+            // The cancel is under way and the stream gave no terminal.
+            _ if cancel.is_some() => self.settle_cancel(card, s, run, cancel).await,
+            end => end,
+        }
+    }
+
+    /// Posts `body` and consumes the server's answer (an SSE stream, or one
+    /// JSON response) until the turn ends. The cancel never cuts the
+    /// stream short: see [`DriverInner::next_watching_cancel`].
+    async fn stream_turn<'a>(
+        &'a self,
+        card: &'a ResolvedCard,
+        s: &mut Session,
+        body: &Value,
+        resubscribe: bool,
+        run: &TaskRun,
+        cancel: &mut Option<CancelInFlight<'a>>,
+    ) -> TurnEnd {
+        let send = self.post(card, body, true).send();
+        tokio::pin!(send);
+        let Some(resp) = self
+            .next_watching_cancel(card, s, run, cancel, &mut send)
+            .await
+        else {
+            return TurnEnd::Dropped;
         };
         let resp = match resp {
             Ok(r) => r,
-            Err(e) if outgoing.is_none() => {
+            Err(e) if resubscribe => {
                 debug!(error = %e, "resubscribe failed");
                 return TurnEnd::Dropped;
             }
@@ -644,7 +802,7 @@ impl DriverInner {
             };
             return match rpc_error(&v) {
                 // The task finished: resubscribing is refused; read it.
-                Some(DriverError::Rpc { code: -32004, .. }) if outgoing.is_none() => {
+                Some(DriverError::Rpc { code: -32004, .. }) if resubscribe => {
                     self.finished(card, s, run).await
                 }
                 Some(e) => TurnEnd::Failed(e.to_string()),
@@ -657,15 +815,18 @@ impl DriverInner {
                 },
             };
         }
-        let mut body = resp.bytes_stream();
+        let body = resp.bytes_stream();
+        tokio::pin!(body);
         let mut parser = SseParser::default();
         let mut interrupted = false;
         loop {
-            let chunk = tokio::select! {
-                c = body.next() => c,
-                () = run.cancel.cancelled(), if !s.cancel_sent => {
-                    return self.cancelled_turn(card, s, run).await;
-                }
+            let mut next = body.next();
+            let Some(chunk) = self
+                .next_watching_cancel(card, s, run, cancel, &mut next)
+                .await
+            else {
+                // The grace ran out before the server's terminal.
+                return TurnEnd::Dropped;
             };
             let chunk = match chunk {
                 Some(Ok(c)) => c,
@@ -739,7 +900,10 @@ impl DriverInner {
             .json(&body);
         let resp = tokio::select! {
             r = req.send() => r,
-            () = run.cancel.cancelled() => return self.cancelled_turn(card, s, run).await,
+            () = run.cancel.cancelled() => {
+                let (state, message) = self.cancel_now(card, s, run).await;
+                return TurnEnd::Terminal(state, message);
+            }
         };
         let v: Value = match resp {
             Ok(r) => match r.json().await {
@@ -776,13 +940,6 @@ impl DriverInner {
             }
             Err(e) => TurnEnd::Failed(e.to_string()),
         }
-    }
-
-    /// `run.cancel` fired during a turn: cancel the server's task and wait
-    /// (bounded) for its terminal.
-    async fn cancelled_turn(&self, card: &ResolvedCard, s: &mut Session, run: &TaskRun) -> TurnEnd {
-        let (state, message) = self.cancel_now(card, s, run).await;
-        TurnEnd::Terminal(state, message)
     }
 
     /// Maps one StreamResponse (or SendMessageResponse) onto the sink.
@@ -887,13 +1044,18 @@ impl DriverInner {
             _ if run.cancel.is_cancelled() && s.cancel_sent => StopReason::Cancelled,
             _ => StopReason::Error(text.unwrap_or_else(|| "the agent's task failed".into())),
         };
-        let output = json!({ "a2a": {
+        let mut output = json!({ "a2a": {
             "kind": "task",
             "state": state.as_str(),
             "message": upward_message(message.as_ref()),
             "taskId": s.task_id,
             "contextId": s.context_id,
         }});
+        if s.cancel_unconfirmed
+            && let Some(a2a) = output.get_mut("a2a").and_then(Value::as_object_mut)
+        {
+            a2a.insert("cancelConfirmed".into(), json!(false));
+        }
         let mut artifacts = s.artifacts;
         let size = |v: &Value| serde_json::to_vec(v).map_or(0, |b| b.len() as u64);
         let mut bytes = size(&output)

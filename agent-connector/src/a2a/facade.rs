@@ -158,6 +158,54 @@ impl Facade {
         }
     }
 
+    /// Takes back the delegations an earlier process of this connector left
+    /// open (from the caller's state folder): each gets its task again,
+    /// under the same ids, folded anew from the relay's log, so `GetTask`,
+    /// `ListTasks` and `SubscribeToTask` (cursors included) work across a
+    /// restart. Call it once, before serving. Returns how many were taken
+    /// back.
+    pub async fn restore(&self) -> Result<usize, CallerError> {
+        let inner = &self.inner;
+        let handles = inner.caller.restore().await?;
+        let mut restored = 0;
+        for handle in handles {
+            let Some(request) = inner.caller.request(&handle) else {
+                continue;
+            };
+            let message = request.task.a2a_message.clone().unwrap_or_else(|| {
+                json!({
+                    "messageId": fresh_id("msg"),
+                    "role": "ROLE_USER",
+                    "parts": [{ "text": request.task.text }],
+                })
+            });
+            let context_id = message
+                .get("contextId")
+                .and_then(Value::as_str)
+                .map_or_else(
+                    || {
+                        let d = oab_wire::Digest::of(request.request_id.as_str().as_bytes());
+                        format!("ctx-{}", &oab_wire::digest::hex(&d.0)[..32])
+                    },
+                    str::to_string,
+                );
+            let (cell, fresh) = inner.tasks.insert(NewTask {
+                peer: handle.callee.clone(),
+                handle,
+                context_id,
+                first_message: normalise_message(&message, "ROLE_USER").unwrap_or(Value::Null),
+                deadline_ms: request.deadline_ms,
+                created_ms: request.issued_ms,
+            });
+            if fresh {
+                let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
+                tokio::spawn(track(inner.clone(), cell.clone()).instrument(span));
+                restored += 1;
+            }
+        }
+        Ok(restored)
+    }
+
     /// The routes; open streams end when [`Facade::close`] is called.
     pub fn router(&self) -> Router {
         self.router_until(self.inner.stop.child_token())
@@ -764,6 +812,7 @@ impl Call {
             context_id,
             first_message: first,
             deadline_ms,
+            created_ms: super::model::now_ms(),
         });
         if fresh {
             let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
@@ -1213,8 +1262,20 @@ async fn track(inner: Arc<Inner>, cell: Arc<TaskCell>) {
             };
             match item {
                 Some(Ok(ev)) => {
+                    let terminal = matches!(ev.kind, EventKind::Terminal(_)).then(|| ev.clone());
                     let end = fold(&inner, &cell, ev);
                     cell.notify();
+                    if let Some(ev) = terminal {
+                        // Finished: a restart no longer takes it back (the
+                        // state file stays, so a re-sent request is still the
+                        // same delegation).
+                        let (caller, handle) = (inner.caller.clone(), cell.handle.clone());
+                        let saved =
+                            tokio::task::spawn_blocking(move || caller.commit(&handle, &ev)).await;
+                        if let Ok(Err(e)) = saved {
+                            warn!(error = %e, "could not record the delegation as finished");
+                        }
+                    }
                     if end {
                         return;
                     }

@@ -593,6 +593,16 @@ pub(crate) struct NewTask {
     pub(crate) context_id: String,
     pub(crate) first_message: Value,
     pub(crate) deadline_ms: u64,
+    /// When the delegation was requested (kept across a restart).
+    pub(crate) created_ms: u64,
+}
+
+/// The facade's own id of a delegation's task, used until the callee's id
+/// is known. Derived from the delegation key, so a restarted connector
+/// answers to the ids its clients already hold.
+pub(crate) fn minted_task_id(key: &DelegationKey) -> String {
+    let d = oab_wire::Digest::of(key.to_string().as_bytes());
+    format!("task-{}", &oab_wire::digest::hex(&d.0)[..32])
 }
 
 #[derive(Debug, Default)]
@@ -637,7 +647,7 @@ impl TaskTable {
             return (c.clone(), false);
         }
         let now = now_ms();
-        let minted_id = super::model::fresh_id("task");
+        let minted_id = minted_task_id(&new.handle.key);
         let record = TaskRecord {
             context_id: new.context_id,
             callee_id: None,
@@ -645,7 +655,7 @@ impl TaskTable {
             state: TaskState::Submitted,
             status_message: None,
             status_ms: now,
-            created_ms: now,
+            created_ms: new.created_ms,
             history: vec![new.first_message],
             artifacts: Vec::new(),
             events: VecDeque::new(),

@@ -17,6 +17,13 @@ What it does is chosen by the prefix of the message id:
   completes the task with an artifact ``branch <text>``;
 - ``message-``: answers with a message, no task;
 - ``fail-``: failed with a message;
+- ``race-``: working, then progress ``tick 1``, ``tick 2``, ... one per
+  millisecond (200 at most, then completed) until canceled; its cancel
+  handler emits the progress ``cancel seen`` and then the canceled status.
+  Every progress it emitted before its terminal is recorded, in order, and
+  served at ``GET /test/emitted/<messageId>`` (``{"emitted": [...],
+  "terminal": "<state>"}``), so a test can compare it with what the caller
+  received;
 - ``bench-stream-<N>-``: the benchmark mode (``bench.py``): N events as fast
   as it can, no sleeps, alternating a working status update (message text
   ``bench <i> <t>``) and an artifact chunk (text ``<i> <t>``, appended to the
@@ -63,6 +70,42 @@ from a2a.types import (
 logger = logging.getLogger("sample_agent")
 
 GATES: dict[str, asyncio.Event] = {}
+
+
+class Race:
+    """What a ``race-`` task emitted before its terminal.
+
+    The lock orders each progress against the terminal: nothing is emitted
+    (or recorded) once the terminal is in the queue.
+    """
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.emitted: list[str] = []
+        self.terminal: str | None = None
+
+    async def progress(self, updater: TaskUpdater, text: str) -> bool:
+        async with self.lock:
+            if self.terminal is not None:
+                return False
+            await updater.update_status(TaskState.TASK_STATE_WORKING, updater.new_agent_message([Part(text=text)]))
+            self.emitted.append(text)
+            return True
+
+    async def end(self, updater: TaskUpdater, state: str) -> None:
+        async with self.lock:
+            if self.terminal is not None:
+                return
+            self.terminal = state
+            if state == "canceled":
+                await updater.cancel(updater.new_agent_message([Part(text="canceled as asked")]))
+            else:
+                await updater.complete(updater.new_agent_message([Part(text="ticked to the end")]))
+
+
+# Races by message id (for the test) and by task id (for the cancel handler).
+RACES: dict[str, Race] = {}
+RACES_BY_TASK: dict[str, Race] = {}
 
 
 def gate(name: str) -> asyncio.Event:
@@ -136,6 +179,16 @@ class SampleExecutor(AgentExecutor):
                 )
             await updater.add_artifact([Part(text="gated result")], artifact_id="result", name="result", last_chunk=True)
             await updater.complete()
+        elif mid.startswith("race-"):
+            race = RACES.setdefault(mid, Race())
+            RACES_BY_TASK[task_id] = race
+            await updater.start_work()
+            for i in range(1, 201):
+                if not await race.progress(updater, f"tick {i}"):
+                    return
+                # Paced like real work, so the cancel lands mid-stream.
+                await asyncio.sleep(0.001)
+            await race.end(updater, "completed")
         elif mid.startswith("hold-"):
             await updater.start_work(updater.new_agent_message([Part(text="holding")]))
             # Held until canceled: the framework cancels this coroutine.
@@ -153,6 +206,12 @@ class SampleExecutor(AgentExecutor):
         updater = TaskUpdater(
             event_queue=event_queue, task_id=context.task_id or "", context_id=context.context_id or ""
         )
+        race = RACES_BY_TASK.get(context.task_id or "")
+        if race is not None:
+            # Progress after the cancel arrived, then the terminal.
+            await race.progress(updater, "cancel seen")
+            await race.end(updater, "canceled")
+            return
         await updater.cancel(updater.new_agent_message([Part(text="canceled as asked")]))
 
 
@@ -183,6 +242,14 @@ async def open_gate(request: Request) -> JSONResponse:
     return JSONResponse({"opened": request.path_params["name"]})
 
 
+async def emitted(request: Request) -> JSONResponse:
+    race = RACES.get(request.path_params["name"])
+    if race is None:
+        return JSONResponse({"error": "no such race"}, status_code=404)
+    async with race.lock:
+        return JSONResponse({"emitted": race.emitted, "terminal": race.terminal})
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -209,6 +276,7 @@ async def main() -> None:
         *create_agent_card_routes(agent_card=card),
         *create_jsonrpc_routes(request_handler=handler, rpc_url="/a2a/jsonrpc"),
         Route("/test/gates/{name}", open_gate, methods=["POST"]),
+        Route("/test/emitted/{name}", emitted, methods=["GET"]),
     ]
     app = Starlette(routes=routes)
     config = uvicorn.Config(app, log_level="warning", lifespan="off")

@@ -12,6 +12,12 @@
 //! when either side has none, or when the callee recorded more than one.
 //! The split between outcomes (`completed` vs `cancelled`) shows where the
 //! race landed.
+//!
+//! Progress is checked too: the executor emits a progress event every
+//! [`PROGRESS_EVERY`] turns and one more when it sees the cancel, and
+//! records each event its sink accepted; the caller collects the progress
+//! it received before the terminal. A delegation fails the check when the
+//! two lists differ (a lost, extra or reordered event).
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -19,6 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use futures_util::StreamExt as _;
+use oab_connector::EventKind;
 use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
 use oab_wire::{DelegationKey, Outcome, PeerId};
 use serde::Serialize;
@@ -50,19 +58,55 @@ pub struct CancelRaceOptions {
     pub wait_seconds: f64,
 }
 
-/// Works for a random number of scheduler turns, then completes.
-struct Racer(Arc<Rng>, u64);
+/// The executor emits a progress event every this many turns.
+pub const PROGRESS_EVERY: u64 = 16;
+
+/// The progress number of the event the executor emits when it sees the
+/// cancel.
+const CANCEL_SEEN: u64 = u64::MAX;
+
+/// What each delegation's executor emitted, by request id: one entry per
+/// delegation of the run (`count` at most), dropped with the run.
+type Emitted = Arc<std::sync::Mutex<HashMap<String, Vec<u64>>>>;
+
+/// Works for a random number of scheduler turns, then completes; emits
+/// progress on the way and records what its sink accepted.
+struct Racer {
+    rng: Arc<Rng>,
+    turns: u64,
+    emitted: Emitted,
+}
 
 impl TaskExecutor for Racer {
     fn execute(
         &self,
         run: TaskRun,
     ) -> Pin<Box<dyn std::future::Future<Output = Execution> + Send>> {
-        let turns = self.0.below(self.1);
+        let turns = self.rng.below(self.turns);
+        let emitted = self.emitted.clone();
         Box::pin(async move {
-            for _ in 0..turns {
+            let id = run.key.request_id.to_string();
+            let emit = |i: u64| {
+                let (sink, emitted, id) = (run.sink.clone(), emitted.clone(), id.clone());
+                async move {
+                    let data = Some(serde_json::json!({ "i": i }));
+                    if sink.status("TASK_STATE_WORKING", None, data).await.is_ok() {
+                        emitted
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .entry(id)
+                            .or_default()
+                            .push(i);
+                    }
+                }
+            };
+            for t in 0..turns {
                 if run.cancel.is_cancelled() {
+                    emit(CANCEL_SEEN).await;
                     return Execution::stopped(StopReason::Cancelled);
+                }
+                if t % PROGRESS_EVERY == 0 {
+                    emit(t).await;
                 }
                 tokio::task::yield_now().await;
             }
@@ -75,6 +119,8 @@ impl TaskExecutor for Racer {
 #[derive(Debug, Clone)]
 struct CallerView {
     outcome: Option<Outcome>,
+    /// The progress numbers received before the terminal.
+    progress: Vec<u64>,
     error: Option<String>,
 }
 
@@ -93,10 +139,15 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
         .with_context(|| format!("starting the relay on the {} store", opts.store.name()))?;
     tracing::info!(store = opts.store.name(), pid = ?relay.pid(), seed, "relay started");
     let audit = Arc::new(WatchedAudit::new(AUDIT_CAPACITY));
+    let emitted: Emitted = Arc::default();
     let callee = start_callee(
         &setup,
         relay.addr(),
-        Arc::new(Racer(rng.clone(), opts.turns.max(1))),
+        Arc::new(Racer {
+            rng: rng.clone(),
+            turns: opts.turns.max(1),
+            emitted: emitted.clone(),
+        }),
         audit.clone(),
     )?;
     let caller = Arc::new(start_caller(&setup, relay.addr())?);
@@ -130,19 +181,38 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
                 Ok(h) => h,
                 Err(e) => return Err(format!("delegate {i}: {e}")),
             };
+            let mut view = CallerView {
+                outcome: None,
+                progress: Vec::new(),
+                error: None,
+            };
+            let mut events = match caller.caller().events(&h, 0).await {
+                Ok(e) => e,
+                Err(e) => return Err(format!("events {i}: {e}")),
+            };
             for _ in 0..delay {
                 tokio::task::yield_now().await;
             }
-            let mut view = CallerView {
-                outcome: None,
-                error: None,
-            };
             if let Err(e) = caller.caller().cancel(&h, "cancel-race").await {
                 // The terminal may already be there: not an error by itself.
                 tracing::debug!(key = %h.key, error = %e, "cancel refused");
             }
-            match caller.caller().wait(&h, wait).await {
-                Ok(t) => {
+            let collect = async {
+                while let Some(item) = events.next().await {
+                    match item.map(|e| e.kind) {
+                        Ok(EventKind::Status { data, .. }) => view.progress.push(
+                            data.and_then(|d| d.get("i").and_then(serde_json::Value::as_u64))
+                                .unwrap_or(CANCEL_SEEN - 1),
+                        ),
+                        Ok(EventKind::Terminal(t)) => return Ok(t),
+                        Ok(_) => {}
+                        Err(e) => return Err(format!("events: {e}")),
+                    }
+                }
+                Err("the event stream ended before the terminal".to_string())
+            };
+            match tokio::time::timeout(wait, collect).await {
+                Ok(Ok(t)) => {
                     view.outcome = Some(t.outcome);
                     if !t.relay_origin
                         && let Err(e) = caller.caller().verify(&h, &t)
@@ -150,7 +220,8 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
                         view.error = Some(format!("verify: {e}"));
                     }
                 }
-                Err(e) => view.error = Some(format!("wait: {e}")),
+                Ok(Err(e)) => view.error = Some(e),
+                Err(_) => view.error = Some("wait: no terminal in time".into()),
             }
             Ok((h.key, view))
         });
@@ -178,6 +249,8 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
 
     let mut split: BTreeMap<String, u64> = BTreeMap::new();
     let (mut agreed, mut disagreed, mut missing, mut duplicated) = (0u64, 0u64, 0u64, 0u64);
+    let (mut progress_equal, mut progress_differs, mut after_cancel) = (0u64, 0u64, 0u64);
+    let emitted = std::mem::take(&mut *emitted.lock().unwrap_or_else(|p| p.into_inner()));
     for e in &start_errors {
         violations.push(format!("a delegation did not start: {e}"));
     }
@@ -185,6 +258,21 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
         let callee = callee_view.get(k).map(Vec::as_slice).unwrap_or_default();
         if let Some(e) = &v.error {
             violations.push(format!("{k}: caller: {e}"));
+        }
+        let sent = emitted
+            .get(&k.request_id.to_string())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        if v.outcome.is_some() && v.progress == sent {
+            progress_equal += 1;
+            after_cancel += u64::from(sent.last() == Some(&CANCEL_SEEN));
+        } else if v.outcome.is_some() {
+            progress_differs += 1;
+            violations.push(format!(
+                "{k}: progress received {} != emitted {} before the terminal",
+                v.progress.len(),
+                sent.len()
+            ));
         }
         match (v.outcome, callee) {
             (Some(o), [c]) if o == *c => {
@@ -251,6 +339,8 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
             "missing",
             "duplicated",
             "not started",
+            "progress = emitted",
+            "progress differs",
             "seconds",
         ],
     );
@@ -260,6 +350,8 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
         missing.to_string(),
         duplicated.to_string(),
         start_errors.len().to_string(),
+        progress_equal.to_string(),
+        progress_differs.to_string(),
         format!("{:.2}", caller_done.as_secs_f64()),
     ]);
     let mut json = run_header("cancel-race", common, relay_bin(common).as_deref());
@@ -275,6 +367,9 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
                 "missing": missing,
                 "duplicated": duplicated,
                 "not_started": start_errors.len(),
+                "progress_equal": progress_equal,
+                "progress_differs": progress_differs,
+                "progress_after_cancel": after_cancel,
                 "outcomes": split,
                 "seconds": caller_done.as_secs_f64(),
             }),
@@ -286,9 +381,14 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
     callee.shutdown().await;
     relay.stop().await;
     let mut notes = vec![
-        "caller view: the terminal wait() returned (verified unless relay-originated); callee \
+        "caller view: the terminal its event stream delivered (verified unless relay-originated); callee \
          view: the terminal its audit trail recorded once the relay acknowledged it."
             .into(),
+        format!(
+            "progress: the executor emits one event every {PROGRESS_EVERY} turns and one when it \
+             sees the cancel ({after_cancel} delegation(s) ended with that one); each \
+             delegation's received progress must equal what the executor's sink accepted"
+        ),
     ];
     if rejected > 0 {
         notes.push(format!(

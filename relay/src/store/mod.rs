@@ -206,6 +206,11 @@ pub enum AppendOutcome {
     },
     /// No such delegation.
     Unknown,
+    /// The part of the store holding this delegation did not answer (one
+    /// shard of a Redis Cluster down): nothing was stored for this entry;
+    /// resend later. The other entries of the same call have their own
+    /// outcomes, so a shard outage stalls only the delegations on it.
+    Unavailable,
 }
 
 /// What a read found.

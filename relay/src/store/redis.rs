@@ -964,12 +964,28 @@ impl RedisStore {
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Value>, StoreError> {
+        self.query_pipeline_each(pipe, idempotent, context)
+            .await?
+            .into_iter()
+            .collect()
+    }
+
+    /// Like [`Self::query_pipeline`], but on a cluster a slot group whose
+    /// node fails gives an error for each of its commands while the other
+    /// groups keep their replies. `Err` when the whole pipeline failed.
+    async fn query_pipeline_each(
+        &self,
+        pipe: &Pipeline,
+        idempotent: bool,
+        context: &str,
+    ) -> Result<Vec<Result<Value, StoreError>>, StoreError> {
         let groups = match self.conn {
-            Conn::Single(_) => return self.send_pipeline(pipe, idempotent, context).await,
+            Conn::Single(_) => Vec::new(),
             Conn::Cluster(_) => slot_groups(pipe),
         };
         if groups.len() <= 1 {
-            return self.send_pipeline(pipe, idempotent, context).await;
+            let values = self.send_pipeline(pipe, idempotent, context).await?;
+            return Ok(values.into_iter().map(Ok).collect());
         }
         let cmds: Vec<&Cmd> = pipe.cmd_iter().collect();
         let mut parts = Vec::with_capacity(groups.len());
@@ -989,13 +1005,33 @@ impl RedisStore {
                 .map(|part| self.send_pipeline(part, idempotent, context)),
         )
         .await;
-        let mut values = vec![Value::Nil; pipe.len()];
+        let mut values: Vec<Result<Value, StoreError>> =
+            (0..pipe.len()).map(|_| Ok(Value::Nil)).collect();
+        let mut failed = 0;
         for (indices, replies) in groups.iter().zip(replies) {
-            for (&i, v) in indices.iter().zip(replies?) {
-                if let Some(slot) = values.get_mut(i) {
-                    *slot = v;
+            match replies {
+                Ok(replies) => {
+                    for (&i, v) in indices.iter().zip(replies) {
+                        if let Some(slot) = values.get_mut(i) {
+                            *slot = Ok(v);
+                        }
+                    }
+                }
+                Err(e) => {
+                    failed += 1;
+                    let message = e.to_string();
+                    for &i in indices {
+                        if let Some(slot) = values.get_mut(i) {
+                            *slot = Err(StoreError::Unavailable(message.clone()));
+                        }
+                    }
                 }
             }
+        }
+        if failed == groups.len() {
+            return Err(StoreError::Unavailable(format!(
+                "{context}: no node of the cluster answered"
+            )));
         }
         Ok(values)
     }
@@ -1040,11 +1076,27 @@ impl RedisStore {
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Value>, StoreError> {
-        let mut values = self.query_pipeline(&pipe, idempotent, context).await?;
+        self.eval_batch_each(script, pipe, idempotent, context)
+            .await?
+            .into_iter()
+            .collect()
+    }
+
+    /// [`Self::eval_batch`] with one result per command: on a cluster, the
+    /// commands of a node that failed get an error and the others their
+    /// replies ([`Self::query_pipeline_each`]).
+    async fn eval_batch_each(
+        &self,
+        script: &Script,
+        pipe: Pipeline,
+        idempotent: bool,
+        context: &str,
+    ) -> Result<Vec<Result<Value, StoreError>>, StoreError> {
+        let mut values = self.query_pipeline_each(&pipe, idempotent, context).await?;
         let missing: Vec<usize> = values
             .iter()
             .enumerate()
-            .filter(|(_, v)| is_noscript(v))
+            .filter(|(_, v)| v.as_ref().is_ok_and(is_noscript))
             .map(|(i, _)| i)
             .collect();
         if missing.is_empty() {
@@ -1063,7 +1115,9 @@ impl RedisStore {
                 .ok_or_else(|| corrupt(format!("{context}: reply index out of range")))?;
             retry.add_command((*cmd).clone());
         }
-        let again = self.query_pipeline(&retry, idempotent, context).await?;
+        let again = self
+            .query_pipeline_each(&retry, idempotent, context)
+            .await?;
         for (i, v) in missing.into_iter().zip(again) {
             if let Some(slot) = values.get_mut(i) {
                 *slot = v;
@@ -1318,11 +1372,16 @@ impl EventStore for RedisStore {
             pipe.add_command(cmd);
         }
         let replies = self
-            .eval_batch(&self.scripts.append, pipe, false, "append")
+            .eval_batch_each(&self.scripts.append, pipe, false, "append")
             .await?;
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut finished = Vec::new();
         for (req, reply) in reqs.iter().zip(replies) {
+            let Ok(reply) = reply else {
+                // Its shard did not answer; the others went on.
+                outcomes.push(AppendOutcome::Unavailable);
+                continue;
+            };
             let (outcome, fin) = parse_append(req, reply)?;
             outcomes.push(outcome);
             finished.extend(fin);

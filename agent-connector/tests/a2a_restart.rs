@@ -1,0 +1,264 @@
+//! The caller's connector process killed (SIGKILL) and started again while
+//! its A2A clients' tasks run: the `oab-connector` binary with a state
+//! folder, its facade on a fixed loopback port, a relay and a callee on the
+//! other side. After the restart every task the killed process had open is
+//! found again under the ids the client holds (`GetTask`, `ListTasks`,
+//! `SubscribeToTask` with a cursor), each reaches its terminal, including
+//! the one that finished while the caller was down, and re-sending the same
+//! message with the profile returns the same task.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod a2a_support;
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a_support::*;
+use common::*;
+use oab_relay::store::{EventStore as _, MemoryStore, Retention};
+use oab_wire::{DelegationKey, Digest, RequestId};
+use serde_json::{Value, json};
+
+/// Writes the caller's `connector.toml` (and its identity) into `dir`.
+fn caller_config(env: &Env, dir: &Path, relay: std::net::SocketAddr, facade_port: u16) -> String {
+    let identity = dir.join("caller.identity.toml");
+    env.caller.save(&identity).unwrap();
+    let pin = oab_wire::digest::hex(&Digest::of(&env.cert_der).0);
+    let text = format!(
+        r#"[connector]
+relay_url = "wss://localhost:{port}/"
+identity = "{identity}"
+relay_pin_sha256 = "sha256:{pin}"
+state_dir = "{state}"
+
+[[peers]]
+id = "{callee}"
+keys = [{{ key_id = "k1", public_key = "{key}" }}]
+
+[policy]
+allowed_capabilities = ["read:*"]
+allow_writes = false
+max_concurrent = 16
+max_concurrent_per_peer = 16
+max_deadline_ms = 3600000
+
+[a2a]
+facade_listen = "127.0.0.1:{facade_port}"
+default_capabilities = ["read:repo"]
+default_timeout_ms = 120000
+"#,
+        port = relay.port(),
+        identity = identity.display(),
+        state = dir.join("state").display(),
+        callee = env.callee.peer,
+        key = env.callee.public_key(),
+    );
+    let path = dir.join("connector.toml");
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+fn start_caller(config: &str) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--config", config])
+        .env("OAB_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until the facade answers (bounded).
+async fn facade_up(rpc: &Rpc) {
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let ok = rpc
+            .http
+            .post(&rpc.url)
+            .header("content-type", "application/json")
+            .body(r#"{"jsonrpc":"2.0","id":1,"method":"ListTasks","params":{}}"#)
+            .send()
+            .await
+            .is_ok();
+        if ok {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the facade never came up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The delegation key the facade derives for a profile message.
+fn key_of_message(env: &Env, message_id: &str) -> DelegationKey {
+    let d = Digest::of(format!("{}\n{message_id}", env.callee.peer).as_bytes());
+    let rid = RequestId::new(&format!("a2a-{}", &oab_wire::digest::hex(&d.0)[..32])).unwrap();
+    DelegationKey::new(env.caller.peer.clone(), rid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart() {
+    let env = Env::new("");
+    let store = Arc::new(MemoryStore::new(Retention::default()));
+    let relay = Relay::start(&env, store.clone()).await;
+    // Two status events, then each run waits for one opening of the gate.
+    let exec = Paced::gated(4, Duration::from_millis(1), 2);
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    b.connected().await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let facade_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let config = caller_config(&env, dir.path(), relay.addr, facade_port);
+    let mut a = start_caller(&config);
+    let rpc = Rpc::new(format!(
+        "http://127.0.0.1:{facade_port}/peers/{}/",
+        env.callee.peer
+    ));
+    facade_up(&rpc).await;
+
+    let profile = with_profile(&[]);
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let r = rpc
+            .call(
+                "SendMessage",
+                json!({
+                    "message": message(&format!("m-{i}"), &format!("task {i}")),
+                    "configuration": { "returnImmediately": true },
+                }),
+                &profile,
+            )
+            .await;
+        let id = r["result"]["task"]["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("a task: {r}"))
+            .to_string();
+        ids.push(id);
+    }
+    // Every task is running on the callee (two statuses each).
+    for id in &ids {
+        let until = tokio::time::Instant::now() + STEP;
+        loop {
+            let r = rpc.call("GetTask", json!({ "id": id }), &profile).await;
+            let seq = r["result"]["metadata"][oab_connector::a2a::PROFILE_URI]["seq"]
+                .as_u64()
+                .unwrap_or(0);
+            if seq >= 2 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "task {id} stalled: {r}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    // SIGKILL: no goodbye, nothing flushed.
+    a.kill().await.unwrap();
+    // One task finishes while the caller's connector is down.
+    exec.open_gate();
+    let keys: Vec<DelegationKey> = (0..3)
+        .map(|i| key_of_message(&env, &format!("m-{i}")))
+        .collect();
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let mut done = 0;
+        for k in &keys {
+            if matches!(store.meta(k).await, Ok(Some(m)) if m.terminal.is_some()) {
+                done += 1;
+            }
+        }
+        if done == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < until, "no task finished");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let _a = start_caller(&config);
+    facade_up(&rpc).await;
+    // Every task is found again under the id the client holds.
+    for id in &ids {
+        let r = rpc.call("GetTask", json!({ "id": id }), &profile).await;
+        assert_eq!(
+            r["result"]["id"],
+            json!(id),
+            "GetTask after the restart: {r}"
+        );
+    }
+    let listed = rpc.call("ListTasks", json!({}), &profile).await;
+    let listed: Vec<&str> = listed["result"]["tasks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("ListTasks: {listed}"))
+        .iter()
+        .flat_map(|t| {
+            // The public id is the callee's once known; the profile's
+            // metadata also names the id the facade minted first.
+            let m = &t["metadata"][oab_connector::a2a::PROFILE_URI];
+            [t["id"].as_str(), m["facadeTaskId"].as_str()]
+        })
+        .flatten()
+        .collect();
+    for id in &ids {
+        assert!(listed.contains(&id.as_str()), "{id} listed in {listed:?}");
+    }
+    // A subscription from a cursor replays what follows it, then goes live.
+    let mut sub = rpc
+        .stream(
+            "SubscribeToTask",
+            json!({ "id": ids[1] }),
+            &with_profile(&[("OAB-Cursor", "1".to_string())]),
+        )
+        .await;
+    let first = sub.next().await.expect("the snapshot");
+    assert_eq!(kind(&first), "task");
+    exec.open_gate();
+    exec.open_gate();
+    let mut expect = 2;
+    loop {
+        let item = sub.next().await.expect("events until the terminal");
+        assert_eq!(seq(&item), Some(expect), "replay then live, in order");
+        expect += 1;
+        if state(&item).as_deref() == Some("TASK_STATE_COMPLETED") {
+            break;
+        }
+    }
+    for id in &ids {
+        wait_state(&rpc, id, "TASK_STATE_COMPLETED").await;
+    }
+    // The same message again is the same task (the profile's idempotency).
+    for (i, id) in ids.iter().enumerate() {
+        let r = rpc
+            .call(
+                "SendMessage",
+                json!({
+                    "message": message(&format!("m-{i}"), &format!("task {i}")),
+                    "configuration": { "returnImmediately": true },
+                }),
+                &profile,
+            )
+            .await;
+        let again: &Value = &r["result"]["task"];
+        assert_eq!(
+            again["metadata"][oab_connector::a2a::PROFILE_URI]["facadeTaskId"],
+            json!(id),
+            "re-sent m-{i} is the same task: {r}"
+        );
+        assert_eq!(again["status"]["state"], "TASK_STATE_COMPLETED");
+    }
+    assert_eq!(exec.runs(), 3, "each task ran once");
+    b.shutdown().await;
+    relay.stop().await;
+}
