@@ -495,6 +495,14 @@ struct ReconnectStormArgs {
     /// Running delegations the caller cancels during each Redis outage.
     #[arg(long, default_value_t = 1, value_name = "N")]
     cancels_per_outage: u32,
+    /// Restart the caller's connector every SECS seconds: the scenario
+    /// stops it (its link closes, its streams end) and starts a new one on
+    /// the same state folder, which takes the open delegations back
+    /// (restore); each reader subscribes again after the last sequence it
+    /// read, and commits every event meanwhile. Delegations that finish
+    /// during the restart must still reach the caller exactly once.
+    #[arg(long, value_name = "SECS")]
+    restart_caller_every: Option<f64>,
     /// Seed of the random fault timing (0: from the clock; reported).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -730,6 +738,7 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
             for (name, v) in [
                 ("--kill-relay-every", a.kill_relay_every),
                 ("--kill-redis-every", a.kill_redis_every),
+                ("--restart-caller-every", a.restart_caller_every),
             ] {
                 if let Some(k) = v {
                     positive(name, k).map_err(anyhow::Error::msg)?;
@@ -750,6 +759,7 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 kill_redis_every: a.kill_redis_every.map(Duration::from_secs_f64),
                 redis_outage: Duration::from_millis(a.redis_outage_ms),
                 cancels_per_outage: a.cancels_per_outage,
+                restart_caller_every: a.restart_caller_every.map(Duration::from_secs_f64),
                 seed: a.seed,
                 timeout: Duration::from_secs_f64(a.timeout_seconds),
             };

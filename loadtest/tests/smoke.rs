@@ -39,6 +39,7 @@ fn storm(delegations: u32, events: u32, interval_ms: u64, cuts: u32) -> Reconnec
         kill_redis_every: None,
         redis_outage: Duration::from_millis(500),
         cancels_per_outage: 0,
+        restart_caller_every: None,
         seed: 0,
         timeout: Duration::from_secs(60),
     }
@@ -119,6 +120,27 @@ async fn reconnect_storm_away_smoke_delegations_finished_while_caller_away_end_a
         assert_eq!(d["caller_terminals"], 1, "{d}");
         assert_eq!(d["received"], d["emitted"], "{d}");
         assert_eq!(d["store_terminal"], "completed", "{d}");
+        assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
+    }
+}
+
+/// The caller's connector is stopped and a new one started on the same
+/// state folder, twice, while links are reset and held away: every
+/// delegation is taken back and ends exactly once at the caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_caller_restart_smoke_takes_every_delegation_back() {
+    let opts = ReconnectStormOptions {
+        faults: vec![LinkFault::Reset, LinkFault::Away],
+        restart_caller_every: Some(Duration::from_millis(700)),
+        ..storm(4, 100, 20, 4)
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let r = &report.json["result"];
+    assert!(r["caller_restarts"].as_u64().unwrap() >= 1, "{r}");
+    for d in report.json["delegations"].as_array().unwrap() {
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["received"], d["emitted"], "{d}");
         assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
     }
 }

@@ -47,6 +47,13 @@
 //! report gives its length (kill to PING answered) and the longest pause of
 //! any delegation's event stream that overlaps it.
 //!
+//! Caller restarts (`restart_caller_every`): the caller's connector keeps
+//! its delegations in a state folder and every reader commits each event;
+//! the scenario stops the connector (its link closes, its streams end) and
+//! starts a new one on the same folder, which takes the open delegations
+//! back (`restore`). Each reader subscribes again after the last sequence it
+//! read; the checks above apply unchanged.
+//!
 //! Reconnect-to-replay time: from the caller proxy accepting a new
 //! connection (TCP, after a fault or a relay restart) to the first event any
 //! delegation's stream yields after it. It includes the reconnect's TLS
@@ -63,7 +70,7 @@ use anyhow::{Context as _, bail};
 use futures_util::StreamExt as _;
 use hdrhistogram::Histogram;
 use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
-use oab_connector::{Connector, EventKind};
+use oab_connector::{Connector, DelegationHandle, EventKind};
 use oab_relay::store::{EventStore as _, RedisStore, Retention};
 use oab_wire::{DelegationKey, Outcome, PeerId};
 use serde::Serialize;
@@ -74,6 +81,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Common, relay_bin, run_header};
 use crate::connectors::{
     AUDIT_CAPACITY, Rng, WatchedAudit, new_delegation, start_callee, start_caller,
+    start_caller_with_state,
 };
 use crate::endpoint::latency_histogram;
 use crate::proxy::{Fault, Proxy, ProxyHandle};
@@ -159,6 +167,9 @@ pub struct ReconnectStormOptions {
     pub redis_outage: Duration,
     /// Running delegations the caller cancels during each Redis outage.
     pub cancels_per_outage: u32,
+    /// Stop the caller's connector and start a new one on the same state
+    /// folder this often (it takes its delegations back); `None`: never.
+    pub restart_caller_every: Option<Duration>,
     /// Seed of the random fault timing (0 picks one from the clock).
     pub seed: u64,
     /// The whole run's time limit; delegations unfinished by then count as
@@ -534,9 +545,67 @@ pub struct Outage {
 #[derive(Debug, Default)]
 struct Running(Mutex<HashMap<u32, CancellationToken>>);
 
+/// The caller's connector, replaced when the scenario restarts it. Readers,
+/// cancels and the caller's fault driver hold the read lock for one call
+/// only, so a restart (the write lock) owns the connector alone and can shut
+/// it down, as a process exit would.
+#[derive(Debug)]
+struct CallerSlot {
+    conn: tokio::sync::RwLock<Option<Connector>>,
+    /// Restarts begun so far: a reader whose stream ends after it changed
+    /// subscribes again on the new connector.
+    generation: AtomicU64,
+}
+
+impl CallerSlot {
+    /// Waits until the current connector is connected; `false` if it
+    /// stopped or is gone.
+    async fn connected(&self) -> bool {
+        let g = self.conn.read().await;
+        match g.as_ref() {
+            Some(c) => c.connected().await.is_ok(),
+            None => false,
+        }
+    }
+}
+
+/// Stops the caller's connector and starts a new one on the same state
+/// folder, which takes its delegations back (`restore`), as a restarted
+/// process does. The caller counts as away meanwhile.
+async fn restart_caller(
+    slot: &CallerSlot,
+    setup: &Setup,
+    relay: std::net::SocketAddr,
+    state: &std::path::Path,
+    ledger: &Ledger,
+) -> anyhow::Result<()> {
+    slot.generation.fetch_add(1, Ordering::SeqCst);
+    let mut g = slot.conn.write().await;
+    ledger.caller_away.store(true, Ordering::SeqCst);
+    if let Some(old) = g.take() {
+        old.shutdown().await;
+    }
+    let started = async {
+        let new = start_caller_with_state(setup, relay, state)?;
+        let restored = new
+            .caller()
+            .restore()
+            .await
+            .context("restoring the caller's delegations")?;
+        tracing::info!(restored = restored.len(), "caller connector restarted");
+        anyhow::Ok(new)
+    }
+    .await;
+    ledger.caller_away.store(false, Ordering::SeqCst);
+    *g = Some(started?);
+    Ok(())
+}
+
 /// What every reader shares.
 struct Readers {
-    caller: Arc<Connector>,
+    caller: Arc<CallerSlot>,
+    /// Commit every event (the caller keeps a state folder).
+    commit: bool,
     callee: PeerId,
     events: u32,
     deadline: Instant,
@@ -589,8 +658,17 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     });
     let audit = Arc::new(WatchedAudit::new(AUDIT_CAPACITY));
     let callee = Arc::new(start_callee(&setup, proxy_b.addr(), exec, audit.clone())?);
-    let caller = Arc::new(start_caller(&setup, proxy_a.addr())?);
-    caller.connected().await.context("caller connect")?;
+    // With restarts the caller keeps its delegations in a state folder.
+    let state_dir = setup.dir.path().join("caller-state");
+    let first = match opts.restart_caller_every {
+        Some(_) => start_caller_with_state(&setup, proxy_a.addr(), &state_dir)?,
+        None => start_caller(&setup, proxy_a.addr())?,
+    };
+    first.connected().await.context("caller connect")?;
+    let caller = Arc::new(CallerSlot {
+        conn: tokio::sync::RwLock::new(Some(first)),
+        generation: AtomicU64::new(0),
+    });
     callee.connected().await.context("callee connect")?;
 
     let deadline = Instant::now() + opts.timeout;
@@ -607,6 +685,7 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     };
     let ctx = Arc::new(Readers {
         caller: caller.clone(),
+        commit: opts.restart_caller_every.is_some(),
         callee: PeerId::new(CALLEE).context("callee peer id")?,
         events: opts.events,
         deadline,
@@ -650,8 +729,13 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     // slow to come back does not hold up the other's faults.
     let half = opts.cuts / 2;
     let drivers = [
-        (proxy_a.handle(), caller.clone(), true, opts.cuts - half),
-        (proxy_b.handle(), callee.clone(), false, half),
+        (
+            proxy_a.handle(),
+            Link::Caller(caller.clone()),
+            true,
+            opts.cuts - half,
+        ),
+        (proxy_b.handle(), Link::Callee(callee.clone()), false, half),
     ]
     .map(|(proxy, connector, is_caller, n)| {
         let side = Side {
@@ -691,6 +775,8 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     tokio::pin!(collect);
     let mut next_relay_kill = opts.kill_relay_every.map(|e| Instant::now() + e);
     let mut next_redis_kill = opts.kill_redis_every.map(|e| Instant::now() + e);
+    let mut next_restart = opts.restart_caller_every.map(|e| Instant::now() + e);
+    let mut restarts = 0u32;
     let mut checks = loop {
         tokio::select! {
             c = &mut collect => break c,
@@ -703,6 +789,18 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
                     }
                     Err(e) => {
                         kill_errors.push(format!("relay restart failed: {e:#}"));
+                        break collect.await;
+                    }
+                }
+            }
+            () = sleep_until_opt(next_restart) => {
+                match restart_caller(&caller, &setup, proxy_a.addr(), &state_dir, &ledger).await {
+                    Ok(()) => {
+                        restarts += 1;
+                        next_restart = opts.restart_caller_every.map(|e| Instant::now() + e);
+                    }
+                    Err(e) => {
+                        kill_errors.push(format!("caller restart: {e:#}"));
                         break collect.await;
                     }
                 }
@@ -785,7 +883,8 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     let stats_a = proxy_a.handle().stats();
     let stats_b = proxy_b.handle().stats();
     drop(ctx);
-    if let Ok(c) = Arc::try_unwrap(caller) {
+    let last = caller.conn.write().await.take();
+    if let Some(c) = last {
         c.shutdown().await;
     }
     if let Ok(c) = Arc::try_unwrap(callee) {
@@ -800,7 +899,7 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
         common,
         seed,
         elapsed,
-        kills,
+        [kills, restarts],
         &kill_errors,
         &checks,
         &sides,
@@ -819,7 +918,7 @@ fn report(
     common: &Common,
     seed: u64,
     elapsed: Duration,
-    kills: u32,
+    [kills, restarts]: [u32; 2],
     kill_errors: &[String],
     checks: &[DelegationCheck],
     sides: &[SideFaults],
@@ -869,6 +968,7 @@ fn report(
             "caller faults",
             "callee faults",
             "relay kills",
+            "caller restarts",
             "redis outages",
             "events",
             "lost",
@@ -888,6 +988,7 @@ fn report(
         faults(&a),
         faults(&b),
         kills.to_string(),
+        restarts.to_string(),
         outages.len().to_string(),
         sum(|c| c.received).to_string(),
         sum(|c| c.lost).to_string(),
@@ -977,6 +1078,7 @@ fn report(
                 "caller_faults": a,
                 "callee_faults": b,
                 "relay_kills": kills,
+                "caller_restarts": restarts,
                 "redis_outages": outages,
                 "pause_bound_over_outage_ms": bound.as_secs_f64() * 1e3,
                 "no_terminal": count(|c| c.caller_terminals == 0),
@@ -1084,10 +1186,28 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
+/// The connector behind one proxy.
+enum Link {
+    /// The caller's, which the scenario may restart.
+    Caller(Arc<CallerSlot>),
+    /// The callee's.
+    Callee(Arc<Connector>),
+}
+
+impl Link {
+    /// Waits until connected; `false` if the connector stopped.
+    async fn connected(&self) -> bool {
+        match self {
+            Link::Caller(slot) => slot.connected().await,
+            Link::Callee(c) => c.connected().await.is_ok(),
+        }
+    }
+}
+
 /// One connector's link and how to fault it.
 struct Side {
     proxy: ProxyHandle,
-    connector: Arc<Connector>,
+    connector: Link,
     is_caller: bool,
     kinds: Vec<LinkFault>,
     mean_gap: Duration,
@@ -1250,7 +1370,7 @@ impl Side {
                 .wait_until(|s| s.upstream_connects > before.upstream_connects),
         )
         .await?;
-        if self.until_done(self.connector.connected()).await?.is_err() {
+        if !self.until_done(self.connector.connected()).await? {
             return None;
         }
         // Its welcome arrived and its resumes are on their way: stall now.
@@ -1305,12 +1425,18 @@ async fn read_one(ctx: &Readers, d: u32) -> DelegationCheck {
         c.errors.push("the run ended before it started".into());
         return c;
     };
-    let caller = &ctx.caller;
-    let h = match caller
-        .caller()
-        .delegate(&ctx.callee, new_delegation(format!("storm {d}")))
-        .await
-    {
+    let started = {
+        let g = ctx.caller.conn.read().await;
+        match g.as_ref() {
+            Some(conn) => conn
+                .caller()
+                .delegate(&ctx.callee, new_delegation(format!("storm {d}")))
+                .await
+                .map_err(|e| e.to_string()),
+            None => Err("the caller's connector is gone".to_string()),
+        }
+    };
+    let h = match started {
         Ok(h) => h,
         Err(e) => {
             c.key = format!("storm {d} (not started)");
@@ -1331,20 +1457,16 @@ async fn read_one(ctx: &Readers, d: u32) -> DelegationCheck {
     c
 }
 
+/// Reads `h`'s events into `c` until its terminal (and the stream's end),
+/// the terminal deadline or the run's time limit. When the caller's
+/// connector is restarted, the stream of the old one ends and the reader
+/// subscribes on the new one after the last sequence it read.
 async fn read_events(
     ctx: &Readers,
-    h: &oab_connector::caller::DelegationHandle,
+    h: &DelegationHandle,
     cancel_req: &CancellationToken,
     c: &mut DelegationCheck,
 ) {
-    let caller = &ctx.caller;
-    let mut stream = match caller.caller().events(h, 0).await {
-        Ok(s) => s,
-        Err(e) => {
-            c.errors.push(format!("events: {e}"));
-            return;
-        }
-    };
     let max_order = ctx.events as usize * 4 + 16;
     let grace = ctx.terminal_grace;
     // Due `grace` after the callee's executor finished.
@@ -1353,83 +1475,126 @@ async fn read_events(
         tokio::time::sleep_until(at + grace).await;
     };
     tokio::pin!(terminal_due);
-    let mut last_seq = 0u64;
     let mut last_at = Instant::now();
     let mut cancel_task = None;
-    loop {
-        let item = tokio::select! {
-            biased;
-            () = cancel_req.cancelled(), if !c.cancel_requested => {
-                c.cancel_requested = true;
-                // Sent from a task of its own: this loop keeps reading.
-                let (caller, h) = (caller.clone(), h.clone());
-                cancel_task = Some(tokio::spawn(async move {
-                    caller.caller().cancel(&h, "cancelled during a Redis outage").await
-                }));
-                continue;
+    'subscribe: loop {
+        let generation = ctx.caller.generation.load(Ordering::SeqCst);
+        let subscribed = {
+            let g = ctx.caller.conn.read().await;
+            match g.as_ref() {
+                Some(conn) => conn
+                    .caller()
+                    .events(h, c.last_seq)
+                    .await
+                    .map_err(|e| e.to_string()),
+                None => Err("the caller's connector is gone".to_string()),
             }
-            () = &mut terminal_due, if c.caller_terminals == 0 => {
-                c.errors.push(format!(
-                    "no terminal at the caller within {grace:?} of the callee's executor finishing"
-                ));
-                break;
-            }
-            () = tokio::time::sleep_until(ctx.deadline) => {
-                c.errors.push("no terminal before the run's time limit".into());
-                break;
-            }
-            item = stream.next() => item,
         };
-        let Some(item) = item else { break };
-        ctx.replay.event();
-        let ev = match item {
-            Ok(ev) => ev,
+        let mut stream = match subscribed {
+            Ok(s) => s,
             Err(e) => {
-                c.errors.push(format!("event stream: {e}"));
+                c.errors.push(format!("events: {e}"));
                 break;
             }
         };
-        let now = Instant::now();
-        let gap = now.duration_since(last_at);
-        c.longest_pause_ms = c.longest_pause_ms.max(gap.as_secs_f64() * 1e3);
-        if gap > ctx.pause_floor && c.pauses.len() < MAX_PAUSES {
-            c.pauses.push((last_at, now));
-        }
-        last_at = now;
-        if ev.seq != last_seq + 1 {
-            c.seq_gaps += 1;
-        }
-        last_seq = ev.seq;
-        c.last_seq = ev.seq;
-        match ev.kind {
-            EventKind::Status { data, .. } => {
-                c.received += 1;
-                let i = data
-                    .as_ref()
-                    .and_then(|d| d.get("i"))
-                    .and_then(serde_json::Value::as_u64)
-                    .and_then(|i| u32::try_from(i).ok())
-                    .unwrap_or(0);
-                if i == 0 {
-                    c.errors.push("status event without an index".into());
-                } else if c.order.len() < max_order {
-                    c.order.push(i);
+        let restarted = || ctx.caller.generation.load(Ordering::SeqCst) != generation;
+        loop {
+            let item = tokio::select! {
+                biased;
+                () = cancel_req.cancelled(), if !c.cancel_requested => {
+                    c.cancel_requested = true;
+                    // Sent from a task of its own: this loop keeps reading.
+                    let (slot, h) = (ctx.caller.clone(), h.clone());
+                    cancel_task = Some(tokio::spawn(async move {
+                        let g = slot.conn.read().await;
+                        if let Some(conn) = g.as_ref() {
+                            let _ = conn.caller().cancel(&h, "cancelled during a Redis outage").await;
+                        }
+                    }));
+                    continue;
+                }
+                () = &mut terminal_due, if c.caller_terminals == 0 => {
+                    c.errors.push(format!(
+                        "no terminal at the caller within {grace:?} of the callee's executor finishing"
+                    ));
+                    break 'subscribe;
+                }
+                () = tokio::time::sleep_until(ctx.deadline) => {
+                    c.errors.push("no terminal before the run's time limit".into());
+                    break 'subscribe;
+                }
+                item = stream.next() => item,
+            };
+            let ev = match item {
+                Some(Ok(ev)) => ev,
+                // The connector was restarted: its streams ended.
+                None | Some(Err(_)) if restarted() && c.caller_terminals == 0 => {
+                    continue 'subscribe;
+                }
+                None => break 'subscribe,
+                Some(Err(e)) => {
+                    c.errors.push(format!("event stream: {e}"));
+                    break 'subscribe;
+                }
+            };
+            ctx.replay.event();
+            let now = Instant::now();
+            let gap = now.duration_since(last_at);
+            c.longest_pause_ms = c.longest_pause_ms.max(gap.as_secs_f64() * 1e3);
+            if gap > ctx.pause_floor && c.pauses.len() < MAX_PAUSES {
+                c.pauses.push((last_at, now));
+            }
+            last_at = now;
+            if ev.seq != c.last_seq + 1 {
+                c.seq_gaps += 1;
+            }
+            c.last_seq = ev.seq;
+            if ctx.commit {
+                // What a restarted connector resumes after.
+                let g = ctx.caller.conn.read().await;
+                if let Some(conn) = g.as_ref()
+                    && let Err(e) = conn.caller().commit(h, &ev)
+                {
+                    c.errors.push(format!("commit: {e}"));
                 }
             }
-            EventKind::Terminal(t) => {
-                c.caller_terminals += 1;
-                c.terminal = Some(t.outcome);
-                c.outcome = Some(t.outcome.name().to_string());
-                match caller.caller().verify(h, &t) {
-                    Ok(_) => c.verified = t.outcome == Outcome::Completed,
-                    // Only a completion must carry a verifiable result.
-                    Err(e) if t.outcome == Outcome::Completed => {
-                        c.errors.push(format!("verify: {e}"));
+            match ev.kind {
+                EventKind::Status { data, .. } => {
+                    c.received += 1;
+                    let i = data
+                        .as_ref()
+                        .and_then(|d| d.get("i"))
+                        .and_then(serde_json::Value::as_u64)
+                        .and_then(|i| u32::try_from(i).ok())
+                        .unwrap_or(0);
+                    if i == 0 {
+                        c.errors.push("status event without an index".into());
+                    } else if c.order.len() < max_order {
+                        c.order.push(i);
                     }
-                    Err(_) => {}
                 }
+                EventKind::Terminal(t) => {
+                    c.caller_terminals += 1;
+                    c.terminal = Some(t.outcome);
+                    c.outcome = Some(t.outcome.name().to_string());
+                    let verified = {
+                        let g = ctx.caller.conn.read().await;
+                        match g.as_ref() {
+                            Some(conn) => conn.caller().verify(h, &t).map_err(|e| e.to_string()),
+                            None => Err("the caller's connector is gone".to_string()),
+                        }
+                    };
+                    match verified {
+                        Ok(_) => c.verified = t.outcome == Outcome::Completed,
+                        // Only a completion must carry a verifiable result.
+                        Err(e) if t.outcome == Outcome::Completed => {
+                            c.errors.push(format!("verify: {e}"));
+                        }
+                        Err(_) => {}
+                    }
+                }
+                _ => {}
             }
-            _ => {}
         }
     }
     if let Some(t) = cancel_task {
