@@ -503,6 +503,14 @@ struct ReconnectStormArgs {
     /// during the restart must still reach the caller exactly once.
     #[arg(long, value_name = "SECS")]
     restart_caller_every: Option<f64>,
+    /// Delegate through the caller connector's A2A facade instead of the
+    /// library: each delegation is an A2A 1.0 SendStreamingMessage (HTTP
+    /// JSON-RPC, SSE, with the delegation profile, whose metadata carries
+    /// each event's data and sequences), cancelled with CancelTask; the
+    /// same checks apply to what the A2A client read. Not with
+    /// --restart-caller-every.
+    #[arg(long)]
+    a2a: bool,
     /// Seed of the random fault timing (0: from the clock; reported).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -760,6 +768,7 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 redis_outage: Duration::from_millis(a.redis_outage_ms),
                 cancels_per_outage: a.cancels_per_outage,
                 restart_caller_every: a.restart_caller_every.map(Duration::from_secs_f64),
+                a2a: a.a2a,
                 seed: a.seed,
                 timeout: Duration::from_secs_f64(a.timeout_seconds),
             };

@@ -40,6 +40,7 @@ fn storm(delegations: u32, events: u32, interval_ms: u64, cuts: u32) -> Reconnec
         redis_outage: Duration::from_millis(500),
         cancels_per_outage: 0,
         restart_caller_every: None,
+        a2a: false,
         seed: 0,
         timeout: Duration::from_secs(60),
     }
@@ -141,6 +142,27 @@ async fn reconnect_storm_caller_restart_smoke_takes_every_delegation_back() {
     for d in report.json["delegations"].as_array().unwrap() {
         assert_eq!(d["caller_terminals"], 1, "{d}");
         assert_eq!(d["received"], d["emitted"], "{d}");
+        assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
+    }
+}
+
+/// The same away faults with an A2A 1.0 client (JSON-RPC over HTTP, SSE,
+/// the delegation profile) on the caller connector's facade: the client
+/// reads every emitted event and exactly one terminal, matching the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_a2a_smoke_the_facade_client_reads_every_terminal() {
+    let opts = ReconnectStormOptions {
+        faults: vec![LinkFault::Away, LinkFault::Reset],
+        a2a: true,
+        ..storm(4, 100, 20, 4)
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    for d in report.json["delegations"].as_array().unwrap() {
+        assert!(d["key"].as_str().unwrap().contains("#a2a-"), "{d}");
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["received"], 100, "{d}");
+        assert_eq!(d["verified"], true, "{d}");
         assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
     }
 }

@@ -54,6 +54,13 @@
 //! back (`restore`). Each reader subscribes again after the last sequence it
 //! read; the checks above apply unchanged.
 //!
+//! A2A path (`a2a`): each delegation is an A2A 1.0 `SendStreamingMessage`
+//! from a plain HTTP JSON-RPC client to the caller connector's facade (with
+//! the delegation profile, whose metadata carries each event's data, the
+//! facade's event sequence and the relay's up sequence); cancels are
+//! `CancelTask`. The same checks apply to what the A2A client read; the
+//! terminal counts as verified when the facade says its result verified.
+//!
 //! Reconnect-to-replay time: from the caller proxy accepting a new
 //! connection (TCP, after a fault or a relay restart) to the first event any
 //! delegation's stream yields after it. It includes the reconnect's TLS
@@ -69,6 +76,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use futures_util::StreamExt as _;
 use hdrhistogram::Histogram;
+use oab_connector::a2a::{Facade, FacadeOptions, PROFILE_URI};
 use oab_connector::callee::{Execution, StopReason, TaskExecutor, TaskRun};
 use oab_connector::{Connector, DelegationHandle, EventKind};
 use oab_relay::store::{EventStore as _, RedisStore, Retention};
@@ -170,6 +178,10 @@ pub struct ReconnectStormOptions {
     /// Stop the caller's connector and start a new one on the same state
     /// folder this often (it takes its delegations back); `None`: never.
     pub restart_caller_every: Option<Duration>,
+    /// Delegate through the caller connector's A2A facade (an A2A 1.0
+    /// client over HTTP JSON-RPC and SSE, with the delegation profile)
+    /// instead of the library.
+    pub a2a: bool,
     /// Seed of the random fault timing (0 picks one from the clock).
     pub seed: u64,
     /// The whole run's time limit; delegations unfinished by then count as
@@ -606,6 +618,8 @@ struct Readers {
     caller: Arc<CallerSlot>,
     /// Commit every event (the caller keeps a state folder).
     commit: bool,
+    /// Delegate through the caller's A2A facade instead of the library.
+    a2a: Option<A2a>,
     callee: PeerId,
     events: u32,
     deadline: Instant,
@@ -631,6 +645,11 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
         bail!(
             "--kill-redis-every needs --store redis and --redis-persistence aof: without an \
              AOF a restarted Redis is empty"
+        );
+    }
+    if opts.a2a && opts.restart_caller_every.is_some() {
+        bail!(
+            "--a2a with --restart-caller-every is not supported: the facade would need restoring"
         );
     }
     if opts.faults.is_empty() && opts.cuts > 0 {
@@ -671,6 +690,34 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     });
     callee.connected().await.context("callee connect")?;
 
+    // The A2A path: the caller connector's facade on loopback.
+    let facade = if opts.a2a {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("binding the A2A facade")?;
+        let base = format!("http://{}", listener.local_addr()?);
+        let api = caller
+            .conn
+            .read()
+            .await
+            .as_ref()
+            .map(|c| c.caller().clone())
+            .context("the caller's connector")?;
+        let mut fo = FacadeOptions::default();
+        fo.defaults.capabilities = vec!["read:repo".into()];
+        let facade = Facade::new(api, fo);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(oab_connector::a2a::serve(
+            listener,
+            facade.clone(),
+            stop.clone(),
+        ));
+        let url = Facade::interface_url(&base, &PeerId::new(CALLEE).context("callee peer id")?);
+        Some((facade, stop, task, url))
+    } else {
+        None
+    };
+
     let deadline = Instant::now() + opts.timeout;
     let done = CancellationToken::new();
     let replay = Arc::new(Replay::default());
@@ -686,6 +733,10 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     let ctx = Arc::new(Readers {
         caller: caller.clone(),
         commit: opts.restart_caller_every.is_some(),
+        a2a: facade.as_ref().map(|(_, _, _, url)| A2a {
+            http: reqwest::Client::new(),
+            url: url.clone(),
+        }),
         callee: PeerId::new(CALLEE).context("callee peer id")?,
         events: opts.events,
         deadline,
@@ -883,6 +934,11 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
     let stats_a = proxy_a.handle().stats();
     let stats_b = proxy_b.handle().stats();
     drop(ctx);
+    if let Some((facade, stop, task, _)) = facade {
+        stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+        facade.close();
+    }
     let last = caller.conn.write().await.take();
     if let Some(c) = last {
         c.shutdown().await;
@@ -1425,6 +1481,10 @@ async fn read_one(ctx: &Readers, d: u32) -> DelegationCheck {
         c.errors.push("the run ended before it started".into());
         return c;
     };
+    if let Some(a2a) = &ctx.a2a {
+        read_a2a(ctx, a2a, d, &mut c).await;
+        return c;
+    }
     let started = {
         let g = ctx.caller.conn.read().await;
         match g.as_ref() {
@@ -1601,5 +1661,223 @@ async fn read_events(
         // The link takes the command at once; a refusal because the
         // delegation already ended is not an error.
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+}
+
+/// The A2A path: an A2A 1.0 client (plain HTTP JSON-RPC with the delegation
+/// profile) talking to the caller connector's facade.
+struct A2a {
+    http: reqwest::Client,
+    /// The callee's JSON-RPC URL on the facade.
+    url: String,
+}
+
+/// Largest SSE event the A2A reader buffers.
+const MAX_SSE_BYTES: usize = 4 * 1024 * 1024;
+
+impl A2a {
+    async fn post(
+        &self,
+        method: &str,
+        params: serde_json::Value,
+    ) -> Result<reqwest::Response, String> {
+        let body =
+            serde_json::json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params });
+        self.http
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .header("A2A-Version", "1.0")
+            .header("A2A-Extensions", PROFILE_URI)
+            .body(body.to_string())
+            .send()
+            .await
+            .map_err(|e| format!("{method}: {e}"))
+    }
+}
+
+/// Reads SSE events (their `data` JSON) from a response body.
+struct SseReader {
+    body: Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    buf: String,
+}
+
+impl SseReader {
+    /// The next event's data; `None` at the end of the stream.
+    async fn next(&mut self) -> Option<Result<serde_json::Value, String>> {
+        loop {
+            if let Some(pos) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..pos + 2).collect();
+                let data: Vec<&str> = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|v| v.strip_prefix(' ').unwrap_or(v))
+                    .collect();
+                if data.is_empty() {
+                    continue;
+                }
+                return Some(serde_json::from_str(&data.join("\n")).map_err(|e| e.to_string()));
+            }
+            if self.buf.len() > MAX_SSE_BYTES {
+                return Some(Err("an SSE event over 4 MiB".into()));
+            }
+            match self.body.next().await? {
+                Ok(chunk) => self
+                    .buf
+                    .push_str(&String::from_utf8_lossy(&chunk).replace("\r\n", "\n")),
+                Err(e) => return Some(Err(e.to_string())),
+            }
+        }
+    }
+}
+
+fn outcome_named(name: &str) -> Outcome {
+    Outcome::ALL
+        .iter()
+        .copied()
+        .find(|o| o.name() == name)
+        .unwrap_or(Outcome::Unknown)
+}
+
+/// One delegation through the facade: `SendStreamingMessage`, then every
+/// event of its stream to the terminal; cancels with `CancelTask`.
+async fn read_a2a(ctx: &Readers, a2a: &A2a, d: u32, c: &mut DelegationCheck) {
+    let message = serde_json::json!({
+        "message": {
+            "messageId": format!("storm-{d}"),
+            "role": "ROLE_USER",
+            "parts": [{ "text": format!("storm {d}") }],
+        }
+    });
+    let resp = match a2a.post("SendStreamingMessage", message).await {
+        Ok(r) => r,
+        Err(e) => {
+            c.key = format!("storm {d} (not started)");
+            c.errors.push(e);
+            return;
+        }
+    };
+    let mut sse = SseReader {
+        body: Box::pin(resp.bytes_stream()),
+        buf: String::new(),
+    };
+    let max_order = ctx.events as usize * 4 + 16;
+    let grace = ctx.terminal_grace;
+    let cancel_req = CancellationToken::new();
+    let mut task_id: Option<String> = None;
+    let mut terminal_due: Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> =
+        Box::pin(std::future::pending());
+    let mut last_at = Instant::now();
+    let mut last_fseq = 0u64;
+    let mut cancel_task = None;
+    loop {
+        let item = tokio::select! {
+            biased;
+            () = cancel_req.cancelled(), if !c.cancel_requested => {
+                c.cancel_requested = true;
+                if let Some(id) = task_id.clone() {
+                    let a2a = A2a { http: a2a.http.clone(), url: a2a.url.clone() };
+                    cancel_task = Some(tokio::spawn(async move {
+                        let _ = a2a.post("CancelTask", serde_json::json!({ "id": id })).await;
+                    }));
+                }
+                continue;
+            }
+            () = &mut terminal_due, if c.caller_terminals == 0 => {
+                c.errors.push(format!(
+                    "no terminal at the A2A client within {grace:?} of the callee's executor finishing"
+                ));
+                break;
+            }
+            () = tokio::time::sleep_until(ctx.deadline) => {
+                c.errors.push("no terminal before the run's time limit".into());
+                break;
+            }
+            item = sse.next() => item,
+        };
+        let v = match item {
+            None => break,
+            Some(Ok(v)) => v,
+            Some(Err(e)) => {
+                c.errors.push(format!("event stream: {e}"));
+                break;
+            }
+        };
+        if let Some(e) = v.get("error") {
+            c.errors.push(format!("JSON-RPC error: {e}"));
+            break;
+        }
+        let r = &v["result"];
+        if let Some(task) = r.get("task") {
+            let meta = &task["metadata"][PROFILE_URI];
+            task_id = task["id"].as_str().map(str::to_string);
+            let key = meta["requestId"]
+                .as_str()
+                .and_then(|rid| oab_wire::RequestId::new(rid).ok())
+                .zip(PeerId::new(crate::setup::CALLER).ok())
+                .map(|(rid, caller)| DelegationKey::new(caller, rid));
+            if c.dkey.is_none()
+                && let Some(key) = key
+            {
+                c.key = key.to_string();
+                c.dkey = Some(key.clone());
+                if let Ok(mut running) = ctx.running.0.lock() {
+                    running.insert(d, cancel_req.clone());
+                }
+                let ledger = ctx.ledger.clone();
+                terminal_due = Box::pin(async move {
+                    let at = ledger.finished_at(&key).await;
+                    tokio::time::sleep_until(at + grace).await;
+                });
+            }
+            continue;
+        }
+        let Some(update) = r.get("statusUpdate") else {
+            continue;
+        };
+        ctx.replay.event();
+        let meta = &update["metadata"][PROFILE_URI];
+        let now = Instant::now();
+        let gap = now.duration_since(last_at);
+        c.longest_pause_ms = c.longest_pause_ms.max(gap.as_secs_f64() * 1e3);
+        if gap > ctx.pause_floor && c.pauses.len() < MAX_PAUSES {
+            c.pauses.push((last_at, now));
+        }
+        last_at = now;
+        // The facade numbers a task's events 1, 2, ... (the task is 0).
+        let fseq = meta["seq"].as_u64().unwrap_or(0);
+        if fseq != last_fseq + 1 {
+            c.seq_gaps += 1;
+        }
+        last_fseq = fseq;
+        if let Some(up) = meta["upSeq"].as_u64() {
+            c.last_seq = up;
+        }
+        if let Some(outcome) = meta["outcome"].as_str() {
+            let o = outcome_named(outcome);
+            c.caller_terminals += 1;
+            c.terminal = Some(o);
+            c.outcome = Some(o.name().to_string());
+            c.verified = o == Outcome::Completed && meta["verified"] == true;
+            continue;
+        }
+        match meta["data"]["i"]
+            .as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+        {
+            Some(i) if i > 0 => {
+                c.received += 1;
+                if c.order.len() < max_order {
+                    c.order.push(i);
+                }
+            }
+            // The acceptance and other states carry no index.
+            _ => {}
+        }
+    }
+    if let Ok(mut running) = ctx.running.0.lock() {
+        running.remove(&d);
+    }
+    if let Some(t) = cancel_task {
+        let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
     }
 }
