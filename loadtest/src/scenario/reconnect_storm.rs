@@ -1657,6 +1657,7 @@ async fn read_events(
             }
         }
     }
+    close_pause(ctx, c, last_at);
     if let Some(t) = cancel_task {
         // The link takes the command at once; a refusal because the
         // delegation already ended is not an error.
@@ -1874,10 +1875,25 @@ async fn read_a2a(ctx: &Readers, a2a: &A2a, d: u32, c: &mut DelegationCheck) {
             _ => {}
         }
     }
+    close_pause(ctx, c, last_at);
     if let Ok(mut running) = ctx.running.0.lock() {
         running.remove(&d);
     }
     if let Some(t) = cancel_task {
         let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+    }
+}
+
+/// A delegation that ended without its terminal was paused from its last
+/// event to now: that pause counts too (a frozen stream has no later event).
+fn close_pause(ctx: &Readers, c: &mut DelegationCheck, last_at: Instant) {
+    if c.caller_terminals > 0 {
+        return;
+    }
+    let now = Instant::now();
+    let gap = now.duration_since(last_at);
+    c.longest_pause_ms = c.longest_pause_ms.max(gap.as_secs_f64() * 1e3);
+    if gap > ctx.pause_floor && c.pauses.len() < MAX_PAUSES {
+        c.pauses.push((last_at, now));
     }
 }
