@@ -97,9 +97,10 @@ never a timing); 2 the run could not be carried out; 130 interrupted.";
 struct Cli {
     /// Exit with status 1 if a correctness invariant fails: a frame lost,
     /// duplicated, reordered or corrupt, or a session lost; a delegation
-    /// without exactly one verified terminal, caller and callee disagreeing
-    /// on it, an event lost, duplicated or reordered, or an executor run
-    /// more than once. Timings never fail a run.
+    /// without exactly one verified terminal (or without its terminal at the
+    /// caller by a deadline), caller, callee and the relay's log disagreeing
+    /// on it, an event lost, duplicated, reordered or never emitted, or an
+    /// executor run more than once. Timings never fail a run.
     #[arg(long, global = true)]
     check: bool,
     /// Where to write the JSON results [default: loadtest-results/<scenario>.json].
