@@ -10,7 +10,8 @@
 //! index, then completes (or stops when cancelled).
 //!
 //! One fault driver per proxy (caller's and callee's link, half the faults
-//! each) waits for its connector's next link, lets it live a random time
+//! each) waits for its connector's next link, lets it live two dead times
+//! (six heartbeats, so a reconnect can finish its resumes) plus a random time
 //! (uniform in `0..2 x` streaming time / `cuts`) and applies one of the
 //! enabled [`LinkFault`]s:
 //!
@@ -1277,8 +1278,8 @@ struct Side {
 impl Side {
     /// Applies `n` faults, until `done`: waits for the connector's next link
     /// (a new upstream connection since the last fault, or the link a stall
-    /// left alive), lets it live a random gap (uniform in `0..2 x
-    /// mean_gap`), then applies a fault chosen at random. Only a fault that
+    /// left alive), lets it live two dead times plus a random gap (uniform
+    /// in `0..2 x mean_gap`), then applies a fault chosen at random. Only a fault that
     /// hit a live connection counts.
     async fn drive(self, n: u32) -> SideFaults {
         let mut f = SideFaults::default();
@@ -1292,7 +1293,11 @@ impl Side {
                         .wait_until(|s| s.upstream_connects > connects && s.active > 0),
                 )
                 .await;
-            let gap = Duration::from_micros(self.rng.below(gap_us));
+            // Every link lives at least two dead times, so a reconnect can
+            // finish its resumes and replay before the next fault: a link
+            // faulted again at once would starve every delegation without
+            // any software being wrong.
+            let gap = self.dead * 2 + Duration::from_micros(self.rng.below(gap_us));
             if up.is_none() || self.until_done(tokio::time::sleep(gap)).await.is_none() {
                 break;
             }
