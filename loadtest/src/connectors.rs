@@ -110,6 +110,26 @@ pub fn start_caller(setup: &Setup, relay: SocketAddr) -> anyhow::Result<Connecto
         link_settings(setup, &setup.caller, relay),
         None,
         None,
+        None,
+    )
+}
+
+/// Starts a connector for the run's caller dialing `relay` that keeps its
+/// delegations in the state folder `state` (a later connector on the same
+/// folder takes them back with `restore()`, as a restarted process does).
+pub fn start_caller_with_state(
+    setup: &Setup,
+    relay: SocketAddr,
+    state: &std::path::Path,
+) -> anyhow::Result<Connector> {
+    let state = oab_connector::state::FileState::open(state)
+        .with_context(|| format!("opening the caller's state folder {}", state.display()))?;
+    start(
+        setup,
+        link_settings(setup, &setup.caller, relay),
+        None,
+        None,
+        Some(state),
     )
 }
 
@@ -126,6 +146,7 @@ pub fn start_callee(
         link_settings(setup, &setup.callee, relay),
         Some(executor),
         Some(audit),
+        None,
     )
 }
 
@@ -134,6 +155,7 @@ fn start(
     link: LinkSettings,
     executor: Option<Arc<dyn TaskExecutor>>,
     audit: Option<Arc<dyn AuditSink>>,
+    state: Option<oab_connector::state::FileState>,
 ) -> anyhow::Result<Connector> {
     let trust: HashMap<PeerId, Vec<PeerKey>> = [&setup.caller, &setup.callee]
         .into_iter()
@@ -158,7 +180,7 @@ fn start(
         caller_policy: policy()?,
         callee,
         audit,
-        state: None,
+        state,
     })
     .context("starting a connector")
 }

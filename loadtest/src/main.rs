@@ -15,7 +15,7 @@ use oab_loadtest::scenario::cancel_race::CancelRaceOptions;
 use oab_loadtest::scenario::cross_instance::CrossInstanceOptions;
 use oab_loadtest::scenario::delegations::DelegationsOptions;
 use oab_loadtest::scenario::latency::LatencyOptions;
-use oab_loadtest::scenario::reconnect_storm::ReconnectStormOptions;
+use oab_loadtest::scenario::reconnect_storm::{LinkFault, ReconnectStormOptions};
 use oab_loadtest::scenario::sessions::SessionsOptions;
 use oab_loadtest::scenario::slow_consumer::SlowConsumerOptions;
 use oab_loadtest::scenario::throughput::ThroughputOptions;
@@ -56,10 +56,14 @@ Scenarios:
   cancel-race delegations cancelled at random around completion: caller
               and callee must agree on exactly one terminal each
   reconnect-storm
-              delegations streaming while proxies cut both connectors' links
-              at random (and --kill-relay-every SIGKILLs and restarts the
-              relay): no event lost, duplicated or reordered, one terminal,
-              one executor run each; reconnect-to-replay p50/p99
+              delegations streaming while proxies cut, reset, stall
+              (half-open) and hold away both connectors' links at random
+              (and --kill-relay-every SIGKILLs and restarts the relay,
+              --kill-redis-every SIGKILLs and restarts redis-server on its
+              AOF): the events the caller received equal those the callee
+              emitted, one terminal at the caller by a deadline matching
+              the relay's log, one executor run each; reconnect-to-replay
+              p50/p99; longest pause per Redis outage
   slow-consumer
               pairs stream while one receiver stops reading for longer
               than the relay's slow_consumer_ms: its close (4001), the
@@ -74,23 +78,29 @@ Scenarios:
 Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check cancel-race --count 200
   oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20
+  oab-loadtest --check reconnect-storm --delegations 6 --events 60 --event-interval-ms 20 \
+      --cuts 6 --faults away,stall,reset
+  oab-loadtest --check --redis-persistence aof reconnect-storm --delegations 20 --events 300 \
+      --cuts 0 --kill-redis-every 3
   oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
   oab-loadtest --check cross-instance --rounds 1 --seconds 1 --latency-seconds 1 --node-lease-ms 1500
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
-without exactly one verified terminal; caller and callee disagreeing; an
-event lost, duplicated or reordered; an executor run twice; never a
-timing); 2 the run could not be carried out; 130 interrupted.";
+without exactly one verified terminal, or without its terminal at the
+caller by a deadline; caller, callee and the relay's log disagreeing; an
+event lost, duplicated, reordered or never emitted; an executor run twice;
+never a timing); 2 the run could not be carried out; 130 interrupted.";
 
 #[derive(Debug, Parser)]
 #[command(name = "oab-loadtest", version, about = ABOUT, long_about = LONG_ABOUT)]
 struct Cli {
     /// Exit with status 1 if a correctness invariant fails: a frame lost,
     /// duplicated, reordered or corrupt, or a session lost; a delegation
-    /// without exactly one verified terminal, caller and callee disagreeing
-    /// on it, an event lost, duplicated or reordered, or an executor run
-    /// more than once. Timings never fail a run.
+    /// without exactly one verified terminal (or without its terminal at the
+    /// caller by a deadline), caller, callee and the relay's log disagreeing
+    /// on it, an event lost, duplicated, reordered or never emitted, or an
+    /// executor run more than once. Timings never fail a run.
     #[arg(long, global = true)]
     check: bool,
     /// Where to write the JSON results [default: loadtest-results/<scenario>.json].
@@ -205,17 +215,27 @@ enum Command {
     /// it). Reports the split between outcomes; --check fails on a
     /// disagreement or a missing or duplicate terminal.
     CancelRace(CancelRaceArgs),
-    /// Link cuts and relay kills while delegations stream events.
+    /// Link faults on both connectors, relay kills and Redis outages while
+    /// delegations stream events.
     ///
     /// Each connector reaches the relay through its own fault proxy.
-    /// --delegations delegations stream --events paced status events each
-    /// while the proxies cut links at random (--cuts cuts with a live
-    /// connection); with --kill-relay-every the relay child is killed
-    /// (SIGKILL) and restarted on the same port and Redis store. Per
-    /// delegation: events lost, duplicated, reordered (must be 0),
-    /// terminals on both sides (exactly 1), executor runs (exactly 1); and
-    /// the time from a reconnect to the first replayed event, p50/p99.
-    /// --check fails on any invariant, never on timing.
+    /// --delegations delegations (--in-flight at once) stream --events paced
+    /// status events each while one driver per proxy applies --cuts faults
+    /// (half per link) chosen from --faults: cuts, resets, half-open stalls,
+    /// and `away` (the fresh link stalls right after its reconnect while
+    /// delegations finish at the callee); with --kill-relay-every the relay
+    /// child is killed (SIGKILL) and restarted on the same port and Redis
+    /// store; with --kill-redis-every redis-server is killed (SIGKILL) and
+    /// restarted on its AOF while delegations are cancelled. Per delegation:
+    /// the status events the caller received against those the callee's
+    /// executor emitted (lost, duplicated, reordered, unexpected: must be
+    /// 0), exactly one terminal at the caller within
+    /// --terminal-grace-seconds of the executor finishing, one acknowledged
+    /// terminal at the callee, one executor run, and on Redis the caller's
+    /// terminal and last sequence against the relay's record; the time from
+    /// a reconnect to the first replayed event, p50/p99; per Redis outage
+    /// its length and the longest pause over it. --check fails on any
+    /// invariant, never on timing.
     ReconnectStorm(ReconnectStormArgs),
     /// One receiver stops reading while other pairs stream.
     ///
@@ -409,22 +429,89 @@ struct CancelRaceArgs {
 
 #[derive(Debug, Args)]
 struct ReconnectStormArgs {
-    /// Delegations streaming at once.
+    /// Delegations in the run.
     #[arg(long, default_value_t = 20)]
     delegations: u32,
+    /// Delegations streaming at once; when one ends the next starts
+    /// [default: all of them at once].
+    #[arg(long, value_name = "N")]
+    in_flight: Option<u32>,
     /// Status events per delegation.
     #[arg(long, default_value_t = 500)]
     events: u32,
     /// Executor pause before each event, milliseconds.
     #[arg(long, default_value_t = 10.0)]
     event_interval_ms: f64,
-    /// Link cuts (each closes every live connection of one connector's proxy).
+    /// Link faults to make, half on the caller's link and half on the
+    /// callee's (each one of --faults, hitting a live connection).
     #[arg(long, default_value_t = 200)]
     cuts: u32,
+    /// The faults to choose from at random, comma-separated: `cut` (close
+    /// the live connections), `reset` (TCP RST), `stall` (half-open: nothing
+    /// forwarded, no close, for up to twice the link's dead time of three
+    /// heartbeats; the link survives or the connector reconnects), `away`
+    /// (close the link, let the connector reconnect, stall that fresh link at
+    /// once and refuse new connections until, on the caller's side, a
+    /// delegation finished at the callee meanwhile; on the callee's side for
+    /// a random time). `away` is how delegations finish while the caller's
+    /// side is away.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "cut,reset,stall,away"
+    )]
+    faults: Vec<LinkFault>,
+    /// The relay's heartbeat for the run, milliseconds: a stalled link is
+    /// found dead after three, and during a Redis outage pings are traffic
+    /// on both links [default: 100 when --faults stalls links or with
+    /// --kill-redis-every, else the relay's 15,000].
+    #[arg(long, value_name = "MS")]
+    heartbeat_ms: Option<u32>,
+    /// Longest `away` fault, seconds (at least the link's dead time).
+    #[arg(long, default_value_t = 5.0, value_name = "SECS")]
+    away_max_seconds: f64,
+    /// A delegation without its terminal at the caller this many seconds
+    /// after the callee's executor finished fails --check (as does one
+    /// unfinished at --timeout-seconds).
+    #[arg(long, default_value_t = 20.0, value_name = "SECS")]
+    terminal_grace_seconds: f64,
     /// Kill the relay child (SIGKILL) and restart it every SECS seconds
     /// (needs --store redis).
     #[arg(long, value_name = "SECS")]
     kill_relay_every: Option<f64>,
+    /// Kill redis-server (SIGKILL, mid-append: delegations keep streaming)
+    /// every SECS seconds, keep it down --redis-outage-ms, restart it on its
+    /// AOF (needs --store redis --redis-persistence aof; appendfsync
+    /// everysec). During each outage --cancels-per-outage running
+    /// delegations are cancelled; they must end cancelled (or completed if
+    /// the executor finished first) after it. Reports per outage its length
+    /// and the longest pause of any delegation overlapping it, against the
+    /// stated bound (a timing: never fails --check).
+    #[arg(long, value_name = "SECS")]
+    kill_redis_every: Option<f64>,
+    /// How long redis-server stays down per outage, milliseconds.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    redis_outage_ms: u64,
+    /// Running delegations the caller cancels during each Redis outage.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    cancels_per_outage: u32,
+    /// Restart the caller's connector every SECS seconds: the scenario
+    /// stops it (its link closes, its streams end) and starts a new one on
+    /// the same state folder, which takes the open delegations back
+    /// (restore); each reader subscribes again after the last sequence it
+    /// read, and commits every event meanwhile. Delegations that finish
+    /// during the restart must still reach the caller exactly once.
+    #[arg(long, value_name = "SECS")]
+    restart_caller_every: Option<f64>,
+    /// Delegate through the caller connector's A2A facade instead of the
+    /// library: each delegation is an A2A 1.0 SendStreamingMessage (HTTP
+    /// JSON-RPC, SSE, with the delegation profile, whose metadata carries
+    /// each event's data and sequences), cancelled with CancelTask; the
+    /// same checks apply to what the A2A client read. Not with
+    /// --restart-caller-every.
+    #[arg(long)]
+    a2a: bool,
     /// Seed of the random fault timing (0: from the clock; reported).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -654,16 +741,35 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
         Command::ReconnectStorm(a) => {
             positive("--event-interval-ms", a.event_interval_ms).map_err(anyhow::Error::msg)?;
             positive("--timeout-seconds", a.timeout_seconds).map_err(anyhow::Error::msg)?;
-            if let Some(k) = a.kill_relay_every {
-                positive("--kill-relay-every", k).map_err(anyhow::Error::msg)?;
+            positive("--away-max-seconds", a.away_max_seconds).map_err(anyhow::Error::msg)?;
+            positive("--terminal-grace-seconds", a.terminal_grace_seconds)
+                .map_err(anyhow::Error::msg)?;
+            for (name, v) in [
+                ("--kill-relay-every", a.kill_relay_every),
+                ("--kill-redis-every", a.kill_redis_every),
+                ("--restart-caller-every", a.restart_caller_every),
+            ] {
+                if let Some(k) = v {
+                    positive(name, k).map_err(anyhow::Error::msg)?;
+                }
             }
             let opts = ReconnectStormOptions {
                 store: one_store(a.store, "reconnect-storm")?,
                 delegations: a.delegations.max(1),
+                in_flight: a.in_flight.unwrap_or(0),
                 events: a.events.max(1),
                 event_interval: Duration::from_secs_f64(a.event_interval_ms / 1000.0),
                 cuts: a.cuts,
+                faults: a.faults.clone(),
+                heartbeat_ms: a.heartbeat_ms.map(|h| h.max(10)),
+                away_max: Duration::from_secs_f64(a.away_max_seconds),
+                terminal_grace: Duration::from_secs_f64(a.terminal_grace_seconds),
                 kill_relay_every: a.kill_relay_every.map(Duration::from_secs_f64),
+                kill_redis_every: a.kill_redis_every.map(Duration::from_secs_f64),
+                redis_outage: Duration::from_millis(a.redis_outage_ms),
+                cancels_per_outage: a.cancels_per_outage,
+                restart_caller_every: a.restart_caller_every.map(Duration::from_secs_f64),
+                a2a: a.a2a,
                 seed: a.seed,
                 timeout: Duration::from_secs_f64(a.timeout_seconds),
             };

@@ -350,6 +350,48 @@ impl RelayUnderTest {
         }
     }
 
+    /// The store URL the relay runs on (`memory`, or the Redis URL).
+    pub fn store_url(&self) -> &str {
+        &self.store_url
+    }
+
+    /// Kills the `redis-server` behind a Redis store with SIGKILL (a crash:
+    /// no shutdown save) and reaps it. The relay keeps running and sees its
+    /// store vanish. Fails on the memory store.
+    pub async fn kill_redis(&mut self) -> anyhow::Result<()> {
+        let mut server = self
+            ._redis
+            .take()
+            .context("the relay runs on no redis-server of its own")?;
+        // Kill and reap block briefly: off the runtime's workers.
+        let (server, r) = tokio::task::spawn_blocking(move || {
+            let r = server.kill();
+            (server, r)
+        })
+        .await
+        .context("redis harness task")?;
+        self._redis = Some(server);
+        r.context("killing redis-server")
+    }
+
+    /// Starts the killed `redis-server` again on the same directory and
+    /// socket (an AOF is reloaded) and waits until it answers PING.
+    pub async fn restart_redis(&mut self) -> anyhow::Result<()> {
+        let mut server = self
+            ._redis
+            .take()
+            .context("the relay runs on no redis-server of its own")?;
+        // The harness polls with blocking sleeps while redis starts.
+        let (server, r) = tokio::task::spawn_blocking(move || {
+            let r = server.restart();
+            (server, r)
+        })
+        .await
+        .context("redis harness task")?;
+        self._redis = Some(server);
+        r.context("restarting redis-server")
+    }
+
     /// The tail of the child's log (stderr), for error messages.
     pub fn log_tail(&self) -> String {
         match &self.running {

@@ -17,9 +17,34 @@ use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind};
 use oab_loadtest::scenario::Common;
 use oab_loadtest::scenario::cancel_race::{self, CancelRaceOptions};
 use oab_loadtest::scenario::delegations::{self, DelegationsOptions};
-use oab_loadtest::scenario::reconnect_storm::{self, ReconnectStormOptions};
+use oab_loadtest::scenario::reconnect_storm::{self, LinkFault, ReconnectStormOptions};
 use oab_loadtest::scenario::slow_consumer::{self, SlowConsumerOptions};
 use oab_loadtest::setup::Tuning;
+
+/// `delegations` x `events` every `interval_ms`, `cuts` link faults, all
+/// at once on the Redis store; no relay or Redis kills.
+fn storm(delegations: u32, events: u32, interval_ms: u64, cuts: u32) -> ReconnectStormOptions {
+    ReconnectStormOptions {
+        store: StoreKind::Redis,
+        delegations,
+        in_flight: 0,
+        events,
+        event_interval: Duration::from_millis(interval_ms),
+        cuts,
+        faults: vec![LinkFault::Cut],
+        heartbeat_ms: None,
+        away_max: Duration::from_secs(5),
+        terminal_grace: Duration::from_secs(15),
+        kill_relay_every: None,
+        kill_redis_every: None,
+        redis_outage: Duration::from_millis(500),
+        cancels_per_outage: 0,
+        restart_caller_every: None,
+        a2a: false,
+        seed: 0,
+        timeout: Duration::from_secs(60),
+    }
+}
 
 fn common() -> Common {
     Common {
@@ -55,14 +80,8 @@ async fn cancel_race_smoke_agrees_on_one_terminal_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_storm_smoke_loses_repeats_and_reruns_nothing() {
     let opts = ReconnectStormOptions {
-        store: StoreKind::Redis,
-        delegations: 4,
-        events: 100,
-        event_interval: Duration::from_millis(10),
-        cuts: 20,
-        kill_relay_every: None,
-        seed: 0,
-        timeout: Duration::from_secs(60),
+        faults: vec![LinkFault::Cut, LinkFault::Reset, LinkFault::Stall],
+        ..storm(4, 100, 10, 20)
     };
     let report = reconnect_storm::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -77,6 +96,106 @@ async fn reconnect_storm_smoke_loses_repeats_and_reruns_nothing() {
     }
     // The cutter stops early only if every delegation already ended.
     assert!(report.json["result"]["cuts"].as_u64().unwrap() > 0);
+}
+
+/// The caller's link goes away right after a reconnect (its resumes in
+/// flight) while delegations finish at the callee: each must still reach
+/// exactly one terminal at the caller, matching the relay's log, with every
+/// event the callee emitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_away_smoke_delegations_finished_while_caller_away_end_at_the_caller() {
+    let opts = ReconnectStormOptions {
+        faults: vec![LinkFault::Away],
+        ..storm(4, 100, 20, 4)
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let r = &report.json["result"];
+    assert!(r["caller_faults"]["away"].as_u64().unwrap() >= 1, "{r}");
+    assert!(
+        r["finished_while_caller_away"].as_u64().unwrap() >= 1,
+        "{r}"
+    );
+    assert_eq!(r["no_terminal"], 0, "{r}");
+    for d in report.json["delegations"].as_array().unwrap() {
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["received"], d["emitted"], "{d}");
+        assert_eq!(d["store_terminal"], "completed", "{d}");
+        assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
+    }
+}
+
+/// The caller's connector is stopped and a new one started on the same
+/// state folder, twice, while links are reset and held away: every
+/// delegation is taken back and ends exactly once at the caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_caller_restart_smoke_takes_every_delegation_back() {
+    let opts = ReconnectStormOptions {
+        faults: vec![LinkFault::Reset, LinkFault::Away],
+        restart_caller_every: Some(Duration::from_millis(700)),
+        ..storm(4, 100, 20, 4)
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let r = &report.json["result"];
+    assert!(r["caller_restarts"].as_u64().unwrap() >= 1, "{r}");
+    for d in report.json["delegations"].as_array().unwrap() {
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["received"], d["emitted"], "{d}");
+        assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
+    }
+}
+
+/// The away faults with an A2A 1.0 client (JSON-RPC over HTTP, SSE,
+/// the delegation profile) on the caller connector's facade: the client
+/// reads every emitted event and exactly one terminal, matching the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_a2a_smoke_the_facade_client_reads_every_terminal() {
+    let opts = ReconnectStormOptions {
+        faults: vec![LinkFault::Away],
+        a2a: true,
+        ..storm(4, 100, 20, 4)
+    };
+    let report = reconnect_storm::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    for d in report.json["delegations"].as_array().unwrap() {
+        assert!(d["key"].as_str().unwrap().contains("#a2a-"), "{d}");
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        assert_eq!(d["received"], 100, "{d}");
+        assert_eq!(d["verified"], true, "{d}");
+        assert_eq!(d["store_up_tail"], d["last_seq"], "{d}");
+    }
+}
+
+/// redis-server (AOF) is killed mid-append and restarted while delegations
+/// stream; a delegation cancelled during the outage ends after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_storm_redis_outage_smoke_cancels_take_effect_after_it() {
+    let opts = ReconnectStormOptions {
+        kill_redis_every: Some(Duration::from_secs(1)),
+        redis_outage: Duration::from_secs(1),
+        cancels_per_outage: 1,
+        timeout: Duration::from_secs(30),
+        ..storm(6, 300, 10, 0)
+    };
+    let mut c = common();
+    c.redis_persistence = RedisPersistence::Aof;
+    let report = reconnect_storm::run(&opts, &c).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let outages = report.json["result"]["redis_outages"].as_array().unwrap();
+    assert!(!outages.is_empty());
+    assert_eq!(outages[0]["cancels"], 1, "{outages:?}");
+    let ds = report.json["delegations"].as_array().unwrap();
+    let cancelled: Vec<_> = ds
+        .iter()
+        .filter(|d| d["cancel_requested"] == true)
+        .collect();
+    assert!(!cancelled.is_empty());
+    for d in cancelled {
+        assert_eq!(d["caller_terminals"], 1, "{d}");
+        let o = d["outcome"].as_str().unwrap();
+        assert!(o == "cancelled" || o == "completed", "{d}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

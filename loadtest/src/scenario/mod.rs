@@ -10,7 +10,7 @@
 //! | [`delegations`] | whole delegations per second connector to connector, connector overhead per event |
 //! | [`cancel_race`] | cancels racing completion: both sides agree on one terminal |
 //! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
-//! | [`reconnect_storm`] | link cuts and relay kills while delegations stream: nothing lost, repeated or rerun |
+//! | [`reconnect_storm`] | link cuts, resets, stalls and away faults on both links, relay kills, Redis kills, caller restarts, library or A2A path: every delegation ends once at the caller, nothing lost, repeated or rerun |
 //! | [`cross_instance`] | two relay instances over one Redis: cross-instance throughput and latency against one instance, ratios |
 
 pub mod cancel_race;
