@@ -80,7 +80,7 @@ Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check reconnect-storm --delegations 4 --events 100 --cuts 20
   oab-loadtest --check reconnect-storm --delegations 6 --events 60 --event-interval-ms 20 \
       --cuts 6 --faults away,stall,reset
-  oab-loadtest --check --redis-persistence aof reconnect-storm --delegations 20 --events 300 \
+  oab-loadtest --check --redis-persistence aof-always reconnect-storm --delegations 20 --events 300 \
       --cuts 0 --kill-redis-every 3
   oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
   oab-loadtest --check cross-instance --rounds 1 --seconds 1 --latency-seconds 1 --node-lease-ms 1500
@@ -113,8 +113,10 @@ struct Cli {
     /// The oab-relay binary [default: next to this executable].
     #[arg(long, global = true, value_name = "PATH")]
     relay_bin: Option<PathBuf>,
-    /// Persistence of the redis-server behind the Redis store: `none`, or
-    /// `aof` (append-only file, fsync every second, as production should run).
+    /// Persistence of the redis-server behind the Redis store: `none`,
+    /// `aof` (append-only file, fsync every second, as most production
+    /// runs), or `aof-always` (fsync before every reply: nothing
+    /// acknowledged is lost to a SIGKILL).
     #[arg(long, global = true, value_enum, default_value_t = PersistenceArg::None)]
     redis_persistence: PersistenceArg,
     /// After a case stops sending, seconds to wait for outstanding frames
@@ -139,6 +141,7 @@ enum RelayArg {
 enum PersistenceArg {
     None,
     Aof,
+    AofAlways,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -482,8 +485,11 @@ struct ReconnectStormArgs {
     kill_relay_every: Option<f64>,
     /// Kill redis-server (SIGKILL, mid-append: delegations keep streaming)
     /// every SECS seconds, keep it down --redis-outage-ms, restart it on its
-    /// AOF (needs --store redis --redis-persistence aof; appendfsync
-    /// everysec). During each outage --cancels-per-outage running
+    /// AOF (needs --store redis and --redis-persistence aof-always, where
+    /// nothing acknowledged is lost to a SIGKILL, or aof, appendfsync
+    /// everysec, which may lose acknowledged writes when the kill lands
+    /// while a background fsync is slow: those delegations then end with a
+    /// gap). During each outage --cancels-per-outage running
     /// delegations are cancelled; they must end cancelled (or completed if
     /// the executor finished first) after it. Reports per outage its length
     /// and the longest pause of any delegation overlapping it, against the
@@ -662,6 +668,7 @@ fn common(cli: &Cli) -> Result<Common, String> {
         redis_persistence: match cli.redis_persistence {
             PersistenceArg::None => RedisPersistence::None,
             PersistenceArg::Aof => RedisPersistence::Aof,
+            PersistenceArg::AofAlways => RedisPersistence::AofAlways,
         },
         drain: Duration::from_secs_f64(cli.drain_seconds),
         tuning,

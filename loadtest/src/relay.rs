@@ -98,8 +98,13 @@ pub fn find_relay_bin(explicit: Option<&Path>) -> Option<PathBuf> {
 pub enum RedisPersistence {
     /// No persistence (the store's cost without disk writes).
     None,
-    /// Append-only file, fsync every second (what production should run).
+    /// Append-only file, fsync every second (what production usually runs;
+    /// a SIGKILL while a background fsync is slow may lose acknowledged
+    /// writes).
     Aof,
+    /// Append-only file, fsync before every reply: a SIGKILL loses nothing
+    /// acknowledged.
+    AofAlways,
 }
 
 enum Running {
@@ -155,6 +160,7 @@ impl RelayUnderTest {
                 let p = match persistence {
                     RedisPersistence::None => Persistence::None,
                     RedisPersistence::Aof => Persistence::Aof,
+                    RedisPersistence::AofAlways => Persistence::AofAlways,
                 };
                 // The harness polls with blocking sleeps while redis starts.
                 let server = tokio::task::spawn_blocking(move || RedisServer::start(p))
@@ -484,6 +490,7 @@ impl RelayFleet {
                 let p = match persistence {
                     RedisPersistence::None => Persistence::None,
                     RedisPersistence::Aof => Persistence::Aof,
+                    RedisPersistence::AofAlways => Persistence::AofAlways,
                 };
                 RedisServer::start(p)
                     .map(SharedStore::Redis)

@@ -179,7 +179,7 @@ async fn reconnect_storm_redis_outage_smoke_cancels_take_effect_after_it() {
         ..storm(6, 300, 10, 0)
     };
     let mut c = common();
-    c.redis_persistence = RedisPersistence::Aof;
+    c.redis_persistence = RedisPersistence::AofAlways;
     let report = reconnect_storm::run(&opts, &c).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
     let outages = report.json["result"]["redis_outages"].as_array().unwrap();

@@ -641,11 +641,11 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
         bail!("--kill-relay-every needs the Redis store: the memory store dies with the relay");
     }
     if opts.kill_redis_every.is_some()
-        && (opts.store != StoreKind::Redis || common.redis_persistence != RedisPersistence::Aof)
+        && (opts.store != StoreKind::Redis || common.redis_persistence == RedisPersistence::None)
     {
         bail!(
-            "--kill-redis-every needs --store redis and --redis-persistence aof: without an \
-             AOF a restarted Redis is empty"
+            "--kill-redis-every needs --store redis and --redis-persistence aof-always (or aof): \
+             without an AOF a restarted Redis is empty"
         );
     }
     if opts.a2a && opts.restart_caller_every.is_some() {
