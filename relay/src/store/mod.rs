@@ -27,7 +27,6 @@
 pub mod fleet;
 pub mod memory;
 pub mod redis;
-mod redis_fleet;
 
 use std::future::Future;
 

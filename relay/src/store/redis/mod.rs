@@ -110,6 +110,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind, Value};
 
+mod fleet;
+
 use super::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
     ReadOutcome, Retention, StoreError, wake_channel,

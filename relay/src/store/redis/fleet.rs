@@ -1,4 +1,4 @@
-//! Fleet coordination on the Redis store (see [`super::fleet`]).
+//! Fleet coordination on the Redis store (see [`crate::store::fleet`]).
 //!
 //! | key | type | content |
 //! |---|---|---|
@@ -18,9 +18,9 @@ use bytes::Bytes;
 use oab_wire::{PeerId, SessionId};
 use redis::{Script, Value};
 
-use super::StoreError;
-use super::fleet::{FleetStore, Liveness, Presence, wake_channel};
-use super::redis::RedisStore;
+use super::RedisStore;
+use crate::store::StoreError;
+use crate::store::fleet::{FleetStore, Liveness, Presence, wake_channel};
 
 /// Node liveness zset.
 const NODES_KEY: &str = "oab:nodes";
@@ -225,7 +225,7 @@ impl FleetStore for RedisStore {
         let mut cmd = evalsha(s, &presence_key(peer));
         cmd.arg(node)
             .arg(session.to_string())
-            .arg(floor.min(super::fleet::MAX_GENERATION))
+            .arg(floor.min(crate::store::fleet::MAX_GENERATION))
             .arg(incarnation);
         let v = self.eval(s, cmd, false, "claim presence").await?;
         int(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
