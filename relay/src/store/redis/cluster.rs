@@ -115,19 +115,24 @@ impl RedisStore {
                 }
                 Err(e) => {
                     failed += 1;
-                    let message = e.to_string();
+                    // Every command of the group gets the group's error.
+                    let (operation, cause) = match e {
+                        StoreError::Unavailable { operation, cause } => (operation, cause),
+                        other => (context.to_owned(), other.to_string()),
+                    };
                     for &i in indices {
                         if let Some(slot) = values.get_mut(i) {
-                            *slot = Err(StoreError::Unavailable(message.clone()));
+                            *slot = Err(StoreError::unavailable(operation.clone(), &cause));
                         }
                     }
                 }
             }
         }
         if failed == groups.len() {
-            return Err(StoreError::Unavailable(format!(
-                "{context}: no node of the cluster answered"
-            )));
+            return Err(StoreError::unavailable(
+                context,
+                "no node of the cluster answered",
+            ));
         }
         Ok(values)
     }

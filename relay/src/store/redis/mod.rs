@@ -236,11 +236,13 @@ impl RedisStore {
     pub async fn connect(url: &str, retention: Retention) -> Result<RedisStore, StoreError> {
         let shown = redact_url(url);
         let invalid = |e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("invalid Redis URL {shown}: {e}"))
+            StoreError::unavailable(
+                format!("connect to Redis at {shown}"),
+                format!("invalid Redis URL: {e}"),
+            )
         };
-        let cannot_connect = |e: RedisError| {
-            StoreError::Unavailable(format!("cannot connect to Redis at {shown}: {e}"))
-        };
+        let cannot_connect =
+            |e: RedisError| StoreError::unavailable(format!("connect to Redis at {shown}"), e);
         let (conn, pubsub_urls) = if is_cluster_url(url) {
             let seeds = cluster_seed_urls(url).map_err(|e| invalid(&e))?;
             let client = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
@@ -713,7 +715,7 @@ impl EventStore for RedisStore {
                 };
                 let reply = gone.next().unwrap_or(Value::Nil);
                 if let Value::ServerError(e) = &reply {
-                    return Err(StoreError::Unavailable(format!("redis expire: {e}")));
+                    return Err(StoreError::unavailable("redis expire", e));
                 }
                 if u64_of(&reply) == Some(1) {
                     let k = key.to_string();

@@ -18,7 +18,7 @@ use crate::store::{
 };
 
 pub(super) fn unavailable(context: &str, e: &RedisError) -> StoreError {
-    StoreError::Unavailable(format!("redis {context}: {e}"))
+    StoreError::unavailable(format!("redis {context}"), e)
 }
 
 pub(super) fn corrupt(what: impl Into<String>) -> StoreError {
@@ -69,7 +69,7 @@ pub(super) fn u64_of(v: &Value) -> Option<u64> {
 pub(super) fn array(v: Value, context: &str) -> Result<Vec<Value>, StoreError> {
     match v {
         Value::Array(items) => Ok(items),
-        Value::ServerError(e) => Err(StoreError::Unavailable(format!("redis {context}: {e}"))),
+        Value::ServerError(e) => Err(StoreError::unavailable(format!("redis {context}"), e)),
         other => Err(corrupt(format!(
             "{context}: expected an array, got {}",
             shown(&other)
@@ -83,7 +83,7 @@ pub(super) fn hash_fields(v: Value) -> Result<HashMap<String, Value>, StoreError
         Value::Map(pairs) => pairs,
         Value::Array(flat) => pairs_of(flat),
         Value::Nil => Vec::new(),
-        Value::ServerError(e) => return Err(StoreError::Unavailable(format!("redis: {e}"))),
+        Value::ServerError(e) => return Err(StoreError::unavailable("redis", e)),
         other => return Err(corrupt(format!("expected a hash, got {}", shown(&other)))),
     };
     let mut out = HashMap::with_capacity(pairs.len());
@@ -280,7 +280,7 @@ pub(super) fn first_error(values: &[Value], context: &str) -> Result<(), StoreEr
         Value::ServerError(e) => Some(e),
         _ => None,
     }) {
-        Some(e) => Err(StoreError::Unavailable(format!("redis {context}: {e}"))),
+        Some(e) => Err(StoreError::unavailable(format!("redis {context}"), e)),
         None => Ok(()),
     }
 }
