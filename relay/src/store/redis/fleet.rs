@@ -17,12 +17,12 @@ use redis::{Script, Value};
 
 use super::RedisStore;
 use super::keys::{INCARNATIONS_KEY, NODES_KEY, presence_key};
-use super::replies::{int, liveness, text};
-use super::scripts::scripts;
+use super::replies::{liveness, reply_text, reply_u64};
+use super::scripts::fleet_scripts;
 use crate::store::StoreError;
 use crate::store::fleet::{FleetStore, Liveness, Presence, wake_channel};
 
-fn evalsha(script: &Script, key: &str) -> redis::Cmd {
+fn evalsha_one_key(script: &Script, key: &str) -> redis::Cmd {
     let mut c = redis::cmd("EVALSHA");
     c.arg(script.get_hash()).arg(1).arg(key);
     c
@@ -51,19 +51,19 @@ impl FleetStore for RedisStore {
         session: SessionId,
         floor: u64,
     ) -> Result<u64, StoreError> {
-        let s = &scripts().claim;
-        let mut cmd = evalsha(s, &presence_key(peer));
+        let s = &fleet_scripts().claim;
+        let mut cmd = evalsha_one_key(s, &presence_key(peer));
         cmd.arg(node)
             .arg(session.to_string())
             .arg(floor.min(crate::store::fleet::MAX_GENERATION))
             .arg(incarnation);
         let v = self.eval(s, cmd, false, "claim presence").await?;
-        int(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
+        reply_u64(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
     }
 
     async fn release_presence(&self, peer: &PeerId, session: SessionId) -> Result<(), StoreError> {
-        let s = &scripts().release;
-        let mut cmd = evalsha(s, &presence_key(peer));
+        let s = &fleet_scripts().release;
+        let mut cmd = evalsha_one_key(s, &presence_key(peer));
         cmd.arg(session.to_string());
         self.eval(s, cmd, true, "release presence").await?;
         Ok(())
@@ -88,15 +88,15 @@ impl FleetStore for RedisStore {
             .iter()
             .map(|v| match v {
                 Value::Array(items) => match (
-                    items.first().and_then(text),
-                    items.get(1).and_then(text),
-                    items.get(2).and_then(int),
+                    items.first().and_then(reply_text),
+                    items.get(1).and_then(reply_text),
+                    items.get(2).and_then(reply_u64),
                 ) {
                     (Some(node), Some(session), Some(generation)) => Some(Presence {
                         node,
                         // Absent in a record claimed by an instance that
                         // does not record incarnations.
-                        incarnation: items.get(3).and_then(text).unwrap_or_default(),
+                        incarnation: items.get(3).and_then(reply_text).unwrap_or_default(),
                         session,
                         generation,
                     }),
@@ -113,7 +113,7 @@ impl FleetStore for RedisStore {
         incarnation: &str,
         lease_ms: u64,
     ) -> Result<Liveness, StoreError> {
-        let s = &scripts().renew;
+        let s = &fleet_scripts().renew;
         let mut cmd = evalsha_nodes(s);
         cmd.arg(node).arg(lease_ms).arg(incarnation);
         liveness(&self.eval(s, cmd, true, "renew node").await?)
@@ -125,16 +125,16 @@ impl FleetStore for RedisStore {
         node: &str,
         lease_ms: u64,
     ) -> Result<bool, StoreError> {
-        let s = &scripts().lease;
-        let mut cmd = evalsha(s, &format!("oab:lease:{name}"));
+        let s = &fleet_scripts().lease;
+        let mut cmd = evalsha_one_key(s, &format!("oab:lease:{name}"));
         cmd.arg(node).arg(lease_ms);
         let v = self.eval(s, cmd, false, "lease").await?;
-        Ok(int(&v) == Some(1))
+        Ok(reply_u64(&v) == Some(1))
     }
 
     async fn release_lease(&self, name: &str, node: &str) -> Result<(), StoreError> {
-        let s = &scripts().unlease;
-        let mut cmd = evalsha(s, &format!("oab:lease:{name}"));
+        let s = &fleet_scripts().unlease;
+        let mut cmd = evalsha_one_key(s, &format!("oab:lease:{name}"));
         cmd.arg(node);
         self.eval(s, cmd, true, "release lease").await?;
         Ok(())
@@ -146,7 +146,7 @@ impl FleetStore for RedisStore {
         incarnation: &str,
         lease_ms: u64,
     ) -> Result<(), StoreError> {
-        let s = &scripts().retire;
+        let s = &fleet_scripts().retire;
         let mut cmd = evalsha_nodes(s);
         cmd.arg(node).arg(lease_ms).arg(incarnation);
         self.eval(s, cmd, true, "retire node").await?;

@@ -49,7 +49,7 @@ pub(super) const DEADLINES_KEY: &str = "oab:deadlines";
 pub(super) const FINISHED_KEY: &str = "oab:finished";
 
 /// Meta hash fields (short: there is one hash per delegation).
-pub(super) mod field {
+pub(super) mod meta_field {
     pub(in crate::store::redis) const CALLEE: &str = "callee";
     pub(in crate::store::redis) const DEADLINE: &str = "dl";
     pub(in crate::store::redis) const DIGEST: &str = "dg";

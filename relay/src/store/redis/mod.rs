@@ -113,16 +113,16 @@ use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
 
 use self::cluster::pipeline;
 use self::keys::{
-    DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key, field,
-    finished_member, lex_upper_bound, parse_deadline_member, parse_finished_member, parse_key,
-    peer_set_key,
+    DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key,
+    finished_member, lex_upper_bound, meta_field, parse_deadline_member, parse_finished_member,
+    parse_key, peer_set_key,
 };
 use self::replies::{
-    Finished, array, bytes_of, corrupt, first_error, hash_fields, parse_append, parse_meta,
-    parse_read, shown, str_of, u64_of,
+    Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
+    parse_read, reply_array, str_of, u64_of,
 };
 use self::scripts::{Scripts, evalsha};
-use self::url::{Urls, cluster_seed_urls, is_cluster_url, redact_url};
+use self::url::{RedactedUrls, cluster_seed_urls, is_cluster_url, redact_url};
 use super::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
     ReadOutcome, Retention, StoreError, wake_channel,
@@ -210,7 +210,7 @@ impl ConnectionLike for Conn {
 pub struct RedisStore {
     conn: Conn,
     /// What [`RedisStore::pubsub_urls`] returns.
-    pubsub_urls: Urls,
+    pubsub_urls: RedactedUrls,
     retention: Retention,
     scripts: Scripts,
     /// `max_log_entries` as sent to `XADD MAXLEN` (clamped to an i64).
@@ -273,7 +273,7 @@ impl RedisStore {
         };
         let store = RedisStore {
             conn,
-            pubsub_urls: Urls(pubsub_urls),
+            pubsub_urls: RedactedUrls(pubsub_urls),
             retention,
             scripts: Scripts::new(),
             maxlen: retention.max_log_entries.min(i64::MAX as u64),
@@ -332,7 +332,7 @@ impl RedisStore {
 
     /// Makes sure the indexes list this delegation as its state says.
     /// Idempotent; run after `open` created or found it.
-    async fn index(&self, meta: &DelegationMeta) -> Result<(), StoreError> {
+    async fn ensure_indexed(&self, meta: &DelegationMeta) -> Result<(), StoreError> {
         let member = meta.key.to_string();
         let mut pipe = pipeline();
         pipe.sadd(peer_set_key(&meta.key.caller), &member)
@@ -424,7 +424,7 @@ impl EventStore for RedisStore {
             .arg(self.maxlen)
             .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
         let reply = self.eval(&self.scripts.open, cmd, false, "open").await?;
-        let mut items = array(reply, "open")?.into_iter();
+        let mut items = reply_array(reply, "open")?.into_iter();
         let code = items.next();
         match code.as_ref().and_then(str_of) {
             Some("N") => {
@@ -445,13 +445,13 @@ impl EventStore for RedisStore {
                 // The delegation is durable, but until it is indexed the
                 // deadline sweeper cannot see it: report failure so the
                 // sender retries, and the retry (`Existing`) indexes it.
-                self.index(&meta).await?;
+                self.ensure_indexed(&meta).await?;
                 Ok(OpenOutcome::Created(meta))
             }
             Some("E") => {
                 let fields = hash_fields(Value::Array(items.collect()))?;
                 let meta = parse_meta(&req.key, &fields)?;
-                self.index(&meta).await?;
+                self.ensure_indexed(&meta).await?;
                 Ok(if meta.digest == req.digest {
                     OpenOutcome::Existing(meta)
                 } else {
@@ -519,8 +519,8 @@ impl EventStore for RedisStore {
         let keys = DelegationKeys::new(key);
         let (log, _) = keys.logs(dir);
         let tail_field = match dir {
-            Direction::Down => field::DOWN_TAIL,
-            Direction::Up => field::UP_TAIL,
+            Direction::Down => meta_field::DOWN_TAIL,
+            Direction::Up => meta_field::UP_TAIL,
         };
         let mut cmd = evalsha(&self.scripts.read, &[&keys.meta, log]);
         cmd.arg(tail_field)
@@ -555,7 +555,7 @@ impl EventStore for RedisStore {
             other => {
                 return Err(corrupt(format!(
                     "SMEMBERS: unexpected reply {}",
-                    shown(&other)
+                    excerpt(&other)
                 )));
             }
         };
@@ -610,7 +610,7 @@ impl EventStore for RedisStore {
                 other => {
                     return Err(corrupt(format!(
                         "ZRANGEBYLEX: unexpected reply {}",
-                        shown(&other)
+                        excerpt(&other)
                     )));
                 }
             };
@@ -670,7 +670,7 @@ impl EventStore for RedisStore {
                 other => {
                     return Err(corrupt(format!(
                         "ZRANGEBYLEX: unexpected reply {}",
-                        shown(&other)
+                        excerpt(&other)
                     )));
                 }
             };
@@ -684,7 +684,9 @@ impl EventStore for RedisStore {
                 let target = str_of(&m).and_then(parse_finished_member);
                 let member = match m {
                     Value::BulkString(b) => b,
-                    other => return Err(corrupt(format!("ZRANGEBYLEX: member {}", shown(&other)))),
+                    other => {
+                        return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&other))));
+                    }
                 };
                 if let Some((at, key, _)) = &target {
                     let keys = DelegationKeys::new(key);
@@ -744,7 +746,10 @@ impl EventStore for RedisStore {
         cmd.arg(descriptor_key(peer)).arg(descriptor.as_ref());
         match self.query(&cmd, true, "SET").await? {
             Value::Okay => Ok(()),
-            other => Err(corrupt(format!("SET: unexpected reply {}", shown(&other)))),
+            other => Err(corrupt(format!(
+                "SET: unexpected reply {}",
+                excerpt(&other)
+            ))),
         }
     }
 
@@ -754,7 +759,10 @@ impl EventStore for RedisStore {
         match self.query(&cmd, true, "GET").await? {
             Value::Nil => Ok(None),
             Value::BulkString(b) => Ok(Some(Bytes::from(b))),
-            other => Err(corrupt(format!("GET: unexpected reply {}", shown(&other)))),
+            other => Err(corrupt(format!(
+                "GET: unexpected reply {}",
+                excerpt(&other)
+            ))),
         }
     }
 
@@ -773,7 +781,7 @@ impl EventStore for RedisStore {
             Some(epoch) if epoch != 0 => Ok(epoch),
             _ => Err(corrupt(format!(
                 "{EPOCH_KEY} holds {}, not a non-zero u64",
-                shown(v)
+                excerpt(v)
             ))),
         }
     }
@@ -782,7 +790,10 @@ impl EventStore for RedisStore {
         let cmd = redis::cmd("PING");
         match self.query(&cmd, true, "PING").await? {
             Value::SimpleString(s) if s == "PONG" => Ok(()),
-            other => Err(corrupt(format!("PING: unexpected reply {}", shown(&other)))),
+            other => Err(corrupt(format!(
+                "PING: unexpected reply {}",
+                excerpt(&other)
+            ))),
         }
     }
 }

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use oab_wire::{DelegationKey, Digest, InstanceId, Outcome, PeerId};
 use redis::{RedisError, ServerErrorKind, Value};
 
-use super::keys::{LEFT_SUFFIX, field};
+use super::keys::{LEFT_SUFFIX, meta_field};
 use crate::store::{
     AppendOutcome, AppendRequest, DelegationMeta, Liveness, ReadOutcome, StoreError,
 };
@@ -26,7 +26,7 @@ pub(super) fn corrupt(what: impl Into<String>) -> StoreError {
 }
 
 /// A reply for an error message, cut short (it may hold a whole frame).
-pub(super) fn shown(v: &Value) -> String {
+pub(super) fn excerpt(v: &Value) -> String {
     const MAX: usize = 96;
     let mut s = format!("{v:?}");
     if s.len() > MAX {
@@ -66,13 +66,13 @@ pub(super) fn u64_of(v: &Value) -> Option<u64> {
 }
 
 /// A script's reply as an array; server errors become `Unavailable`.
-pub(super) fn array(v: Value, context: &str) -> Result<Vec<Value>, StoreError> {
+pub(super) fn reply_array(v: Value, context: &str) -> Result<Vec<Value>, StoreError> {
     match v {
         Value::Array(items) => Ok(items),
         Value::ServerError(e) => Err(StoreError::unavailable(format!("redis {context}"), e)),
         other => Err(corrupt(format!(
             "{context}: expected an array, got {}",
-            shown(&other)
+            excerpt(&other)
         ))),
     }
 }
@@ -84,7 +84,7 @@ pub(super) fn hash_fields(v: Value) -> Result<HashMap<String, Value>, StoreError
         Value::Array(flat) => pairs_of(flat),
         Value::Nil => Vec::new(),
         Value::ServerError(e) => return Err(StoreError::unavailable("redis", e)),
-        other => return Err(corrupt(format!("expected a hash, got {}", shown(&other)))),
+        other => return Err(corrupt(format!("expected a hash, got {}", excerpt(&other)))),
     };
     let mut out = HashMap::with_capacity(pairs.len());
     for (k, v) in pairs {
@@ -121,28 +121,28 @@ pub(super) fn parse_meta(
             .map_err(|_| corrupt(format!("delegation {key}: meta field {name} not a number")))
     };
     let bad = |name: &str| corrupt(format!("delegation {key}: meta field {name} malformed"));
-    let terminal = match text(field::TERMINAL)? {
+    let terminal = match text(meta_field::TERMINAL)? {
         "" => None,
-        name => Some(parse_outcome(name).ok_or_else(|| bad(field::TERMINAL))?),
+        name => Some(parse_outcome(name).ok_or_else(|| bad(meta_field::TERMINAL))?),
     };
-    let terminal_ms = match text(field::TERMINAL_MS)? {
+    let terminal_ms = match text(meta_field::TERMINAL_MS)? {
         "" => None,
-        ms => Some(ms.parse().map_err(|_| bad(field::TERMINAL_MS))?),
+        ms => Some(ms.parse().map_err(|_| bad(meta_field::TERMINAL_MS))?),
     };
-    let accepted_by = match text(field::ACCEPTED_BY)? {
+    let accepted_by = match text(meta_field::ACCEPTED_BY)? {
         "" => None,
-        hex => Some(parse_instance(hex).ok_or_else(|| bad(field::ACCEPTED_BY))?),
+        hex => Some(parse_instance(hex).ok_or_else(|| bad(meta_field::ACCEPTED_BY))?),
     };
     Ok(DelegationMeta {
         key: key.clone(),
-        callee: PeerId::new(text(field::CALLEE)?).map_err(|_| bad(field::CALLEE))?,
-        deadline_ms: number(field::DEADLINE)?,
-        digest: Digest::parse(text(field::DIGEST)?).ok_or_else(|| bad(field::DIGEST))?,
-        created_ms: number(field::CREATED)?,
-        down_tail: number(field::DOWN_TAIL)?,
-        up_tail: number(field::UP_TAIL)?,
-        down_sender_tail: number(field::DOWN_SENDER_TAIL)?,
-        up_sender_tail: number(field::UP_SENDER_TAIL)?,
+        callee: PeerId::new(text(meta_field::CALLEE)?).map_err(|_| bad(meta_field::CALLEE))?,
+        deadline_ms: number(meta_field::DEADLINE)?,
+        digest: Digest::parse(text(meta_field::DIGEST)?).ok_or_else(|| bad(meta_field::DIGEST))?,
+        created_ms: number(meta_field::CREATED)?,
+        down_tail: number(meta_field::DOWN_TAIL)?,
+        up_tail: number(meta_field::UP_TAIL)?,
+        down_sender_tail: number(meta_field::DOWN_SENDER_TAIL)?,
+        up_sender_tail: number(meta_field::UP_SENDER_TAIL)?,
         terminal,
         terminal_ms,
         accepted_by,
@@ -173,7 +173,7 @@ pub(super) fn parse_append(
     req: &AppendRequest,
     v: Value,
 ) -> Result<(AppendOutcome, Option<Finished>), StoreError> {
-    let items = array(v, "append")?;
+    let items = reply_array(v, "append")?;
     let code = items.first().and_then(str_of);
     let num = |i: usize| -> Result<u64, StoreError> {
         items
@@ -214,7 +214,7 @@ pub(super) fn parse_append(
 
 /// Parses a `read` script reply.
 pub(super) fn parse_read(v: Value) -> Result<ReadOutcome, StoreError> {
-    let items = array(v, "read")?;
+    let items = reply_array(v, "read")?;
     let code = items.first().and_then(str_of);
     if code == Some("U") {
         return Ok(ReadOutcome::Unknown);
@@ -243,7 +243,7 @@ pub(super) fn parse_read(v: Value) -> Result<ReadOutcome, StoreError> {
                 let seq = str_of(&id)
                     .and_then(|s| s.split_once('-'))
                     .and_then(|(seq, _)| seq.parse::<u64>().ok())
-                    .ok_or_else(|| corrupt(format!("read: bad stream id {}", shown(&id))))?;
+                    .ok_or_else(|| corrupt(format!("read: bad stream id {}", excerpt(&id))))?;
                 let Value::BulkString(frame) = frame else {
                     return Err(corrupt("read: frame is not a bulk string"));
                 };
@@ -301,7 +301,7 @@ pub(super) fn liveness(v: &Value) -> Result<Liveness, StoreError> {
     let mut out = Liveness::default();
     let mut incarnations = std::collections::HashMap::new();
     // Ascending by lease end: a later renewal of the same name wins.
-    for m in members.iter().filter_map(text) {
+    for m in members.iter().filter_map(reply_text) {
         if let Some(gone) = m.strip_suffix(LEFT_SUFFIX) {
             if let Some((node, inc)) = gone.split_once('|') {
                 out.left.push((node.to_owned(), inc.to_owned()));
@@ -310,14 +310,15 @@ pub(super) fn liveness(v: &Value) -> Result<Liveness, StoreError> {
             incarnations.insert(node.to_owned(), inc.to_owned());
         }
     }
-    for name in names.iter().filter_map(text) {
+    for name in names.iter().filter_map(reply_text) {
         let inc = incarnations.remove(&name).unwrap_or_default();
         out.live.push((name, inc));
     }
     Ok(out)
 }
 
-pub(super) fn text(v: &Value) -> Option<String> {
+/// A fleet reply's text, owned; an integer reply as its decimal digits.
+pub(super) fn reply_text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
         Value::SimpleString(s) => Some(s.clone()),
@@ -326,10 +327,11 @@ pub(super) fn text(v: &Value) -> Option<String> {
     }
 }
 
-pub(super) fn int(v: &Value) -> Option<u64> {
+/// A fleet reply's number: an integer reply, or text holding one.
+pub(super) fn reply_u64(v: &Value) -> Option<u64> {
     match v {
         Value::Int(i) => u64::try_from(*i).ok(),
-        other => text(other)?.parse().ok(),
+        other => reply_text(other)?.parse().ok(),
     }
 }
 

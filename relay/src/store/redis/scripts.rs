@@ -119,7 +119,7 @@ impl FleetScripts {
     }
 }
 
-pub(super) fn scripts() -> &'static FleetScripts {
+pub(super) fn fleet_scripts() -> &'static FleetScripts {
     static SCRIPTS: std::sync::OnceLock<FleetScripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(FleetScripts::new)
 }

@@ -9,9 +9,9 @@ const CLUSTER_SCHEME: &str = "redis-cluster://";
 const DEFAULT_PORT: u16 = 6379;
 
 /// URLs that may carry credentials: shown redacted by `Debug`.
-pub(super) struct Urls(pub(super) Vec<String>);
+pub(super) struct RedactedUrls(pub(super) Vec<String>);
 
-impl std::fmt::Debug for Urls {
+impl std::fmt::Debug for RedactedUrls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
             .entries(self.0.iter().map(|u| redact_url(u)))
