@@ -5,9 +5,10 @@
 //! replies are put back in the order of the commands. An `EVALSHA` batch
 //! whose script a node lost (`NOSCRIPT`) is reloaded and only those commands
 //! are sent again. It never builds an operation's commands and never reads a
-//! reply beyond counting it and spotting `NOSCRIPT`; it never sends a
-//! non-idempotent command twice, except one that got `NOSCRIPT` (it did not
-//! run).
+//! reply beyond counting it and spotting `NOSCRIPT`; it sends a command
+//! flagged not idempotent again only after `NOSCRIPT` (which means it did not
+//! run). The cluster connection's own retries are another matter: see "Redis
+//! Cluster" in the parent module's documentation.
 
 use std::collections::HashMap;
 

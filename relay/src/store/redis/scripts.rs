@@ -1,9 +1,10 @@
 //! The Lua scripts of the Redis store: the delegation scripts (`open`,
 //! `append`, `read`, `expire`) and the fleet scripts (presence, liveness,
 //! leases), each hashed once, the `EVALSHA` command that names one, and the
-//! `SCRIPT LOAD` at connect time. It never parses a reply and never picks
-//! the node a command goes to; reloading a script a node lost (`NOSCRIPT`)
-//! is [`super::cluster`]'s.
+//! `SCRIPT LOAD` of the delegation scripts at connect time (a fleet script is
+//! loaded when its first `EVALSHA` meets `NOSCRIPT`). It never parses a
+//! reply and never picks the node a command goes to; reloading a script a
+//! node lost (`NOSCRIPT`) is [`super::cluster`]'s.
 //!
 //! Each script's text is `lua/<name>.lua`, included byte for byte (the
 //! leading newline too): a script's SHA1 is its `EVALSHA` name, so any edit
@@ -119,6 +120,7 @@ impl FleetScripts {
     }
 }
 
+/// The fleet scripts, hashed on first use.
 pub(super) fn fleet_scripts() -> &'static FleetScripts {
     static SCRIPTS: std::sync::OnceLock<FleetScripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(FleetScripts::new)
