@@ -247,8 +247,9 @@ impl Fleet {
             .await
             .is_err()
         {
-            return Err(StoreError::Unavailable(
-                "wake subscriber not connected".into(),
+            return Err(StoreError::unavailable(
+                "redis SUBSCRIBE",
+                "wake subscriber not connected",
             ));
         }
         let mut subscribed = self.subscribed.lock().await;
@@ -264,20 +265,20 @@ impl Fleet {
             async move { tokio::time::timeout(SUBSCRIBE_TIMEOUT, c.subscribe(channel)).await }
         }))
         .await;
-        let mut error = "wake subscriber not connected".to_owned();
+        let mut cause = "wake subscriber not connected".to_owned();
         let mut confirmed = false;
         for r in results {
             match r {
                 Ok(Ok(())) => confirmed = true,
-                Ok(Err(e)) => error = format!("redis SUBSCRIBE: {e}"),
-                Err(_) => error = "redis SUBSCRIBE timed out".into(),
+                Ok(Err(e)) => cause = e.to_string(),
+                Err(_) => cause = "timed out".into(),
             }
         }
         debug!(%peer, confirmed, links = self.links.len(), "subscribed");
         if confirmed {
             Ok(())
         } else {
-            Err(StoreError::Unavailable(error))
+            Err(StoreError::unavailable("redis SUBSCRIBE", cause))
         }
     }
 

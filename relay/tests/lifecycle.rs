@@ -367,8 +367,9 @@ impl EventStore for OpenCommitsThenFails {
             .fail_next_open
             .swap(false, std::sync::atomic::Ordering::SeqCst)
         {
-            return Err(oab_relay::store::StoreError::Unavailable(
-                "connection lost after the open was stored".into(),
+            return Err(oab_relay::store::StoreError::unavailable(
+                "open",
+                "connection lost after the open was stored",
             ));
         }
         Ok(outcome)

@@ -1064,10 +1064,15 @@ async fn redis_aof_keeps_data_across_kill_and_restart() {
     assert!(!server.is_running());
     // While it is down: errors, not panics.
     match s.append(vec![peer_entry(&k, Direction::Up, 2)]).await {
-        Err(StoreError::Unavailable(msg)) => assert!(msg.contains("redis"), "{msg}"),
+        Err(StoreError::Unavailable { operation, .. }) => {
+            assert_eq!(operation, "redis append")
+        }
         other => panic!("expected Unavailable, got {other:?}"),
     }
-    assert!(matches!(s.ping().await, Err(StoreError::Unavailable(_))));
+    assert!(matches!(
+        s.ping().await,
+        Err(StoreError::Unavailable { .. })
+    ));
 
     server.restart().unwrap();
     s.ping().await.unwrap();
@@ -1135,8 +1140,9 @@ async fn redis_connect_failure_is_unavailable() {
     );
     let started = Instant::now();
     match RedisStore::connect(&url, retention(100)).await {
-        Err(StoreError::Unavailable(msg)) => {
-            assert!(msg.contains("cannot connect to Redis"), "{msg}");
+        Err(e @ StoreError::Unavailable { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("connect to Redis at"), "{msg}");
             assert!(!msg.contains("secret"), "credentials leaked: {msg}");
         }
         Err(other) => panic!("expected Unavailable, got {other:?}"),
@@ -1144,7 +1150,9 @@ async fn redis_connect_failure_is_unavailable() {
     }
     assert!(started.elapsed() < Duration::from_secs(20));
     match RedisStore::connect("not a url", retention(100)).await {
-        Err(StoreError::Unavailable(msg)) => assert!(msg.contains("invalid Redis URL"), "{msg}"),
+        Err(StoreError::Unavailable { cause, .. }) => {
+            assert!(cause.contains("invalid Redis URL"), "{cause}")
+        }
         Err(other) => panic!("expected Unavailable, got {other:?}"),
         Ok(_) => panic!("connected to nothing"),
     }
@@ -1424,6 +1432,16 @@ async fn cluster_spreads_delegations_over_shards_and_keeps_batch_order() {
             AppendOutcome::Appended { seq: 4 },
         ]
     );
+    // A read whose pipeline spans the dead node fails as a whole, with the
+    // dead node's error as it was: the failed command, and Redis's cause
+    // (`oab:deadlines` is on node 0; the metas pipeline reaches node 2).
+    match s.due(u64::MAX, 100).await {
+        Err(StoreError::Unavailable { operation, cause }) => {
+            assert_eq!(operation, "redis HGETALL");
+            assert!(!cause.contains("unavailable"), "{cause}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
     let cluster = tokio::task::spawn_blocking(move || cluster.restart_node(2).map(|()| cluster))
         .await
         .unwrap()
@@ -1451,7 +1469,8 @@ async fn cluster_url_errors_are_unavailable_and_redacted() {
         "redis-cluster://",
     ] {
         match RedisStore::connect(url, retention(100)).await {
-            Err(StoreError::Unavailable(msg)) => {
+            Err(e @ StoreError::Unavailable { .. }) => {
+                let msg = e.to_string();
                 assert!(msg.contains("invalid Redis URL"), "{msg}");
                 assert!(!msg.contains("secret"), "credentials leaked: {msg}");
             }
@@ -1462,8 +1481,9 @@ async fn cluster_url_errors_are_unavailable_and_redacted() {
     // Nothing listens on port 1.
     let started = Instant::now();
     match RedisStore::connect("redis-cluster://user:secret@127.0.0.1:1", retention(100)).await {
-        Err(StoreError::Unavailable(msg)) => {
-            assert!(msg.contains("cannot connect to Redis"), "{msg}");
+        Err(e @ StoreError::Unavailable { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("connect to Redis at"), "{msg}");
             assert!(!msg.contains("secret"), "credentials leaked: {msg}");
         }
         Err(other) => panic!("expected Unavailable, got {other:?}"),

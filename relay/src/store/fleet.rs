@@ -4,7 +4,7 @@
 //!
 //! A store used by one process only (the memory store) keeps the defaults:
 //! no presence records, every lease granted, nothing published. The Redis
-//! store implements them (see `redis_fleet`).
+//! store implements them (see `redis::fleet`).
 //!
 //! # Wake channels
 //!

@@ -27,7 +27,6 @@
 pub mod fleet;
 pub mod memory;
 pub mod redis;
-mod redis_fleet;
 
 use std::future::Future;
 
@@ -43,11 +42,28 @@ pub use self::redis::RedisStore;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The backend could not be reached or refused the command.
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
+    #[error("store unavailable: {operation}: {cause}")]
+    Unavailable {
+        /// What the store was doing: `redis append`, `redis SCRIPT LOAD`,
+        /// `connect to Redis at redis://host:6379` (a URL always without its
+        /// credentials).
+        operation: String,
+        /// Why it failed: the backend's error, or what was missing.
+        cause: String,
+    },
     /// The backend returned something this version does not understand.
     #[error("store returned unexpected data: {0}")]
     Corrupt(String),
+}
+
+impl StoreError {
+    /// [`StoreError::Unavailable`] for `operation`, failed because of `cause`.
+    pub fn unavailable(operation: impl Into<String>, cause: impl std::fmt::Display) -> Self {
+        StoreError::Unavailable {
+            operation: operation.into(),
+            cause: cause.to_string(),
+        }
+    }
 }
 
 /// Retention bounds every backend applies.

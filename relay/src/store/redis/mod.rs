@@ -1,0 +1,799 @@
+//! The Redis store: the production backend, same observable semantics as
+//! [`MemoryStore`](super::MemoryStore) (the shared conformance tests run both).
+//!
+//! This module owns the [`RedisStore`] type, connecting (single server or
+//! cluster), the cross-delegation indexes and the [`EventStore`]
+//! implementation: each operation builds its commands here and hands them
+//! to the modules below. It never formats a key name (`keys`), never holds
+//! a script's text (`scripts`), and sends every command of an operation
+//! through `cluster`, which decides how it reaches the nodes.
+//!
+//! | module | owns |
+//! |---|---|
+//! | `keys` | key names, hash tags, index members and their parsers (the key layout) |
+//! | `scripts` | the Lua scripts (`lua/*.lua`), `EVALSHA` commands, `SCRIPT LOAD` at connect |
+//! | `replies` | reply parsing: meta hashes, script replies, fleet replies, the errors they become |
+//! | `cluster` | sending commands: retries, pipelines split per hash slot, `NOSCRIPT` reload |
+//! | `url` | URL parsing (`redis-cluster://` seeds) and credential redaction |
+//! | `fleet` | the [`FleetStore`](super::FleetStore) implementation: presence, liveness, leases, wake-ups |
+//!
+//! Every key of one delegation carries the same hash tag,
+//! `{<caller>#<request_id>}`, so Redis Cluster keeps the delegation on one
+//! shard and its scripts touch a single slot; the full layout is in `keys.rs`.
+//!
+//! # Atomicity
+//!
+//! `open`, `append`, `read` and the expiry of one delegation are each one Lua
+//! script over that delegation's keys only (`EVALSHA`, loaded with
+//! `SCRIPT LOAD` on `NOSCRIPT`). The scripts never format numbers in Lua (its
+//! `tostring` switches to exponent notation above 1e14): every sequence or
+//! time they store arrives as a decimal string from Rust. When a terminal is
+//! set, the script also sets `PEXPIRE finished_ttl_ms` on the delegation's
+//! keys, so Redis itself drops finished delegations.
+//!
+//! The cross-delegation indexes (peer sets, deadlines, finished) are updated
+//! with separate single-key commands after the script, which is what Redis
+//! Cluster allows. They can therefore be stale (a crash between the script and
+//! the index update, or `PEXPIRE` dropping a delegation): every reader checks
+//! candidates against the meta hash and removes stale members, and an `open`
+//! that finds an existing delegation re-adds its index entries.
+//!
+//! # Batches and failures
+//!
+//! `append` sends the whole batch as one pipeline of `EVALSHA`s, one round
+//! trip (plus one for the indexes when an entry set a terminal). If Redis
+//! refuses a script (out of memory under `noeviction`, say) or the connection
+//! fails mid-batch, the call returns [`StoreError::Unavailable`] although some
+//! entries may be durable; resending is safe: a peer's entries then come back
+//! as `Duplicate`, a relay entry as `Conflict` (re-read the tail). Reads and
+//! other idempotent commands are retried once after a lost connection, so a
+//! Redis restart does not surface to them; `open` and `append` are not.
+//!
+//! `oab:epoch` detects a Redis that lost everything (a restart without
+//! persistence).
+//!
+//! # Redis Cluster
+//!
+//! [`RedisStore::connect`] with `redis-cluster://host1:port1,host2:port2`
+//! (seed nodes) runs the same code over a cluster connection, which sends
+//! each command to the master owning its key's slot. What differs:
+//!
+//! - Pipelines: the redis crate's cluster connection sends a pipeline to
+//!   one node and refuses one whose keys span several slots, so a pipeline
+//!   is split by the hash slot of each command's first key (for `EVALSHA`,
+//!   the first key after `numkeys`), one pipeline per slot is sent, all
+//!   concurrently, and the replies are put back in the order of the
+//!   commands. Commands of one slot keep their relative order, so an
+//!   `append` batch runs in order per delegation (its keys share one hash
+//!   tag); the entries of different delegations may run on several shards
+//!   at once, and nothing depends on their order across delegations.
+//! - Scripts: `SCRIPT LOAD` goes to every node, masters and replicas (the
+//!   redis crate routes it to all nodes and fails unless every one
+//!   succeeds), at connect time and again when a batch meets `NOSCRIPT`;
+//!   the commands that got `NOSCRIPT` are then sent again, split by slot as
+//!   above, so a node that restarted alone only costs its own commands a
+//!   second round trip.
+//! - `oab:deadlines`, `oab:finished` and `oab:epoch` are single keys, each on
+//!   one shard (the indexes are one sorted set each, as on a single node).
+//!   A shard that lost its data alone changes the epoch only if it holds
+//!   `oab:epoch`; otherwise its delegations just read as unknown.
+//! - Retries: the cluster connection itself follows `MOVED`/`ASK`, waits
+//!   out `TRYAGAIN`/`CLUSTERDOWN`/`LOADING` and reconnects after a lost
+//!   connection, then sends the command, or the whole one-slot pipeline,
+//!   again (up to 5 times, all within the 5 s response timeout), `open`
+//!   and `append` included. A script that had already run then runs a second time, which
+//!   for an append is what a resend does (`Duplicate` for a peer's entry,
+//!   `Conflict` for the relay's), never a second copy of an entry; the
+//!   finished index of an append that set the terminal is then left to the
+//!   stale-entry repair described above.
+//!
+//! # Differences from the memory store
+//!
+//! Only in timing: Redis drops a finished delegation `finished_ttl_ms` after
+//! its terminal by its own clock, while the memory store keeps it until
+//! [`EventStore::expire_finished`] runs with a `now_ms` past that point.
+//! `expire_finished` here deletes what is due by the caller's clock (as the
+//! memory store does) and cleans the indexes.
+
+mod cluster;
+mod fleet;
+mod keys;
+mod replies;
+mod scripts;
+mod url;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+
+use self::cluster::pipeline;
+use self::keys::{
+    DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key,
+    finished_member, lex_upper_bound, meta_field, parse_deadline_member, parse_finished_member,
+    parse_key, peer_set_key,
+};
+use self::replies::{
+    Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
+    parse_read, reply_array, str_of, u64_of,
+};
+use self::scripts::{Scripts, evalsha};
+use self::url::{RedactedUrls, cluster_seed_urls, is_cluster_url, redact_url};
+use super::{
+    AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
+    ReadOutcome, Retention, StoreError, wake_channel,
+};
+
+/// How long one command (or one pipelined batch) may take before it fails.
+/// The redis crate's default is 500 ms, which a batch of a few hundred
+/// appends behind an AOF rewrite or a busy shard can exceed; a dead server
+/// is detected by the connection itself, so this only bounds a stuck one.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one connection attempt may take.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
+/// Reconnect attempts after a connection is lost (and for the first
+/// connection), with exponential backoff from [`RECONNECT_MIN_DELAY`] capped
+/// at [`RECONNECT_MAX_DELAY`]: about 1.5 s in all before a command fails with
+/// [`StoreError::Unavailable`]; the next command starts a new round.
+const RECONNECT_RETRIES: usize = 5;
+/// First reconnect delay.
+const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(50);
+/// Longest delay between reconnect attempts.
+const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+/// Attempts the cluster connection makes per command after a failure
+/// (reconnect, `TRYAGAIN`, `CLUSTERDOWN`, redirections), with backoff from
+/// [`RECONNECT_MIN_DELAY`] to [`RECONNECT_MAX_DELAY`]; the whole command,
+/// retries included, is bounded by [`RESPONSE_TIMEOUT`].
+const CLUSTER_RETRIES: u32 = 5;
+/// Members of `oab:finished` handled per round trip by `expire_finished`.
+const EXPIRE_CHUNK: usize = 512;
+/// Largest `PEXPIRE` argument sent: Redis refuses values whose absolute
+/// expiry overflows an i64 of milliseconds; 2^53 ms is about 285,000 years.
+const MAX_TTL_MS: u64 = 1 << 53;
+
+/// The connection to a single Redis or to a Redis Cluster. Both multiplex
+/// commands over their sockets and reconnect by themselves; cloning is cheap
+/// (the clones share the sockets).
+#[derive(Clone)]
+enum Conn {
+    /// One server.
+    Single(ConnectionManager),
+    /// A cluster: one connection per node, commands routed by key slot.
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conn::Single(_) => "Conn::Single",
+            Conn::Cluster(_) => "Conn::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The Redis store. Cheap to share (`Arc` it); all methods take `&self` and
+/// run over one multiplexed connection (one per node for a cluster) that
+/// reconnects by itself.
+#[derive(Debug)]
+pub struct RedisStore {
+    conn: Conn,
+    /// What [`RedisStore::pubsub_urls`] returns.
+    pubsub_urls: RedactedUrls,
+    retention: Retention,
+    scripts: Scripts,
+    /// `max_log_entries` as sent to `XADD MAXLEN` (clamped to an i64).
+    maxlen: u64,
+    /// `finished_ttl_ms` as sent to `PEXPIRE` (clamped, see [`MAX_TTL_MS`]).
+    ttl_ms: u64,
+}
+
+impl RedisStore {
+    /// Connects to Redis at `url` (`redis://host:port/db`,
+    /// `redis+unix:///path/to/redis.sock`, and the other forms the redis crate
+    /// accepts) and loads the scripts.
+    ///
+    /// `redis-cluster://[user:password@]host1:port1,host2:port2,...` connects
+    /// to a Redis Cluster through those seed nodes (any reachable one is
+    /// enough to discover the others; the credentials apply to every node):
+    /// see the module documentation for what changes.
+    ///
+    /// The connection reconnects by itself when Redis restarts; commands sent
+    /// while it is down fail with [`StoreError::Unavailable`] after the
+    /// reconnect attempts (about 1.5 s). Run Redis with `noeviction` (a warning
+    /// is logged otherwise) and AOF.
+    pub async fn connect(url: &str, retention: Retention) -> Result<RedisStore, StoreError> {
+        let shown = redact_url(url);
+        let invalid = |e: &dyn std::fmt::Display| {
+            StoreError::unavailable(
+                format!("connect to Redis at {shown}"),
+                format!("invalid Redis URL: {e}"),
+            )
+        };
+        let cannot_connect =
+            |e: RedisError| StoreError::unavailable(format!("connect to Redis at {shown}"), e);
+        let (conn, pubsub_urls) = if is_cluster_url(url) {
+            let seeds = cluster_seed_urls(url).map_err(|e| invalid(&e))?;
+            let client = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+                .connection_timeout(CONNECTION_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(duration_ms(RECONNECT_MIN_DELAY))
+                .max_retry_wait(duration_ms(RECONNECT_MAX_DELAY))
+                .build()
+                .map_err(|e| invalid(&e))?;
+            let conn = client
+                .get_async_connection()
+                .await
+                .map_err(cannot_connect)?;
+            (Conn::Cluster(conn), seeds)
+        } else {
+            let client = redis::Client::open(url).map_err(|e| invalid(&e))?;
+            let config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+                .set_number_of_retries(RECONNECT_RETRIES)
+                .set_min_delay(RECONNECT_MIN_DELAY)
+                .set_max_delay(RECONNECT_MAX_DELAY);
+            let conn = ConnectionManager::new_with_config(client, config)
+                .await
+                .map_err(cannot_connect)?;
+            (Conn::Single(conn), vec![url.to_owned()])
+        };
+        let store = RedisStore {
+            conn,
+            pubsub_urls: RedactedUrls(pubsub_urls),
+            retention,
+            scripts: Scripts::new(),
+            maxlen: retention.max_log_entries.min(i64::MAX as u64),
+            ttl_ms: retention.finished_ttl_ms.min(MAX_TTL_MS),
+        };
+        store.load_scripts().await?;
+        store.warn_unless_noeviction().await;
+        Ok(store)
+    }
+
+    /// The retention this store applies.
+    pub fn retention(&self) -> Retention {
+        self.retention
+    }
+
+    /// Where to open a pub/sub connection: the URL given to
+    /// [`connect`](Self::connect) for a single server, or each cluster seed
+    /// as `redis://[user:password@]host:port`. The URLs carry the
+    /// credentials, if any: do not log them.
+    pub fn pubsub_urls(&self) -> Vec<String> {
+        self.pubsub_urls.0.clone()
+    }
+
+    /// Whether this store runs on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// Eviction silently loses logs; say so. Best effort: managed Redis
+    /// services often refuse `CONFIG GET`.
+    async fn warn_unless_noeviction(&self) {
+        let mut conn = self.conn.clone();
+        let reply: Result<Value, RedisError> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        let policy = match reply {
+            Ok(Value::Array(items)) => items.get(1).and_then(str_of).map(str::to_owned),
+            Ok(Value::Map(pairs)) => pairs
+                .first()
+                .and_then(|(_, v)| str_of(v))
+                .map(str::to_owned),
+            _ => None,
+        };
+        if let Some(policy) = policy
+            && policy != "noeviction"
+        {
+            tracing::warn!(
+                maxmemory_policy = %policy,
+                "Redis evicts keys under memory pressure, which silently loses delegation \
+                 logs; set maxmemory-policy noeviction"
+            );
+        }
+    }
+
+    /// Makes sure the indexes list this delegation as its state says.
+    /// Idempotent; run after `open` created or found it.
+    async fn ensure_indexed(&self, meta: &DelegationMeta) -> Result<(), StoreError> {
+        let member = meta.key.to_string();
+        let mut pipe = pipeline();
+        pipe.sadd(peer_set_key(&meta.key.caller), &member)
+            .sadd(peer_set_key(&meta.callee), &member);
+        match (meta.terminal, meta.terminal_ms) {
+            (Some(_), Some(at)) => {
+                pipe.zrem(DEADLINES_KEY, deadline_member(meta.deadline_ms, &meta.key))
+                    .zadd(
+                        FINISHED_KEY,
+                        finished_member(at, &meta.key, &meta.callee),
+                        0,
+                    );
+            }
+            _ => {
+                pipe.zadd(
+                    DEADLINES_KEY,
+                    deadline_member(meta.deadline_ms, &meta.key),
+                    0,
+                );
+            }
+        }
+        let values = self.query_pipeline(&pipe, true, "index").await?;
+        first_error(&values, "index")
+    }
+
+    /// Moves finished delegations from the deadline index to the finished
+    /// index. A failure is only logged: the appends are durable, and the
+    /// readers of the indexes skip stale entries.
+    async fn index_finished(&self, finished: &[Finished]) {
+        let mut pipe = pipeline();
+        for f in finished {
+            pipe.zrem(DEADLINES_KEY, deadline_member(f.deadline_ms, &f.key))
+                .zadd(
+                    FINISHED_KEY,
+                    finished_member(f.terminal_ms, &f.key, &f.callee),
+                    0,
+                );
+        }
+        let result = match self.query_pipeline(&pipe, true, "index").await {
+            Ok(values) => first_error(&values, "index"),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, count = finished.len(), "finished-delegation index update failed");
+        }
+    }
+
+    /// Metas of `keys` (None where gone), one round trip.
+    async fn metas(
+        &self,
+        keys: &[DelegationKey],
+    ) -> Result<Vec<Option<DelegationMeta>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = pipeline();
+        for k in keys {
+            pipe.hgetall(DelegationKeys::new(k).meta);
+        }
+        let values = self.query_pipeline(&pipe, true, "HGETALL").await?;
+        keys.iter()
+            .zip(values)
+            .map(|(k, v)| {
+                let fields = hash_fields(v)?;
+                if fields.is_empty() {
+                    Ok(None)
+                } else {
+                    parse_meta(k, &fields).map(Some)
+                }
+            })
+            .collect()
+    }
+}
+
+/// A delay in whole milliseconds, as the cluster client's retry settings take it.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl EventStore for RedisStore {
+    async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
+        let keys = DelegationKeys::new(&req.key);
+        let mut cmd = evalsha(&self.scripts.open, &[&keys.meta, &keys.down, &keys.up]);
+        cmd.arg(req.callee.as_str())
+            .arg(req.deadline_ms)
+            .arg(req.digest.to_string())
+            .arg(req.now_ms)
+            .arg(req.frame.as_ref())
+            .arg(self.maxlen)
+            .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
+        let reply = self.eval(&self.scripts.open, cmd, false, "open").await?;
+        let mut items = reply_array(reply, "open")?.into_iter();
+        let code = items.next();
+        match code.as_ref().and_then(str_of) {
+            Some("N") => {
+                let meta = DelegationMeta {
+                    key: req.key,
+                    callee: req.callee,
+                    deadline_ms: req.deadline_ms,
+                    digest: req.digest,
+                    created_ms: req.now_ms,
+                    down_tail: 1,
+                    up_tail: 0,
+                    down_sender_tail: 1,
+                    up_sender_tail: 0,
+                    terminal: None,
+                    terminal_ms: None,
+                    accepted_by: None,
+                };
+                // The delegation is durable, but until it is indexed the
+                // deadline sweeper cannot see it: report failure so the
+                // sender retries, and the retry (`Existing`) indexes it.
+                self.ensure_indexed(&meta).await?;
+                Ok(OpenOutcome::Created(meta))
+            }
+            Some("E") => {
+                let fields = hash_fields(Value::Array(items.collect()))?;
+                let meta = parse_meta(&req.key, &fields)?;
+                self.ensure_indexed(&meta).await?;
+                Ok(if meta.digest == req.digest {
+                    OpenOutcome::Existing(meta)
+                } else {
+                    OpenOutcome::Mismatch(meta)
+                })
+            }
+            other => Err(corrupt(format!("open: unexpected reply {other:?}"))),
+        }
+    }
+
+    async fn append(&self, reqs: Vec<AppendRequest>) -> Result<Vec<AppendOutcome>, StoreError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = pipeline();
+        for req in &reqs {
+            let keys = DelegationKeys::new(&req.key);
+            let (log, other) = keys.logs(req.dir);
+            let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, log, other]);
+            cmd.arg(match req.dir {
+                Direction::Down => "d",
+                Direction::Up => "u",
+            })
+            .arg(req.seq);
+            match req.origin {
+                Origin::Relay => cmd.arg("r"),
+                Origin::Peer(instance) => cmd.arg(instance.to_hex()),
+            };
+            cmd.arg(req.terminal.map_or("", Outcome::name))
+                .arg(req.frame.as_ref())
+                .arg(req.now_ms)
+                .arg(self.maxlen)
+                .arg(self.ttl_ms)
+                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
+            pipe.add_command(cmd);
+        }
+        let replies = self
+            .eval_batch_each(&self.scripts.append, pipe, false, "append")
+            .await?;
+        let mut outcomes = Vec::with_capacity(reqs.len());
+        let mut finished = Vec::new();
+        for (req, reply) in reqs.iter().zip(replies) {
+            let Ok(reply) = reply else {
+                // Its shard did not answer; the others went on.
+                outcomes.push(AppendOutcome::Unavailable);
+                continue;
+            };
+            let (outcome, fin) = parse_append(req, reply)?;
+            outcomes.push(outcome);
+            finished.extend(fin);
+        }
+        if !finished.is_empty() {
+            self.index_finished(&finished).await;
+        }
+        Ok(outcomes)
+    }
+
+    async fn read(
+        &self,
+        key: &DelegationKey,
+        dir: Direction,
+        after: u64,
+        limit: usize,
+    ) -> Result<ReadOutcome, StoreError> {
+        let keys = DelegationKeys::new(key);
+        let (log, _) = keys.logs(dir);
+        let tail_field = match dir {
+            Direction::Down => meta_field::DOWN_TAIL,
+            Direction::Up => meta_field::UP_TAIL,
+        };
+        let mut cmd = evalsha(&self.scripts.read, &[&keys.meta, log]);
+        cmd.arg(tail_field)
+            .arg(after)
+            // Only used when after <= tail, so it does not overflow in practice.
+            .arg(after.saturating_add(1))
+            .arg(
+                u64::try_from(limit)
+                    .unwrap_or(u64::MAX)
+                    .min(i64::MAX as u64),
+            );
+        let reply = self.eval(&self.scripts.read, cmd, true, "read").await?;
+        parse_read(reply)
+    }
+
+    async fn meta(&self, key: &DelegationKey) -> Result<Option<DelegationMeta>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(DelegationKeys::new(key).meta);
+        let fields = hash_fields(self.query(&cmd, true, "HGETALL").await?)?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        parse_meta(key, &fields).map(Some)
+    }
+
+    async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
+        let set = peer_set_key(peer);
+        let mut cmd = redis::cmd("SMEMBERS");
+        cmd.arg(&set);
+        let members = match self.query(&cmd, true, "SMEMBERS").await? {
+            Value::Array(items) | Value::Set(items) => items,
+            other => {
+                return Err(corrupt(format!(
+                    "SMEMBERS: unexpected reply {}",
+                    excerpt(&other)
+                )));
+            }
+        };
+        let mut stale: Vec<Value> = Vec::new();
+        let mut keys = Vec::with_capacity(members.len());
+        for m in members {
+            match str_of(&m).and_then(parse_key) {
+                Some(k) => keys.push(k),
+                None => stale.push(m),
+            }
+        }
+        let metas = self.metas(&keys).await?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (key, meta) in keys.into_iter().zip(metas) {
+            match meta {
+                Some(meta) if meta.involves(peer) => out.push(meta),
+                // Expired (by Redis or `expire_finished`), or a newer
+                // delegation with the same key and another callee.
+                _ => stale.push(Value::BulkString(key.to_string().into_bytes())),
+            }
+        }
+        if !stale.is_empty() {
+            let mut cmd = redis::cmd("SREM");
+            cmd.arg(&set);
+            for m in &stale {
+                if let Some(b) = bytes_of(m) {
+                    cmd.arg(b);
+                }
+            }
+            self.query(&cmd, true, "SREM").await?;
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {
+        let mut out: Vec<DelegationKey> = Vec::new();
+        let upper = lex_upper_bound(now_ms);
+        // Each round either fills the page or removes at least one stale
+        // member, so this ends.
+        while out.len() < limit {
+            let want = limit - out.len();
+            let mut cmd = redis::cmd("ZRANGEBYLEX");
+            cmd.arg(DEADLINES_KEY)
+                .arg("-")
+                .arg(&upper)
+                .arg("LIMIT")
+                .arg(out.len())
+                .arg(u64::try_from(want).unwrap_or(u64::MAX).min(i64::MAX as u64));
+            let members = match self.query(&cmd, true, "ZRANGEBYLEX").await? {
+                Value::Array(items) => items,
+                other => {
+                    return Err(corrupt(format!(
+                        "ZRANGEBYLEX: unexpected reply {}",
+                        excerpt(&other)
+                    )));
+                }
+            };
+            if members.is_empty() {
+                break;
+            }
+            let fetched = members.len();
+            let mut candidates = Vec::with_capacity(fetched);
+            let mut stale: Vec<Vec<u8>> = Vec::new();
+            for m in members {
+                match str_of(&m).and_then(parse_deadline_member) {
+                    Some(c) => candidates.push((c, m)),
+                    None => stale.extend(bytes_of(&m).map(<[u8]>::to_vec)),
+                }
+            }
+            let keys: Vec<DelegationKey> = candidates.iter().map(|((_, k), _)| k.clone()).collect();
+            let metas = self.metas(&keys).await?;
+            for (((deadline, key), member), meta) in candidates.into_iter().zip(metas) {
+                match meta {
+                    Some(m) if m.terminal.is_none() && m.deadline_ms == deadline => out.push(key),
+                    _ => stale.extend(bytes_of(&member).map(<[u8]>::to_vec)),
+                }
+            }
+            if stale.is_empty() {
+                if fetched < want {
+                    break;
+                }
+                continue;
+            }
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(DEADLINES_KEY);
+            for m in &stale {
+                cmd.arg(m.as_slice());
+            }
+            self.query(&cmd, true, "ZREM").await?;
+            if fetched < want {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn expire_finished(&self, now_ms: u64) -> Result<u64, StoreError> {
+        let cutoff = now_ms.saturating_sub(self.retention.finished_ttl_ms);
+        let upper = lex_upper_bound(cutoff);
+        let mut expired = 0u64;
+        loop {
+            let mut cmd = redis::cmd("ZRANGEBYLEX");
+            cmd.arg(FINISHED_KEY)
+                .arg("-")
+                .arg(&upper)
+                .arg("LIMIT")
+                .arg(0)
+                .arg(EXPIRE_CHUNK);
+            let members = match self.query(&cmd, true, "ZRANGEBYLEX").await? {
+                Value::Array(items) => items,
+                other => {
+                    return Err(corrupt(format!(
+                        "ZRANGEBYLEX: unexpected reply {}",
+                        excerpt(&other)
+                    )));
+                }
+            };
+            if members.is_empty() {
+                break;
+            }
+            let fetched = members.len();
+            let mut parsed = Vec::with_capacity(fetched);
+            let mut scripts = pipeline();
+            for m in members {
+                let target = str_of(&m).and_then(parse_finished_member);
+                let member = match m {
+                    Value::BulkString(b) => b,
+                    other => {
+                        return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&other))));
+                    }
+                };
+                if let Some((at, key, _)) = &target {
+                    let keys = DelegationKeys::new(key);
+                    let mut cmd =
+                        evalsha(&self.scripts.expire, &[&keys.meta, &keys.down, &keys.up]);
+                    cmd.arg(*at);
+                    scripts.add_command(cmd);
+                }
+                parsed.push((member, target));
+            }
+            let mut gone = if scripts.is_empty() {
+                Vec::new()
+            } else {
+                self.eval_batch(&self.scripts.expire, scripts, true, "expire")
+                    .await?
+            }
+            .into_iter();
+            // Per member: ZREM from the index (its reply position and whether
+            // the delegation is gone), then the peer sets if it is.
+            let mut cleanup = pipeline();
+            let mut counted = Vec::with_capacity(parsed.len());
+            for (member, target) in parsed {
+                let position = cleanup.len();
+                cleanup.zrem(FINISHED_KEY, member);
+                let Some((_, key, callee)) = target else {
+                    // Unreadable: drop it from the index, count nothing.
+                    continue;
+                };
+                let reply = gone.next().unwrap_or(Value::Nil);
+                if let Value::ServerError(e) = &reply {
+                    return Err(StoreError::unavailable("redis expire", e));
+                }
+                if u64_of(&reply) == Some(1) {
+                    let k = key.to_string();
+                    cleanup
+                        .srem(peer_set_key(&key.caller), &k)
+                        .srem(peer_set_key(&callee), &k);
+                    counted.push(position);
+                }
+            }
+            let removed = self.query_pipeline(&cleanup, true, "expire").await?;
+            first_error(&removed, "expire")?;
+            // Count an entry once, by whoever removed it from the index.
+            expired += counted
+                .into_iter()
+                .filter(|&i| removed.get(i).and_then(u64_of) == Some(1))
+                .count() as u64;
+            if fetched < EXPIRE_CHUNK {
+                break;
+            }
+        }
+        Ok(expired)
+    }
+
+    async fn put_descriptor(&self, peer: &PeerId, descriptor: Bytes) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(descriptor_key(peer)).arg(descriptor.as_ref());
+        match self.query(&cmd, true, "SET").await? {
+            Value::Okay => Ok(()),
+            other => Err(corrupt(format!(
+                "SET: unexpected reply {}",
+                excerpt(&other)
+            ))),
+        }
+    }
+
+    async fn descriptor(&self, peer: &PeerId) -> Result<Option<Bytes>, StoreError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(descriptor_key(peer));
+        match self.query(&cmd, true, "GET").await? {
+            Value::Nil => Ok(None),
+            Value::BulkString(b) => Ok(Some(Bytes::from(b))),
+            other => Err(corrupt(format!(
+                "GET: unexpected reply {}",
+                excerpt(&other)
+            ))),
+        }
+    }
+
+    async fn epoch(&self) -> Result<u64, StoreError> {
+        // SET NX creates it on first use, and again after Redis lost its data
+        // (restart without persistence): then it differs, which is the point.
+        let mut pipe = pipeline();
+        pipe.cmd("SET")
+            .arg(EPOCH_KEY)
+            .arg(super::memory::rand_epoch())
+            .arg("NX")
+            .get(EPOCH_KEY);
+        let values = self.query_pipeline(&pipe, true, "epoch").await?;
+        let v = values.get(1).ok_or_else(|| corrupt("epoch: no reply"))?;
+        match u64_of(v) {
+            Some(epoch) if epoch != 0 => Ok(epoch),
+            _ => Err(corrupt(format!(
+                "{EPOCH_KEY} holds {}, not a non-zero u64",
+                excerpt(v)
+            ))),
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let cmd = redis::cmd("PING");
+        match self.query(&cmd, true, "PING").await? {
+            Value::SimpleString(s) if s == "PONG" => Ok(()),
+            other => Err(corrupt(format!(
+                "PING: unexpected reply {}",
+                excerpt(&other)
+            ))),
+        }
+    }
+}

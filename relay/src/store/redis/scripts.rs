@@ -1,0 +1,216 @@
+//! The Lua scripts of the Redis store: the delegation scripts (`open`,
+//! `append`, `read`, `expire`) and the fleet scripts (presence, liveness,
+//! leases), each hashed once, the `EVALSHA` command that names one, and the
+//! `SCRIPT LOAD` of the delegation scripts at connect time (a fleet script is
+//! loaded when its first `EVALSHA` meets `NOSCRIPT`). It never parses a
+//! reply and never picks the node a command goes to; reloading a script a
+//! node lost (`NOSCRIPT`) is [`super::cluster`]'s.
+//!
+//! Each script's text is `lua/<name>.lua`, included byte for byte (the
+//! leading newline too): a script's SHA1 is its `EVALSHA` name, so any edit
+//! to a file, whitespace included, gives the script a new name, and relays
+//! of the old and the new version sharing one Redis then each load their own.
+
+use redis::{Cmd, Script};
+
+use super::RedisStore;
+use super::replies::unavailable;
+use crate::store::StoreError;
+
+/// `open`: KEYS meta, down, up; ARGV callee, deadline, digest, now, frame,
+/// maxlen, wake channel (or empty). Returns `{'N'}` when it created the
+/// delegation (and published `W<frame>` on the wake channel), or
+/// `{'E', <HGETALL>}`.
+const OPEN_LUA: &str = include_str!("lua/open.lua");
+
+/// `append` (one entry): KEYS meta, this log, the other log; ARGV dir
+/// (`d`|`u`), seq, origin (`r` for the relay, else the instance hex),
+/// terminal (outcome name or empty), frame, now, maxlen, ttl, wake channel
+/// (or empty: when set, an appended entry is also published there as
+/// `W<frame>`, atomically with the append, so a wake-up is never lost
+/// between the two).
+///
+/// Returns `{'A'}` appended, `{'F', deadline, callee}` appended and it set
+/// the terminal, `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
+/// `{'T', outcome or ''}` (already terminal) or `{'U'}` (unknown).
+const APPEND_LUA: &str = include_str!("lua/append.lua");
+
+/// `read`: KEYS meta, log; ARGV tail field, after, after + 1, limit.
+/// Returns `{'U'}`, `{'L', tail, term}`, `{'T', first, term}` or
+/// `{'E', tail, term, id, frame, id, frame, ...}`.
+const READ_LUA: &str = include_str!("lua/read.lua");
+
+/// `expire` (one finished delegation): KEYS meta, down, up; ARGV the terminal
+/// ms recorded in the index. Deletes the delegation if it is still the one
+/// the index entry was made for. Returns 1 if it is gone now, 0 if a newer
+/// delegation with the same key lives there.
+const EXPIRE_LUA: &str = include_str!("lua/expire.lua");
+
+/// `claim`: KEYS presence; ARGV node, session, floor, incarnation. Returns the new
+/// generation: above the stored one, above `floor` (the highest generation
+/// the claiming instance has seen for the peer), and at least Redis's clock
+/// in microseconds, so that it stays above every earlier claim even after
+/// the store lost the record (see `FleetStore::claim_presence`). Numbers stay
+/// below 2^53, exact in Lua.
+const CLAIM_LUA: &str = include_str!("lua/claim.lua");
+
+/// `release`: KEYS presence; ARGV session. Clears node and session if the
+/// record still names this session.
+const RELEASE_LUA: &str = include_str!("lua/release.lua");
+
+/// `renew`: KEYS nodes, incarnations; ARGV node, lease ms, incarnation.
+/// Scores by Redis time, drops nodes and notices whose lease ended, drops
+/// earlier incarnations of this node (their process is gone: node names are
+/// unique), and returns the live node names and the incarnation members.
+const RENEW_LUA: &str = include_str!("lua/renew.lua");
+
+/// `retire`: KEYS nodes, incarnations; ARGV node, lease ms, incarnation.
+/// Removes the node and leaves a departure notice for one lease, so the
+/// other instances read the departure as a clean leave.
+const RETIRE_LUA: &str = include_str!("lua/retire.lua");
+
+/// `lease`: KEYS lease; ARGV node, lease ms. Takes a free lease or renews
+/// our own; 1 if held by `node` now.
+const LEASE_LUA: &str = include_str!("lua/lease.lua");
+
+/// `unlease`: KEYS lease; ARGV node. Deletes the lease if `node` holds it.
+const UNLEASE_LUA: &str = include_str!("lua/unlease.lua");
+
+/// The scripts, hashed once.
+#[derive(Debug)]
+pub(super) struct Scripts {
+    pub(super) open: Script,
+    pub(super) append: Script,
+    pub(super) read: Script,
+    pub(super) expire: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Scripts {
+            open: Script::new(OPEN_LUA),
+            append: Script::new(APPEND_LUA),
+            read: Script::new(READ_LUA),
+            expire: Script::new(EXPIRE_LUA),
+        }
+    }
+}
+
+/// The fleet scripts, hashed once.
+#[derive(Debug)]
+pub(super) struct FleetScripts {
+    pub(super) claim: Script,
+    pub(super) release: Script,
+    pub(super) renew: Script,
+    pub(super) retire: Script,
+    pub(super) lease: Script,
+    pub(super) unlease: Script,
+}
+
+impl FleetScripts {
+    fn new() -> Self {
+        FleetScripts {
+            claim: Script::new(CLAIM_LUA),
+            release: Script::new(RELEASE_LUA),
+            renew: Script::new(RENEW_LUA),
+            retire: Script::new(RETIRE_LUA),
+            lease: Script::new(LEASE_LUA),
+            unlease: Script::new(UNLEASE_LUA),
+        }
+    }
+}
+
+/// The fleet scripts, hashed on first use.
+pub(super) fn fleet_scripts() -> &'static FleetScripts {
+    static SCRIPTS: std::sync::OnceLock<FleetScripts> = std::sync::OnceLock::new();
+    SCRIPTS.get_or_init(FleetScripts::new)
+}
+
+/// An `EVALSHA` of `script` (the caller adds keys and arguments).
+pub(super) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(script.get_hash()).arg(keys.len());
+    for k in keys {
+        c.arg(*k);
+    }
+    c
+}
+
+impl RedisStore {
+    /// `SCRIPT LOAD`s every script. On a cluster the redis crate sends
+    /// `SCRIPT LOAD` to every node and fails unless all succeed (its routing
+    /// table: `SCRIPT LOAD` is an all-nodes command), so each master has them.
+    pub(super) async fn load_scripts(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        for s in [
+            &self.scripts.open,
+            &self.scripts.append,
+            &self.scripts.read,
+            &self.scripts.expire,
+        ] {
+            s.load_async(&mut conn)
+                .await
+                .map_err(|e| unavailable("SCRIPT LOAD", &e))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scripts' `EVALSHA` names (SHA1 of the text) are those of the
+    /// scripts as they were before they moved into `lua/` files, so relays of
+    /// both versions on one Redis share them. A script changed on purpose
+    /// changes its line here.
+    #[test]
+    fn scripts_keep_their_sha1_names() {
+        for (name, text, sha1) in [
+            ("open", OPEN_LUA, "47f201094a3c3cf1be723f924ae62bd3124270c8"),
+            (
+                "append",
+                APPEND_LUA,
+                "c6a9bee7bcf280be8eb130edb6efeae6c2c3b14f",
+            ),
+            ("read", READ_LUA, "f9d709c25643464a26e803ebdd14e33ad4f36b11"),
+            (
+                "expire",
+                EXPIRE_LUA,
+                "747cf0db1f8a5772d724deb9c7bf411680937769",
+            ),
+            (
+                "claim",
+                CLAIM_LUA,
+                "9fd586456aea482abf26955a2e51607775dc70de",
+            ),
+            (
+                "release",
+                RELEASE_LUA,
+                "c8ccdd79c42f73eb6fa0cb787ece20220bd45d8b",
+            ),
+            (
+                "renew",
+                RENEW_LUA,
+                "a765e2a6664a1a5c1cb0144452e40b482833b661",
+            ),
+            (
+                "retire",
+                RETIRE_LUA,
+                "94de9e605b94a48151c013618901383d994e8ce3",
+            ),
+            (
+                "lease",
+                LEASE_LUA,
+                "aa8a06052f6bbf349b973482be2a126c38a2a616",
+            ),
+            (
+                "unlease",
+                UNLEASE_LUA,
+                "c0fe86dca9a7825a3e95860568351409cafd1294",
+            ),
+        ] {
+            assert_eq!(Script::new(text).get_hash(), sha1, "lua/{name}.lua");
+        }
+    }
+}

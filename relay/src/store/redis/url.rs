@@ -1,0 +1,167 @@
+//! Redis URLs: telling a cluster URL from a single-server one, turning the
+//! seeds of a `redis-cluster://` URL into one `redis://` URL per node, and
+//! removing credentials before a URL is shown. It never connects, and never
+//! puts a password into an error message or a `Debug` output.
+
+/// The URL scheme of a Redis Cluster: `redis-cluster://host1:port1,host2:port2`.
+const CLUSTER_SCHEME: &str = "redis-cluster://";
+/// Port of a cluster seed given without one.
+const DEFAULT_PORT: u16 = 6379;
+
+/// URLs that may carry credentials: shown redacted by `Debug`.
+pub(super) struct RedactedUrls(pub(super) Vec<String>);
+
+impl std::fmt::Debug for RedactedUrls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|u| redact_url(u)))
+            .finish()
+    }
+}
+
+/// Removes credentials (user info, `pass=` query parameters) from a URL
+/// before it goes into an error message.
+pub(super) fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let rest = rest.split_once('?').map_or(rest, |(path, _)| path);
+    let rest = match rest.split_once('/') {
+        Some((authority, path)) => {
+            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+            format!("{host}/{path}")
+        }
+        None => rest.rsplit_once('@').map_or(rest, |(_, h)| h).to_owned(),
+    };
+    format!("{scheme}://{rest}")
+}
+
+/// Whether `url` names a Redis Cluster (`redis-cluster://`, any case).
+pub(super) fn is_cluster_url(url: &str) -> bool {
+    url.get(..CLUSTER_SCHEME.len())
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case(CLUSTER_SCHEME))
+}
+
+/// The seed nodes of `redis-cluster://[user:password@]host1:port1,host2:port2[/]`
+/// as `redis://[user:password@]host:port` URLs: the credentials given on the
+/// first host apply to every node. A host without a port gets 6379; IPv6
+/// addresses go in brackets. The error never quotes the credentials.
+pub(super) fn cluster_seed_urls(url: &str) -> Result<Vec<String>, String> {
+    let rest = url
+        .get(CLUSTER_SCHEME.len()..)
+        .filter(|_| is_cluster_url(url))
+        .ok_or("not a redis-cluster:// URL")?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (credentials, hosts) = match rest.rsplit_once('@') {
+        Some((credentials, hosts)) => (Some(credentials), hosts),
+        None => (None, rest),
+    };
+    if credentials.is_some_and(|c| c.contains(',')) {
+        return Err(
+            "credentials go before the first host only (user:password@host:port,host:port)".into(),
+        );
+    }
+    if hosts.contains(['/', '?', '#']) {
+        return Err("a cluster URL has no database, path or query: \
+             redis-cluster://[user:password@]host:port,host:port,..."
+            .into());
+    }
+    let prefix = credentials.map_or(String::new(), |c| format!("{c}@"));
+    hosts
+        .split(',')
+        .map(|seed| {
+            let (host, port) = if let Some(v6) = seed.strip_prefix('[') {
+                let (addr, after) = v6
+                    .split_once(']')
+                    .ok_or_else(|| format!("seed {seed:?}: unclosed '['"))?;
+                let port = match after {
+                    "" => None,
+                    after => Some(
+                        after
+                            .strip_prefix(':')
+                            .ok_or_else(|| format!("seed {seed:?}: ':' expected after ']'"))?,
+                    ),
+                };
+                (format!("[{addr}]"), port)
+            } else {
+                match seed.rsplit_once(':') {
+                    Some((host, port)) => (host.to_owned(), Some(port)),
+                    None => (seed.to_owned(), None),
+                }
+            };
+            if host.is_empty() || host == "[]" {
+                return Err(format!("seed {seed:?}: no host"));
+            }
+            let port = match port {
+                None => DEFAULT_PORT,
+                Some(p) => p
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&p| p != 0)
+                    .ok_or_else(|| format!("seed {seed:?}: bad port"))?,
+            };
+            Ok(format!("redis://{prefix}{host}:{port}"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redact_url("redis://user:secret@h:6379/0"),
+            "redis://h:6379/0"
+        );
+        assert_eq!(
+            redact_url("redis+unix:///tmp/r.sock?pass=secret"),
+            "redis+unix:///tmp/r.sock"
+        );
+        assert_eq!(redact_url("redis://:pw@h"), "redis://h");
+        assert_eq!(
+            redact_url("redis-cluster://u:secret@h1:7000,h2:7001"),
+            "redis-cluster://h1:7000,h2:7001"
+        );
+    }
+
+    #[test]
+    fn cluster_urls_name_the_seeds() {
+        assert!(is_cluster_url("redis-cluster://h:1"));
+        assert!(is_cluster_url("Redis-Cluster://h:1"));
+        assert!(!is_cluster_url("redis://h:1"));
+        assert_eq!(
+            cluster_seed_urls("redis-cluster://127.0.0.1:7000,127.0.0.1:7001,h3").unwrap(),
+            vec![
+                "redis://127.0.0.1:7000",
+                "redis://127.0.0.1:7001",
+                "redis://h3:6379"
+            ]
+        );
+        assert_eq!(
+            cluster_seed_urls("redis-cluster://user:p%40ss@a:1,[::1]:2,[::2]/").unwrap(),
+            vec![
+                "redis://user:p%40ss@a:1",
+                "redis://user:p%40ss@[::1]:2",
+                "redis://user:p%40ss@[::2]:6379"
+            ]
+        );
+        for bad in [
+            "redis-cluster://",
+            "redis-cluster://a:1,",
+            "redis-cluster://a:1,u:p@b:2",
+            "redis-cluster://a:x",
+            "redis-cluster://a:0",
+            "redis-cluster://a:1/0",
+            "redis-cluster://a:1?protocol=resp3",
+            "redis-cluster://[::1",
+            "redis-cluster://[::1]x",
+            "redis://a:1",
+        ] {
+            let e = cluster_seed_urls(bad).unwrap_err();
+            assert!(!e.contains("secret"), "{e}");
+        }
+        let e = cluster_seed_urls("redis-cluster://u:secret@a:1,u:secret@b:2").unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+    }
+}
