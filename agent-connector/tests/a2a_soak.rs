@@ -43,7 +43,7 @@ use a2a_support::*;
 use common::*;
 use futures_util::StreamExt as _;
 use oab_relay::store::{EventStore as _, RedisStore, Retention};
-use oab_relay::testing::{Persistence, RedisServer};
+use oab_testkit::redis::{Persistence, RedisServer};
 use oab_wire::{DelegationKey, Digest, RequestId};
 use serde_json::json;
 

@@ -282,7 +282,7 @@ async fn relay_certificate_pin_is_enforced() {
 async fn relay_drain_and_restart_on_redis_loses_nothing() {
     let env = env_fast();
     let redis =
-        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::Aof).unwrap();
+        oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::Aof).unwrap();
     let store = || async {
         Arc::new(
             oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
@@ -450,7 +450,7 @@ async fn a_store_outage_pauses_delegations_only_while_it_lasts() {
     // (with `everysec` it may, and then the caller gets a gap instead; see
     // the next test).
     let mut redis =
-        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::AofAlways).unwrap();
+        oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::AofAlways).unwrap();
     let store = Arc::new(
         oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
             .await
@@ -527,7 +527,7 @@ async fn a_store_outage_pauses_delegations_only_while_it_lasts() {
 async fn a_store_that_loses_acknowledged_events_ends_the_stream_with_a_gap() {
     let env = env_fast();
     let redis =
-        oab_relay::testing::RedisServer::start(oab_relay::testing::Persistence::None).unwrap();
+        oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
     let store = Arc::new(
         oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
             .await

@@ -19,7 +19,7 @@ use futures_util::StreamExt as _;
 use oab_connector::EventKind;
 use oab_loadtest::proxy::Proxy;
 use oab_relay::store::{RedisStore, Retention};
-use oab_relay::testing::{Persistence, RedisServer};
+use oab_testkit::redis::{Persistence, RedisServer};
 use oab_wire::Outcome;
 
 /// Events the callee streams, and after which one the fault lands.

@@ -22,8 +22,8 @@ use oab_connector::caller::CallerError;
 use oab_connector::nonce::Nonce;
 use oab_connector::profile::{DelegationRequest, PROFILE_VERSION, sign_request};
 use oab_connector::{EventKind, NewDelegation};
-use oab_relay::raw_client::{RawClient, Target};
 use oab_relay::store::{MemoryStore, Retention};
+use oab_testkit::raw_client::{RawClient, Target};
 use oab_wire::identity::now_ms;
 use oab_wire::{DelegationKey, Digest, Direction, Frame, Open, Outcome, RequestId, Resume};
 

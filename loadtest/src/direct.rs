@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use oab_relay::config::Config;
-use oab_relay::raw_client::{self, Target};
+use oab_testkit::raw_client::{self, Target};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::WebSocketStream;

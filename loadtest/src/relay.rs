@@ -20,9 +20,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use oab_relay::config::Config;
-use oab_relay::raw_client::Target;
 use oab_relay::store::{MemoryStore, RedisStore, wake_channel};
-use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
+use oab_testkit::raw_client::Target;
+use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
 use oab_wire::PeerId;
 use serde::Serialize;
 use tokio::io::{

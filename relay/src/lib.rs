@@ -16,7 +16,6 @@
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`dev`] | the quick start: development certificate, identities, config |
-//! | [`testing`] | harness pieces for tests (a real redis-server) |
 
 pub mod config;
 pub mod dev;
@@ -24,11 +23,9 @@ pub mod fleet;
 pub mod hub;
 pub mod metrics;
 pub mod outbox;
-pub mod raw_client;
 pub mod server;
 pub mod session;
 pub mod store;
-pub mod testing;
 pub mod tls;
 
 pub use server::run;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::*;
 use oab_relay::store::{RedisStore, Retention};
-use oab_relay::testing::{Persistence, RedisServer};
+use oab_testkit::redis::{Persistence, RedisServer};
 use oab_wire::{CloseCode, Direction, ErrorCode, Frame, GapReason, InstanceId, Resume};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,7 +105,7 @@ async fn redis_restart_without_persistence_is_reported_as_gap() {
             .expect("closed")
         {
             Ok(_) => continue,
-            Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => break code,
+            Err(oab_testkit::raw_client::ClientError::Closed { code, .. }) => break code,
             Err(e) => panic!("{e}"),
         }
     };

@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use oab_relay::raw_client::ClientError;
-use oab_relay::raw_client::RawClient;
 use oab_relay::store::{AppendOutcome, AppendRequest, EventStore, Origin, RedisStore, Retention};
-use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
+use oab_testkit::raw_client::ClientError;
+use oab_testkit::raw_client::RawClient;
+use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
 use oab_wire::{CloseCode, Digest, Direction, Frame, GapReason, InstanceId, Open, Outcome, Resume};
 

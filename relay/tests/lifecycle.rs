@@ -92,8 +92,8 @@ async fn accept_then<S: EventStore>(
     request: &str,
     instance: InstanceId,
 ) -> (
-    oab_relay::raw_client::RawClient,
-    oab_relay::raw_client::RawClient,
+    oab_testkit::raw_client::RawClient,
+    oab_testkit::raw_client::RawClient,
 ) {
     let _ = std::marker::PhantomData::<S>;
     let mut b = relay.client_as(&env.callee, instance).await;

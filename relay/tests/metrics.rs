@@ -13,8 +13,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use common::*;
-use oab_relay::raw_client::RawClient;
 use oab_relay::store::{MemoryStore, Retention};
+use oab_testkit::raw_client::RawClient;
 use oab_wire::identity::Identity;
 use oab_wire::{Direction, InstanceId, KeyId, PeerId};
 

@@ -224,7 +224,7 @@ async fn refusals<S: EventStore>(store: Arc<S>) {
         peer("evil/peer"),
         oab_wire::KeyId::new("k1").unwrap(),
     );
-    let err = oab_relay::raw_client::RawClient::connect(
+    let err = oab_testkit::raw_client::RawClient::connect(
         &relay.target(),
         &stranger,
         oab_wire::InstanceId::random(),
@@ -232,7 +232,7 @@ async fn refusals<S: EventStore>(store: Arc<S>) {
     .await
     .unwrap_err();
     match err {
-        oab_relay::raw_client::ClientError::Closed { code, reason } => {
+        oab_testkit::raw_client::ClientError::Closed { code, reason } => {
             assert_eq!(code, CloseCode::AuthFailed.as_u16());
             assert!(reason.contains("authentication failed"), "{reason}");
         }
@@ -388,7 +388,7 @@ async fn shutdown_sends_drain_with_a_reconnect_hint_then_closes() {
         }
     };
     match closed {
-        oab_relay::raw_client::ClientError::Closed { code, .. } => {
+        oab_testkit::raw_client::ClientError::Closed { code, .. } => {
             assert_eq!(code, CloseCode::GoingAway.as_u16())
         }
         other => panic!("{other:?}"),
@@ -439,7 +439,7 @@ async fn slow_receiver_is_cut_with_the_reconnect_code_and_loses_nothing() {
                 last = d.seq;
             }
             Ok(_) => {}
-            Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => break code,
+            Err(oab_testkit::raw_client::ClientError::Closed { code, .. }) => break code,
             Err(e) => panic!("{e}"),
         }
     };
@@ -518,12 +518,12 @@ async fn behind_a_load_balancer_the_relay_speaks_plain_websocket_with_challenge_
             .unwrap();
     });
     // The load balancer terminated TLS; the connector binds to the challenge.
-    let target = oab_relay::raw_client::Target {
+    let target = oab_testkit::raw_client::Target {
         addr: addr.to_string(),
         server_name: None,
         root_der: Vec::new(),
     };
-    let mut a = oab_relay::raw_client::RawClient::connect(
+    let mut a = oab_testkit::raw_client::RawClient::connect(
         &target,
         &env.caller,
         oab_wire::InstanceId::random(),
@@ -541,7 +541,7 @@ async fn a_relay_terminating_tls_refuses_an_unbound_hello() {
     let env = TestEnv::new("");
     let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     // TLS to the relay, but a hello bound to the challenge only.
-    let mut conn = oab_relay::raw_client::connect(&relay.target())
+    let mut conn = oab_testkit::raw_client::connect(&relay.target())
         .await
         .unwrap();
     conn.binding = oab_wire::handshake::ChannelBinding::ChallengeOnly;
@@ -549,7 +549,7 @@ async fn a_relay_terminating_tls_refuses_an_unbound_hello() {
         .handshake(&env.caller, oab_wire::InstanceId::random())
         .await
     {
-        Err(oab_relay::raw_client::ClientError::Closed { code, .. }) => {
+        Err(oab_testkit::raw_client::ClientError::Closed { code, .. }) => {
             assert_eq!(code, CloseCode::BindingRequired.as_u16())
         }
         other => panic!("expected binding_required, got {other:?}"),

@@ -1,6 +1,6 @@
 //! Store conformance: every case runs against [`MemoryStore`] and against
 //! [`RedisStore`] on a real `redis-server` (one per test, started by
-//! `oab_relay::testing::RedisServer` on a unix socket), and against
+//! `oab_testkit::redis::RedisServer` on a unix socket), and against
 //! [`RedisStore`] on a three-master Redis Cluster (`cluster::every_case`:
 //! one cluster for all the cases, flushed between them, since forming a
 //! cluster takes about 2 s). Then the Redis-only
@@ -23,7 +23,7 @@ use oab_relay::store::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
     OpenRequest, Origin, ReadOutcome, RedisStore, Retention, StoreError,
 };
-use oab_relay::testing::{Persistence, RedisCluster, RedisServer};
+use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, RequestId};
 
 // ---------------------------------------------------------------------------

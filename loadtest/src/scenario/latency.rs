@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures_util::StreamExt as _;
-use oab_relay::raw_client::RawClient;
+use oab_testkit::raw_client::RawClient;
 use oab_wire::{DelegationKey, Direction, InstanceId, Limits, RequestId};
 use serde::Serialize;
 use tokio::sync::watch;

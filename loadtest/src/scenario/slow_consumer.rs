@@ -26,7 +26,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures_util::{SinkExt as _, StreamExt as _};
 use hdrhistogram::Histogram;
-use oab_relay::raw_client::{RawClient, Target};
+use oab_testkit::raw_client::{RawClient, Target};
 use oab_wire::identity::Identity;
 use oab_wire::{
     DelegationKey, Direction, Frame, InstanceId, Limits, RequestId, Resume, decode_message, encode,
@@ -482,7 +482,7 @@ struct RecvOutcome {
     errors: Vec<String>,
 }
 
-type RelayWs = tokio_tungstenite::WebSocketStream<oab_relay::raw_client::Io>;
+type RelayWs = tokio_tungstenite::WebSocketStream<oab_testkit::raw_client::Io>;
 
 /// A callee: checks every frame; the stalled one stops reading during its
 /// stall; after any close it reconnects and resumes from its cursor.

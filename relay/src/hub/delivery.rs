@@ -421,7 +421,7 @@ mod tests {
         CALLER, callee_completes, next_data, open_in_store, redis_hub, session,
     };
     use super::*;
-    use crate::testing::{Persistence, RedisServer};
+    use oab_testkit::redis::{Persistence, RedisServer};
 
     /// A `Resume` whose lookup raced the sweep: the evicted view refuses the
     /// subscription, and the one looked up again delivers the log.

@@ -343,7 +343,7 @@ mod tests {
     use super::super::test_support::{
         CALLER, STEP, callee_completes, next_data, open_in_store, redis_hub, session,
     };
-    use crate::testing::{Persistence, RedisServer};
+    use oab_testkit::redis::{Persistence, RedisServer};
 
     /// The sweep evicts a just-created view (it has no subscription yet)
     /// while `created` is between caching it and subscribing the caller:

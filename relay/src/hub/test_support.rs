@@ -25,7 +25,7 @@ use crate::store::{
     AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
     RedisStore, Retention,
 };
-use crate::testing::RedisServer;
+use oab_testkit::redis::RedisServer;
 
 pub(super) const CALLER: &str = "acme/caller";
 pub(super) const CALLEE: &str = "acme/callee";

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use oab_relay::config::Config;
-use oab_relay::raw_client::{RawClient, Target};
 use oab_relay::store::EventStore;
+use oab_testkit::raw_client::{RawClient, Target};
 use oab_wire::identity::{Identity, PeerKey};
 use oab_wire::{
     Data, DelegationKey, Digest, Direction, ErrorCode, Frame, InstanceId, KeyId, Open, Outcome,
@@ -518,8 +518,8 @@ macro_rules! both_stores {
             use super::*;
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                let server = ::oab_relay::testing::RedisServer::start(
-                    ::oab_relay::testing::Persistence::None,
+                let server = ::oab_testkit::redis::RedisServer::start(
+                    ::oab_testkit::redis::Persistence::None,
                 )
                 .unwrap();
                 let store = ::oab_relay::store::RedisStore::connect(

@@ -1,4 +1,4 @@
-//! Test harness pieces shared by this crate's tests and other crates' tests.
+//! A real `redis-server` (and Redis Cluster) for tests and benchmarks.
 //!
 //! [`RedisServer`] runs a real `redis-server` as a child process: in its own
 //! temporary directory, on a unix socket only (`--port 0`, so parallel tests
@@ -582,7 +582,7 @@ impl RedisCluster {
         Ok(cluster)
     }
 
-    /// The URL for [`RedisStore::connect`](crate::store::RedisStore::connect):
+    /// The URL for `oab_relay::store::RedisStore::connect`:
     /// `redis-cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
     pub fn url(&self) -> String {
         let seeds: Vec<String> = self

@@ -111,7 +111,7 @@ pub async fn connect(target: &Target) -> Result<Connection, ClientError> {
                 .connect(sn, tcp)
                 .await
                 .map_err(|e| err(&e))?;
-            let exporter = crate::tls::exporter_value(tls.get_ref().1)
+            let exporter = exporter_value(tls.get_ref().1)
                 .ok_or_else(|| ClientError::Connect("no TLS exporter".into()))?;
             (
                 tokio_util::either::Either::Left(tls),
@@ -270,4 +270,10 @@ impl RawClient {
     pub async fn close(mut self) {
         let _ = self.ws.close(None).await;
     }
+}
+
+/// The RFC 9266 `tls-exporter` value of a TLS connection.
+fn exporter_value<D>(conn: &rustls::ConnectionCommon<D>) -> Option<[u8; 32]> {
+    conn.export_keying_material([0u8; 32], oab_wire::handshake::TLS_EXPORTER_LABEL, None)
+        .ok()
 }

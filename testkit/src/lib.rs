@@ -1,0 +1,14 @@
+//! `oab-testkit`: what the tests (and the load tester) of OAB Relay use to
+//! run the real thing, kept out of the production crates.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`redis`] | a real `redis-server` or three-master Redis Cluster as child processes, killed and restarted on demand |
+//! | [`raw_client`] | a minimal protocol client: TLS, upgrade, handshake, then raw frames |
+//!
+//! The relay and the connector take this crate as a dev-dependency only;
+//! `oab-loadtest`, itself a test tool, depends on it.
+
+pub mod raw_client;
+#[cfg(unix)]
+pub mod redis;
