@@ -15,11 +15,12 @@
 //! bounded queue and a writer thread), [`MemoryAuditSink`] (tests), and
 //! [`TeeAuditSink`] to send to several.
 
+use parking_lot::Mutex;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use oab_wire::{DelegationKey, Digest, KeyId, Outcome, PeerId, RequestId};
@@ -332,11 +333,6 @@ impl AuditSink for TracingAuditSink {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A panic while holding the lock leaves a plain Vec in a valid state.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Keeps records in memory (tests). Bounded: beyond `capacity` the oldest
 /// record is dropped.
 #[derive(Debug)]
@@ -359,12 +355,13 @@ impl MemoryAuditSink {
 
     /// A copy of the records, oldest first.
     pub fn records(&self) -> Vec<AuditRecord> {
-        lock(&self.records).iter().cloned().collect()
+        self.records.lock().iter().cloned().collect()
     }
 
     /// The events of the records about `key`, oldest first.
     pub fn events_for(&self, key: &DelegationKey) -> Vec<AuditEvent> {
-        lock(&self.records)
+        self.records
+            .lock()
             .iter()
             .filter(|r| r.caller == key.caller && r.request_id == key.request_id)
             .map(|r| r.event)
@@ -380,7 +377,7 @@ impl Default for MemoryAuditSink {
 
 impl AuditSink for MemoryAuditSink {
     fn record(&self, record: &AuditRecord) {
-        let mut records = lock(&self.records);
+        let mut records = self.records.lock();
         if self.capacity == 0 {
             return;
         }
@@ -679,7 +676,7 @@ mod tests {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             let _ = self.entered.send(());
             let _ = self.gate.recv();
-            lock(&self.out).extend_from_slice(buf);
+            self.out.lock().extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -714,7 +711,7 @@ mod tests {
         }
         drop(go);
         sink.close();
-        let text = String::from_utf8(lock(&out).clone()).unwrap();
+        let text = String::from_utf8(out.lock().clone()).unwrap();
         assert_eq!(text.lines().count(), 3);
     }
 
@@ -723,7 +720,7 @@ mod tests {
 
     impl Write for Captured {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            lock(&self.0).extend_from_slice(buf);
+            self.0.lock().extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -752,7 +749,7 @@ mod tests {
                 "capability_denied",
             ));
         });
-        let text = String::from_utf8(lock(&captured.0).clone()).unwrap();
+        let text = String::from_utf8(captured.0.lock().clone()).unwrap();
         let lines: Vec<serde_json::Value> = text
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())

@@ -23,10 +23,11 @@
 //! or error -> `failed`; deadline -> `expired`; cancel -> `cancelled`, sent
 //! only after the executor returned (the worker stopped).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use oab_wire::identity::{Identity, PeerKey, now_ms};
@@ -282,7 +283,7 @@ struct RunningEntry {
 
 impl Drop for RunningEntry {
     fn drop(&mut self) {
-        lock(&self.rt.running).remove(&self.key);
+        self.rt.running.lock().remove(&self.key);
     }
 }
 
@@ -300,10 +301,6 @@ pub(crate) struct CalleeRuntime {
     nonces: Mutex<NonceCache>,
     global: Arc<Semaphore>,
     per_peer: Mutex<HashMap<PeerId, Arc<Semaphore>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A refusal before acceptance: the code goes into the signed result.
@@ -350,7 +347,7 @@ impl CalleeRuntime {
                 Incoming::Cancel {
                     key, relay_origin, ..
                 } => {
-                    if let Some(r) = lock(&self.running).get(&key) {
+                    if let Some(r) = self.running.lock().get(&key) {
                         info!(%key, relay_origin, "cancel requested");
                         self.audit.record(&AuditRecord::new(
                             now_ms(),
@@ -362,7 +359,7 @@ impl CalleeRuntime {
                     }
                 }
                 Incoming::Message { key, payload, .. } => {
-                    let tx = lock(&self.running).get(&key).map(|r| r.messages.clone());
+                    let tx = self.running.lock().get(&key).map(|r| r.messages.clone());
                     if let (Some(tx), Ok(DownPayload::Message { message })) =
                         (tx, serde_json::from_slice(&payload))
                     {
@@ -370,7 +367,7 @@ impl CalleeRuntime {
                     }
                 }
                 Incoming::Ended { key, terminal } => {
-                    if let Some(r) = lock(&self.running).get(&key) {
+                    if let Some(r) = self.running.lock().get(&key) {
                         warn!(%key, ?terminal, "delegation ended at the relay; stopping");
                         r.cancel.cancel();
                     }
@@ -385,7 +382,7 @@ impl CalleeRuntime {
     /// Registers a delegation whose `Open` arrived, before anything awaits;
     /// `None` when it is already being served.
     fn register(self: &Arc<Self>, key: &DelegationKey) -> Option<Registered> {
-        let mut running = lock(&self.running);
+        let mut running = self.running.lock();
         if running.contains_key(key) {
             return None;
         }
@@ -527,7 +524,7 @@ impl CalleeRuntime {
             }
         };
         drop(permits);
-        lock(&self.running).remove(&key);
+        self.running.lock().remove(&key);
         let stop = if deadline_hit {
             StopReason::Deadline
         } else {
@@ -590,14 +587,20 @@ impl CalleeRuntime {
             RouteCeiling::parse(&open.ceiling).map_err(|e| refuse(e.code(), e.to_string()))?;
         let authority = authorize_incoming(&policy, &ceiling, &verified.request, now)
             .map_err(|e| refuse(e.code(), e.to_string()))?;
-        match lock(&self.nonces).check(&open.key, &verified.request, &digest, now) {
+        match self
+            .nonces
+            .lock()
+            .check(&open.key, &verified.request, &digest, now)
+        {
             Ok(NonceCheck::Fresh) => {}
             Ok(NonceCheck::Redelivery) => {
                 return Err(refuse("redelivery", "already running".into()));
             }
             Err(e) => return Err(refuse(e.code(), e.to_string())),
         }
-        let per_peer = lock(&self.per_peer)
+        let per_peer = self
+            .per_peer
+            .lock()
             .entry(open.key.caller.clone())
             .or_insert_with(|| Arc::new(Semaphore::new(options.max_concurrent_per_peer.max(1))))
             .clone();

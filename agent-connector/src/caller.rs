@@ -1,9 +1,10 @@
 //! The caller API: delegate a task to a peer, follow its events (replay,
 //! then live), get, wait, cancel, list peers, verify the signed result.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -231,10 +232,6 @@ pub struct Caller {
     audit: Arc<dyn AuditSink>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Parses an up-log event into what the caller sees.
 pub fn parse_event(ev: &UpEvent) -> DelegationEvent {
     let kind = if let Some(outcome) = ev.terminal {
@@ -314,7 +311,8 @@ impl Caller {
     /// The signed request of a delegation this connector started (or
     /// restored).
     pub fn request(&self, handle: &DelegationHandle) -> Option<DelegationRequest> {
-        lock(&self.records)
+        self.records
+            .lock()
             .get(&handle.key)
             .map(|r| r.request.clone())
     }
@@ -356,7 +354,9 @@ impl Caller {
             key: s.key.clone(),
             callee: s.callee.clone(),
         };
-        lock(&self.records).insert(s.key.clone(), CallerRecord::from_saved(s));
+        self.records
+            .lock()
+            .insert(s.key.clone(), CallerRecord::from_saved(s));
         let (reply, _ignored) = oneshot::channel();
         self.link
             .command(Command::Open {
@@ -379,7 +379,9 @@ impl Caller {
         let Some(state) = &self.state else {
             return Ok(());
         };
-        let rec = lock(&self.records)
+        let rec = self
+            .records
+            .lock()
             .get(&handle.key)
             .cloned()
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
@@ -407,7 +409,7 @@ impl Caller {
                 .map_err(|e| ProfileError::Malformed(e.to_string()))?,
         };
         let key = DelegationKey::new(self.identity.peer.clone(), request_id.clone());
-        if let Some(rec) = lock(&self.records).get(&key) {
+        if let Some(rec) = self.records.lock().get(&key) {
             return if rec.same(&spec, peer) {
                 Ok(DelegationHandle {
                     key,
@@ -471,7 +473,7 @@ impl Caller {
             payload,
         };
         {
-            let mut records = lock(&self.records);
+            let mut records = self.records.lock();
             if let Some(rec) = records.get(&key) {
                 // A concurrent call with the same request id won the race.
                 return if rec.same(&spec, peer) {
@@ -642,7 +644,9 @@ impl Caller {
         handle: &DelegationHandle,
         terminal: &Terminal,
     ) -> Result<VerifiedResult, CallerError> {
-        let rec = lock(&self.records)
+        let rec = self
+            .records
+            .lock()
             .get(&handle.key)
             .cloned()
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;

@@ -13,7 +13,8 @@
 //! that part: it acks each batch of down frames cumulatively, as the relay
 //! does after its store append ([`CalleeRole::AckAsRelay`]).
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -67,7 +68,7 @@ pub struct Errors(Arc<Mutex<Vec<String>>>);
 impl Errors {
     /// Records one.
     pub fn push(&self, e: String) {
-        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v = self.0.lock();
         // Keep the first few: one broken run must not fill the memory.
         if v.len() < 32 {
             v.push(e);
@@ -76,7 +77,7 @@ impl Errors {
 
     /// Everything recorded.
     pub fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.0.lock())
     }
 }
 

@@ -33,13 +33,14 @@
 //! # Ok(()) }
 //! ```
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::ops::Deref;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -228,12 +229,6 @@ struct Shared {
     stop: CancellationToken,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section is a plain read or write: a poisoned lock is
-    // still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A running proxy. Dropping it stops the proxy and closes its connections.
 /// Derefs to its [`ProxyHandle`].
 pub struct Proxy {
@@ -318,20 +313,20 @@ impl ProxyHandle {
     /// Sets the fault of every current connection and of new ones (unless a
     /// [plan](ProxyHandle::set_plan) chooses otherwise for a new connection).
     pub fn set_fault(&self, fault: Fault) {
-        *lock(&self.shared.fault) = fault.clone();
-        for entry in lock(&self.shared.conns).values() {
+        *self.shared.fault.lock() = fault.clone();
+        for entry in self.shared.conns.lock().values() {
             entry.fault.send_replace(fault.clone());
         }
     }
 
     /// The proxy-wide fault for new connections.
     pub fn fault(&self) -> Fault {
-        lock(&self.shared.fault).clone()
+        self.shared.fault.lock().clone()
     }
 
     /// Sets the fault of one live connection. Returns `false` if it is gone.
     pub fn set_connection_fault(&self, id: u64, fault: Fault) -> bool {
-        match lock(&self.shared.conns).get(&id) {
+        match self.shared.conns.lock().get(&id) {
             Some(entry) => {
                 entry.fault.send_replace(fault);
                 true
@@ -345,19 +340,19 @@ impl ProxyHandle {
     /// example `|n| (n == 0).then_some(Fault::Reset)` resets only the first
     /// connection.
     pub fn set_plan(&self, plan: impl FnMut(u64) -> Option<Fault> + Send + 'static) {
-        *lock(&self.shared.plan) = Some(Box::new(plan));
+        *self.shared.plan.lock() = Some(Box::new(plan));
     }
 
     /// Removes the plan.
     pub fn clear_plan(&self) {
-        *lock(&self.shared.plan) = None;
+        *self.shared.plan.lock() = None;
     }
 
     /// Closes every current connection (both sockets; the peers see an
     /// orderly close unless unread data was pending, where the kernel sends
     /// a RST as for any close). New connections are still accepted.
     pub fn cut_all(&self) {
-        for entry in lock(&self.shared.conns).values() {
+        for entry in self.shared.conns.lock().values() {
             entry.cut.cancel();
         }
     }
@@ -365,7 +360,7 @@ impl ProxyHandle {
     /// Closes one connection like [`ProxyHandle::cut_all`]. Returns `false`
     /// if it is gone.
     pub fn cut(&self, id: u64) -> bool {
-        match lock(&self.shared.conns).get(&id) {
+        match self.shared.conns.lock().get(&id) {
             Some(entry) => {
                 entry.cut.cancel();
                 true
@@ -377,12 +372,12 @@ impl ProxyHandle {
     /// Changes where new connections are forwarded (a restarted upstream on
     /// another port, say). Live connections keep their upstream.
     pub fn set_upstream(&self, upstream: SocketAddr) {
-        *lock(&self.shared.upstream) = upstream;
+        *self.shared.upstream.lock() = upstream;
     }
 
     /// Where new connections are forwarded.
     pub fn upstream(&self) -> SocketAddr {
-        *lock(&self.shared.upstream)
+        *self.shared.upstream.lock()
     }
 
     /// Applies faults on a timed script: each step waits its duration (from
@@ -425,7 +420,10 @@ impl ProxyHandle {
 
     /// The live connections, by id.
     pub fn connections(&self) -> Vec<ConnectionInfo> {
-        let mut out: Vec<ConnectionInfo> = lock(&self.shared.conns)
+        let mut out: Vec<ConnectionInfo> = self
+            .shared
+            .conns
+            .lock()
             .iter()
             .map(|(id, e)| ConnectionInfo {
                 id: *id,
@@ -474,12 +472,12 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let id = next_id;
         next_id += 1;
         let _ = client.set_nodelay(true);
-        let planned = lock(&shared.plan).as_mut().and_then(|plan| plan(id));
-        let fault = planned.unwrap_or_else(|| lock(&shared.fault).clone());
+        let planned = shared.plan.lock().as_mut().and_then(|plan| plan(id));
+        let fault = planned.unwrap_or_else(|| shared.fault.lock().clone());
         let (tx, rx) = watch::channel(fault);
         let cut = shared.stop.child_token();
         let counters = Arc::new(ConnCounters::default());
-        lock(&shared.conns).insert(
+        shared.conns.lock().insert(
             id,
             ConnEntry {
                 client: addr,
@@ -494,7 +492,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let shared2 = shared.clone();
         tokio::spawn(async move {
             connection(&shared2, client, rx, cut, &counters).await;
-            lock(&shared2.conns).remove(&id);
+            shared2.conns.lock().remove(&id);
             shared2.counters.active.fetch_sub(1, Ordering::Relaxed);
             shared2.changed.notify_waiters();
         });
@@ -540,7 +538,7 @@ async fn connection(
         }
         _ => {}
     }
-    let upstream_addr = *lock(&shared.upstream);
+    let upstream_addr = *shared.upstream.lock();
     let upstream = tokio::select! {
         () = cut.cancelled() => return,
         r = TcpStream::connect(upstream_addr) => r,

@@ -26,9 +26,10 @@
 //! - competes for the sweeper lease; the holder runs the fleet-wide lifecycle
 //!   work (deadlines, `unknown` after the grace period, retention).
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use oab_wire::{PeerId, SessionId};
@@ -46,10 +47,6 @@ pub const SWEEPER_LEASE: &str = "sweeper";
 const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
 /// How long a subscribe (or a connection attempt) may take.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// How a relay instance left the fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,7 +180,7 @@ impl Fleet {
         let mut now: HashMap<String, String> = view.live.into_iter().collect();
         now.insert(self.node.clone(), self.incarnation.clone());
         let multi = now.len() > 1;
-        let mut live = lock(&self.live_nodes);
+        let mut live = self.live_nodes.lock();
         let mut gone = Vec::new();
         for (node, incarnation) in live.iter() {
             if *node == self.node {
@@ -215,7 +212,7 @@ impl Fleet {
 
     /// How many instances are live (this one included), as last seen.
     pub fn live_count(&self) -> usize {
-        lock(&self.live_nodes).len()
+        self.live_nodes.lock().len()
     }
 
     /// Whether the process `incarnation` of `node` renewed its liveness
@@ -225,7 +222,8 @@ impl Fleet {
         if node == self.node {
             return incarnation.is_empty() || incarnation == self.incarnation;
         }
-        lock(&self.live_nodes)
+        self.live_nodes
+            .lock()
             .get(node)
             .is_some_and(|live| incarnation.is_empty() || live.is_empty() || live == incarnation)
     }
@@ -241,7 +239,7 @@ impl Fleet {
     pub async fn subscribe(&self, peer: &PeerId, session: SessionId) -> Result<(), StoreError> {
         // Claimed by nobody yet: no announcement can supersede it until
         // `hold` records the claim's generation.
-        lock(&self.held).insert(peer.clone(), (session, u64::MAX));
+        self.held.lock().insert(peer.clone(), (session, u64::MAX));
         let mut up = self.connected.subscribe();
         if tokio::time::timeout(SUBSCRIBE_TIMEOUT, up.wait_for(|c| *c > 0))
             .await
@@ -257,7 +255,7 @@ impl Fleet {
         let conns: Vec<MultiplexedConnection> = self
             .links
             .iter()
-            .filter_map(|l| lock(&l.conn).clone())
+            .filter_map(|l| l.conn.lock().clone())
             .collect();
         let channel = wake_channel(peer);
         let results = futures_util::future::join_all(conns.into_iter().map(|mut c| {
@@ -286,7 +284,7 @@ impl Fleet {
     pub async fn prune_subscriptions(&self) {
         let mut subscribed = self.subscribed.lock().await;
         let stale: Vec<PeerId> = {
-            let held = lock(&self.held);
+            let held = self.held.lock();
             subscribed
                 .iter()
                 .filter(|p| !held.contains_key(*p))
@@ -298,7 +296,7 @@ impl Fleet {
         }
         let channels: Vec<String> = stale.iter().map(wake_channel).collect();
         for link in &self.links {
-            let conn = lock(&link.conn).clone();
+            let conn = link.conn.lock().clone();
             if let Some(mut conn) = conn {
                 // A link that fails here is reconnecting, and subscribes
                 // only what is held when it is back.
@@ -314,8 +312,9 @@ impl Fleet {
     /// `generation`. `false` if a newer claim was already announced (this
     /// session lost the race and must close).
     pub fn hold(&self, peer: &PeerId, session: SessionId, generation: u64) -> bool {
-        lock(&self.held).insert(peer.clone(), (session, generation));
-        lock(&self.latest)
+        self.held.lock().insert(peer.clone(), (session, generation));
+        self.latest
+            .lock()
             .get(peer)
             .is_none_or(|&g| g <= generation)
     }
@@ -327,9 +326,11 @@ impl Fleet {
     /// generation `n` before the loss would take every new session of the
     /// peer for an older one until the store's generation got past `n`.
     pub fn floor(&self, peer: &PeerId) -> u64 {
-        let announced = lock(&self.latest).get(peer).copied().unwrap_or(0);
+        let announced = self.latest.lock().get(peer).copied().unwrap_or(0);
         // `u64::MAX` marks a session not claimed yet, not a generation.
-        let held = lock(&self.held)
+        let held = self
+            .held
+            .lock()
             .get(peer)
             .map(|&(_, g)| g)
             .filter(|&g| g != u64::MAX)
@@ -339,7 +340,7 @@ impl Fleet {
 
     /// Forgets `peer` if `session` is the one held. Returns whether it was.
     pub fn release(&self, peer: &PeerId, session: SessionId) -> bool {
-        let mut held = lock(&self.held);
+        let mut held = self.held.lock();
         if held.get(peer).is_some_and(|(s, _)| *s == session) {
             held.remove(peer);
             true
@@ -352,11 +353,11 @@ impl Fleet {
     /// it supersedes, if any.
     pub fn announced(&self, peer: &PeerId, generation: u64) -> Option<SessionId> {
         {
-            let mut latest = lock(&self.latest);
+            let mut latest = self.latest.lock();
             let g = latest.entry(peer.clone()).or_insert(0);
             *g = (*g).max(generation);
         }
-        let held = lock(&self.held);
+        let held = self.held.lock();
         match held.get(peer) {
             Some((session, g)) if *g < generation => Some(*session),
             _ => None,
@@ -384,7 +385,7 @@ impl Fleet {
                     // Every channel again, on the new connection; a subscribe
                     // racing with this waits for the lock and then uses it.
                     let subscribed = self.subscribed.lock().await;
-                    *lock(&link.conn) = Some(conn.clone());
+                    *link.conn.lock() = Some(conn.clone());
                     let channels: Vec<String> = subscribed.iter().map(wake_channel).collect();
                     let mut conn = conn;
                     let ok = channels.is_empty()
@@ -397,7 +398,7 @@ impl Fleet {
                         self.connected.send_modify(|n| *n += 1);
                         return Some(rx);
                     }
-                    *lock(&link.conn) = None;
+                    *link.conn.lock() = None;
                 }
                 Err(e) => {
                     warn!(error = %e, "wake subscriber cannot reach Redis; retrying");
@@ -416,7 +417,7 @@ impl Fleet {
         let Some(link) = self.links.get(i) else {
             return false;
         };
-        let conn = lock(&link.conn).clone();
+        let conn = link.conn.lock().clone();
         let Some(mut conn) = conn else {
             return false;
         };
@@ -431,7 +432,7 @@ impl Fleet {
     /// Marks subscriber link `i` disconnected.
     pub fn disconnected(&self, i: usize) {
         if let Some(link) = self.links.get(i)
-            && lock(&link.conn).take().is_some()
+            && link.conn.lock().take().is_some()
         {
             self.connected.send_modify(|n| *n = n.saturating_sub(1));
         }

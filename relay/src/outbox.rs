@@ -14,8 +14,9 @@
 //!   `slow_consumer`; it resumes from its cursor after reconnecting, and
 //!   nothing is lost because every frame is in the log.
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -77,11 +78,7 @@ pub enum Pushed {
 impl Inbox {
     /// Why the session was closed, if someone closed it.
     pub fn close_reason(&self) -> Option<(CloseCode, String)> {
-        self.shared
-            .reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.shared.reason.lock().clone()
     }
 
     /// Takes the next queued frame without waiting, control lane first.
@@ -213,7 +210,7 @@ impl Outbox {
     /// Closes the session with a code and reason (first reason wins).
     pub fn close(&self, code: CloseCode, reason: &str) {
         {
-            let mut slot = self.shared.reason.lock().unwrap_or_else(|p| p.into_inner());
+            let mut slot = self.shared.reason.lock();
             if slot.is_none() {
                 *slot = Some((code, reason.to_string()));
             }

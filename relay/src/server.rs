@@ -4,9 +4,10 @@
 //! authenticated sessions to [`crate::session`]. Also the admin listener and
 //! the lifecycle sweeper.
 
+use parking_lot::Mutex;
 use std::net::IpAddr;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;

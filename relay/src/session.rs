@@ -7,7 +7,8 @@
 //! connection with a typed close code; frames that are valid but refused get
 //! an `Error` frame and the session continues.
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -61,10 +62,6 @@ where
     let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(frame))).await;
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Runs the session handshake and, once authenticated, the frame loop.
 /// `deadline` bounds the whole handshake (TLS and upgrade included).
 pub async fn serve<S, IO>(
@@ -104,7 +101,7 @@ where
 {
     let m = &hub.metrics;
     let now = oab_wire::identity::now_ms();
-    let issued = ServerHandshake::start(hub.config.relay.id.clone(), now, &mut lock(&env.nonces));
+    let issued = ServerHandshake::start(hub.config.relay.id.clone(), now, &mut env.nonces.lock());
     let (hs, challenge) = match issued {
         Ok(x) => x,
         Err(e) => {
@@ -113,7 +110,7 @@ where
             return None;
         }
     };
-    let forget = |env: &SessionEnv| lock(&env.nonces).forget(hs.nonce());
+    let forget = |env: &SessionEnv| env.nonces.lock().forget(hs.nonce());
     let Ok(bytes) = encode(&Frame::Challenge(challenge)) else {
         forget(env);
         return None;
@@ -181,7 +178,7 @@ where
     let verified = hs.verify(
         &hello,
         hub.directory.as_ref(),
-        &mut lock(&env.nonces),
+        &mut env.nonces.lock(),
         &env.policy,
         now,
         binding,
@@ -598,7 +595,7 @@ impl<S: EventStore> Session<S> {
         };
         let (wake, refusal) = loop {
             let checked = {
-                let l = live.lock().unwrap_or_else(|p| p.into_inner());
+                let l = live.lock();
                 (!l.evicted()).then(|| self.check(&l, dir, terminal, flags, len))
             };
             if let Some(checked) = checked {
@@ -742,15 +739,8 @@ impl<S: EventStore> Session<S> {
             match outcome {
                 AppendOutcome::Appended { seq } => {
                     let woke = req.wake.is_some();
-                    self.hub.appended_here(
-                        &live,
-                        &req.key,
-                        req.dir,
-                        seq,
-                        req.frame,
-                        req.terminal,
-                        woke,
-                    );
+                    self.hub
+                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal, woke);
                     self.hub
                         .metrics
                         .ack_latency

@@ -16,9 +16,10 @@
 //!
 //! Plain HTTP only (the server is on loopback; no TLS code is linked in).
 
+use parking_lot::Mutex;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -109,10 +110,6 @@ struct DriverInner {
 #[derive(Debug, Clone)]
 pub struct A2aDriver {
     inner: Arc<DriverInner>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl A2aDriver {
@@ -298,7 +295,7 @@ impl DriverInner {
 
     async fn resolve(&self, fresh: bool) -> Result<ResolvedCard, DriverError> {
         if !fresh
-            && let Some((at, c)) = lock(&self.card).as_ref()
+            && let Some((at, c)) = self.card.lock().as_ref()
             && at.elapsed() < self.options.card_ttl
         {
             return Ok(c.clone());
@@ -348,7 +345,7 @@ impl DriverInner {
                 .unwrap_or(false),
             card,
         };
-        *lock(&self.card) = Some((Instant::now(), resolved.clone()));
+        *self.card.lock() = Some((Instant::now(), resolved.clone()));
         Ok(resolved)
     }
 

@@ -12,8 +12,9 @@
 //! per task: past that the oldest is dropped, and a cursor before the first
 //! kept event is reported as a gap, never skipped silently.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use oab_wire::{DelegationKey, Outcome, PeerId};
 use serde_json::{Map, Value, json};
@@ -26,10 +27,6 @@ use super::model::{
 use super::profile;
 use crate::caller::{CallerError, DelegationHandle, Terminal};
 use crate::profile::{Artifact, DelegationResult};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// How a delegation ended, as the final status event shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -563,7 +560,7 @@ pub(crate) struct TaskCell {
 impl TaskCell {
     /// The record, locked (never across an await).
     pub(crate) fn lock(&self) -> MutexGuard<'_, TaskRecord> {
-        lock(&self.record)
+        self.record.lock()
     }
 
     /// A receiver that sees every later change.
@@ -632,7 +629,8 @@ impl TaskTable {
 
     /// The task with id `id` (minted or callee) delegated to `peer`.
     pub(crate) fn find(&self, peer: &PeerId, id: &str) -> Option<Arc<TaskCell>> {
-        lock(&self.index)
+        self.index
+            .lock()
             .by_id
             .get(id)
             .filter(|c| &c.peer == peer)
@@ -642,7 +640,7 @@ impl TaskTable {
     /// Adds a task; returns the existing one when the delegation is known
     /// (an idempotent re-send) and `false` then.
     pub(crate) fn insert(&self, new: NewTask) -> (Arc<TaskCell>, bool) {
-        let mut index = lock(&self.index);
+        let mut index = self.index.lock();
         if let Some(c) = index.by_key.get(&new.handle.key) {
             return (c.clone(), false);
         }
@@ -691,7 +689,7 @@ impl TaskTable {
 
     /// Records the callee's task id as another name of `cell`.
     pub(crate) fn alias(&self, cell: &Arc<TaskCell>, callee_id: &str) {
-        let mut index = lock(&self.index);
+        let mut index = self.index.lock();
         if index.by_key.contains_key(&cell.handle.key) {
             index
                 .by_id
@@ -702,7 +700,8 @@ impl TaskTable {
 
     /// The tasks delegated to `peer`, oldest first.
     pub(crate) fn of_peer(&self, peer: &PeerId) -> Vec<Arc<TaskCell>> {
-        lock(&self.index)
+        self.index
+            .lock()
             .order
             .iter()
             .filter(|c| &c.peer == peer)

@@ -67,7 +67,7 @@ const CANCEL_SEEN: u64 = u64::MAX;
 
 /// What each delegation's executor emitted, by request id: one entry per
 /// delegation of the run (`count` at most), dropped with the run.
-type Emitted = Arc<std::sync::Mutex<HashMap<String, Vec<u64>>>>;
+type Emitted = Arc<parking_lot::Mutex<HashMap<String, Vec<u64>>>>;
 
 /// Works for a random number of scheduler turns, then completes; emits
 /// progress on the way and records what its sink accepted.
@@ -91,12 +91,7 @@ impl TaskExecutor for Racer {
                 async move {
                     let data = Some(serde_json::json!({ "i": i }));
                     if sink.status("TASK_STATE_WORKING", None, data).await.is_ok() {
-                        emitted
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .entry(id)
-                            .or_default()
-                            .push(i);
+                        emitted.lock().entry(id).or_default().push(i);
                     }
                 }
             };
@@ -250,7 +245,7 @@ pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Re
     let mut split: BTreeMap<String, u64> = BTreeMap::new();
     let (mut agreed, mut disagreed, mut missing, mut duplicated) = (0u64, 0u64, 0u64, 0u64);
     let (mut progress_equal, mut progress_differs, mut after_cancel) = (0u64, 0u64, 0u64);
-    let emitted = std::mem::take(&mut *emitted.lock().unwrap_or_else(|p| p.into_inner()));
+    let emitted = std::mem::take(&mut *emitted.lock());
     for e in &start_errors {
         violations.push(format!("a delegation did not start: {e}"));
     }

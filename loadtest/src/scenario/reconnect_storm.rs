@@ -68,10 +68,11 @@
 //! handshake, authentication, resume and replay (and, when the callee link is
 //! down too, the callee's reconnect).
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -389,7 +390,7 @@ struct Ledger {
 
 impl Ledger {
     fn with<R>(&self, key: &DelegationKey, f: impl FnOnce(&mut CalleeRecord) -> R) -> Option<R> {
-        let mut records = self.records.lock().ok()?;
+        let mut records = self.records.lock();
         Some(f(records.entry(key.clone()).or_default()))
     }
 
@@ -485,16 +486,16 @@ struct Replay {
 
 impl Replay {
     fn accepted(&self, at: Instant) {
-        if let Ok(mut p) = self.pending.lock() {
+        {
+            let mut p = self.pending.lock();
             *p = Some(at);
         }
     }
 
     fn event(&self) {
-        let taken = self.pending.lock().ok().and_then(|mut p| p.take());
-        if let Some(at) = taken
-            && let Ok(mut h) = self.samples.lock()
-        {
+        let taken = self.pending.lock().take();
+        if let Some(at) = taken {
+            let mut h = self.samples.lock();
             let h = h.get_or_insert_with(latency_histogram);
             let _ = h.record(at.elapsed().as_nanos() as u64);
         }
@@ -503,8 +504,8 @@ impl Replay {
     fn percentiles(&self) -> Percentiles {
         self.samples
             .lock()
-            .ok()
-            .and_then(|h| h.as_ref().map(Percentiles::of))
+            .as_ref()
+            .map(Percentiles::of)
             .unwrap_or_default()
     }
 }
@@ -894,7 +895,8 @@ pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Resul
         .iter()
         .map(|(k, v)| (k.to_string(), v.len()))
         .collect();
-    if let Ok(records) = ledger.records.lock() {
+    {
+        let records = ledger.records.lock();
         let by_key: HashMap<String, &CalleeRecord> =
             records.iter().map(|(k, r)| (k.to_string(), r)).collect();
         for c in &mut checks {
@@ -1175,7 +1177,8 @@ async fn redis_outage(
     let from = Instant::now();
     relay.kill_redis().await?;
     let mut cancelled = Vec::new();
-    if let Ok(r) = running.0.lock() {
+    {
+        let r = running.0.lock();
         let mut ids: Vec<u32> = r.keys().copied().collect();
         ids.sort_unstable();
         for _ in 0..opts.cancels_per_outage {
@@ -1512,11 +1515,13 @@ async fn read_one(ctx: &Readers, d: u32) -> DelegationCheck {
     c.key = h.key.to_string();
     c.dkey = Some(h.key.clone());
     let cancel_req = CancellationToken::new();
-    if let Ok(mut r) = ctx.running.0.lock() {
+    {
+        let mut r = ctx.running.0.lock();
         r.insert(d, cancel_req.clone());
     }
     read_events(ctx, &h, &cancel_req, &mut c).await;
-    if let Ok(mut r) = ctx.running.0.lock() {
+    {
+        let mut r = ctx.running.0.lock();
         r.remove(&d);
     }
     c
@@ -1826,7 +1831,8 @@ async fn read_a2a(ctx: &Readers, a2a: &A2a, d: u32, c: &mut DelegationCheck) {
             {
                 c.key = key.to_string();
                 c.dkey = Some(key.clone());
-                if let Ok(mut running) = ctx.running.0.lock() {
+                {
+                    let mut running = ctx.running.0.lock();
                     running.insert(d, cancel_req.clone());
                 }
                 let ledger = ctx.ledger.clone();
@@ -1881,7 +1887,8 @@ async fn read_a2a(ctx: &Readers, a2a: &A2a, d: u32, c: &mut DelegationCheck) {
         }
     }
     close_pause(ctx, c, last_at);
-    if let Ok(mut running) = ctx.running.0.lock() {
+    {
+        let mut running = ctx.running.0.lock();
         running.remove(&d);
     }
     if let Some(t) = cancel_task {

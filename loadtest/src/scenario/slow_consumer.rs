@@ -20,7 +20,8 @@
 //! latency p99 for frames sent during the stall against frames sent before
 //! it. `--check` fails only on lost, duplicated, reordered or corrupt frames.
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -285,10 +286,7 @@ async fn run_streams(
                     _ = tick.tick() => {}
                 }
                 if let Some(rss) = crate::relay::rss_of(&path) {
-                    samples
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push((now_ns(), rss));
+                    samples.lock().push((now_ns(), rss));
                 }
             }
         })
@@ -378,7 +376,7 @@ async fn run_streams(
         });
     }
 
-    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|p| p.into_inner()));
+    let samples = std::mem::take(&mut *samples.lock());
     let before = samples
         .iter()
         .filter(|(t, _)| *t < phases.stall_start_ns)

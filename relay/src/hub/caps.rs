@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use oab_wire::PeerId;
 
-use super::{Hub, lock};
+use super::Hub;
 use crate::store::{DelegationMeta, EventStore};
 
 /// Open delegations per caller and per route. Keys are configured peers
@@ -25,7 +25,7 @@ pub(super) struct OpenCounts {
 impl<S: EventStore> Hub<S> {
     /// Adjusts open-delegation counts.
     pub(super) fn count_open(&self, caller: &PeerId, callee: &PeerId, delta: i32) {
-        let mut c = lock(&self.open_counts);
+        let mut c = self.open_counts.lock();
         let a = c.per_caller.entry(caller.clone()).or_insert(0);
         *a = a.saturating_add_signed(delta);
         let b = c
@@ -38,7 +38,7 @@ impl<S: EventStore> Hub<S> {
     /// Sets the open counts of a caller from the store (at each handshake:
     /// delegations may have ended on another instance meanwhile).
     pub fn seed_counts(&self, caller: &PeerId, metas: &[DelegationMeta]) {
-        let mut c = lock(&self.open_counts);
+        let mut c = self.open_counts.lock();
         c.per_caller.remove(caller);
         c.per_route.retain(|(from, _), _| from != caller);
         for m in metas
@@ -54,7 +54,7 @@ impl<S: EventStore> Hub<S> {
 
     /// Whether a caller may open one more delegation on a route.
     pub fn may_open(&self, caller: &PeerId, callee: &PeerId, route_max: u32) -> bool {
-        let c = lock(&self.open_counts);
+        let c = self.open_counts.lock();
         let per_caller = c.per_caller.get(caller).copied().unwrap_or(0);
         let per_route = c
             .per_route

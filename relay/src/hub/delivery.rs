@@ -19,7 +19,7 @@ use tracing::{Instrument as _, debug, warn};
 
 use super::views::DelegationView;
 use super::wakeups::nudge;
-use super::{Hub, SessionRef, ViewRef, lock};
+use super::{Hub, SessionRef, ViewRef};
 use crate::outbox::{Outbox, Pushed};
 use crate::store::{EventStore, ReadOutcome};
 
@@ -39,35 +39,6 @@ pub enum Subscribed {
 }
 
 impl<S: EventStore> Hub<S> {
-    /// [`Self::appended`] for an entry this instance appended itself: the
-    /// store just took `seq`, so a receiver that already has `seq` means the
-    /// store lost entries it had acknowledged ([`Self::store_lost`]).
-    /// Entries learnt from wake-ups go to [`Self::appended`] directly: their
-    /// copies (one per cluster node) legitimately arrive after the receiver
-    /// has them.
-    #[allow(clippy::too_many_arguments)] // the entry's fields
-    pub fn appended_here(
-        self: &Arc<Self>,
-        live: &ViewRef,
-        key: &DelegationKey,
-        dir: Direction,
-        seq: u64,
-        frame: Bytes,
-        terminal: Option<Outcome>,
-        woke: bool,
-    ) {
-        {
-            let mut l = lock(live);
-            if l.sub_mut(dir)
-                .as_ref()
-                .is_some_and(|s| !s.replaying && seq <= s.delivered)
-            {
-                self.store_lost(&mut l, key, dir, seq - 1);
-            }
-        }
-        self.appended(live, key, dir, seq, frame, terminal, woke);
-    }
-
     /// Applies a durable append to the view and delivers the frame.
     /// `woke`: the append was published to the receiver's wake channel; if
     /// not and the receiver is not subscribed here, it gets a nudge instead.
@@ -82,7 +53,7 @@ impl<S: EventStore> Hub<S> {
         terminal: Option<Outcome>,
         woke: bool,
     ) {
-        let mut l = lock(live);
+        let mut l = live.lock();
         let tail = l.tail_mut(dir);
         *tail = (*tail).max(seq);
         self.note_terminal(&mut l, terminal);
@@ -137,7 +108,7 @@ impl<S: EventStore> Hub<S> {
     /// `tail`: if the view had seen more, the store lost entries
     /// ([`Self::store_lost`]).
     pub fn hole(&self, live: &ViewRef, key: &DelegationKey, dir: Direction, tail: u64) {
-        let mut l = lock(live);
+        let mut l = live.lock();
         if *l.tail_mut(dir) > tail {
             self.store_lost(&mut l, key, dir, tail);
         }
@@ -195,7 +166,7 @@ impl<S: EventStore> Hub<S> {
         after: u64,
     ) -> Subscribed {
         let generation = {
-            let mut l = lock(live);
+            let mut l = live.lock();
             // The sweep marks a view evicted under this lock and keeps every
             // view with a subscription: checked here, the subscription lands
             // on a view that stays cached and so sees every later append.
@@ -308,7 +279,7 @@ impl<S: EventStore> Hub<S> {
                 // Stop as soon as another subscription took over; restart
                 // from a newer cursor of the same session.
                 {
-                    let mut l = lock(&live);
+                    let mut l = live.lock();
                     match l.sub_mut(dir).as_mut() {
                         Some(sub) if sub.generation == generation => {
                             if let Some(r) = sub.rewind.take() {
@@ -339,7 +310,7 @@ impl<S: EventStore> Hub<S> {
             if rewound {
                 continue;
             }
-            let mut l = lock(&live);
+            let mut l = live.lock();
             let t = l.tail_mut(dir);
             *t = (*t).max(tail);
             let caught_up = *t <= cursor;

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use oab_wire::{CloseCode, GapReason};
 use tracing::warn;
 
-use super::{Hub, SessionRef, lock};
+use super::{Hub, SessionRef};
 use crate::store::EventStore;
 
 impl<S: EventStore> Hub<S> {
@@ -33,10 +33,10 @@ impl<S: EventStore> Hub<S> {
                 "store epoch changed: the store lost its data"
             );
             self.epoch_changed.store(true, Ordering::Relaxed);
-            for (_, l) in lock(&self.views).drain() {
-                lock(&l).evicted = true;
+            for (_, l) in self.views.lock().drain() {
+                l.lock().evicted = true;
             }
-            let sessions: Vec<SessionRef> = lock(&self.sessions).values().cloned().collect();
+            let sessions: Vec<SessionRef> = self.sessions.lock().values().cloned().collect();
             for s in sessions {
                 s.outbox.close(
                     CloseCode::StoreUnavailable,

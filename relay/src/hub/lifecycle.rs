@@ -8,7 +8,8 @@
 //! compare-and-set at `tail + 1`, so it never takes a sequence a peer used.
 //! The fleet-wide part of the sweep runs only on the sweeper lease holder.
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -19,7 +20,7 @@ use oab_wire::{
 use tracing::{info, warn};
 
 use super::views::DelegationView;
-use super::{Hub, SessionRef, ViewRef, lock};
+use super::{Hub, SessionRef, ViewRef};
 use crate::store::{AppendOutcome, AppendRequest, DelegationMeta, EventStore, Origin, StoreError};
 
 impl<S: EventStore> Hub<S> {
@@ -36,11 +37,11 @@ impl<S: EventStore> Hub<S> {
             // first entry, or the open echoed back) can arrive before this runs
             // and load the view first: reuse that view, never replace it.
             let live = {
-                let mut map = lock(&self.views);
+                let mut map = self.views.lock();
                 match map.get(&meta.key) {
                     Some(l)
                         if {
-                            let g = lock(l);
+                            let g = l.lock();
                             g.terminal.is_none() && !g.evicted
                         } =>
                     {
@@ -48,7 +49,7 @@ impl<S: EventStore> Hub<S> {
                     }
                     stale => {
                         if let Some(old) = stale {
-                            lock(old).evicted = true;
+                            old.lock().evicted = true;
                         }
                         let fresh = Arc::new(Mutex::new(self.view_from_meta(meta)));
                         map.insert(meta.key.clone(), fresh.clone());
@@ -56,8 +57,8 @@ impl<S: EventStore> Hub<S> {
                     }
                 }
             };
-            let callee = lock(&self.sessions).get(&meta.callee).cloned();
-            let mut l = lock(&live);
+            let callee = self.sessions.lock().get(&meta.callee).cloned();
+            let mut l = live.lock();
             // Subscriptions go only on the view the hub still caches: the
             // sweep may have evicted this one (it had none yet) since it was
             // cached above, and appends would then never reach it.
@@ -78,7 +79,7 @@ impl<S: EventStore> Hub<S> {
             break live;
         };
         // Up entries that arrived before the caller's subscription existed.
-        let up_tail = lock(&live).tails[1];
+        let up_tail = live.lock().tails[1];
         if up_tail > 0 {
             self.catch_up(&live, &meta.key, Direction::Up, up_tail, None);
         }
@@ -103,7 +104,7 @@ impl<S: EventStore> Hub<S> {
             return Ok(());
         };
         let (read_up, callee) = {
-            let l = lock(&live);
+            let l = live.lock();
             let read_up = l.subs[1].as_ref().is_none_or(|s| s.session != caller.id);
             let callee = (l.subs[0].is_none() && l.terminal.is_none()).then(|| l.callee.clone());
             (read_up, callee)
@@ -111,7 +112,7 @@ impl<S: EventStore> Hub<S> {
         if read_up {
             self.subscribe(&live, key, Direction::Up, caller, 0);
         }
-        let callee = callee.and_then(|c| lock(&self.sessions).get(&c).cloned());
+        let callee = callee.and_then(|c| self.sessions.lock().get(&c).cloned());
         if let Some(callee) = callee {
             self.subscribe(&live, key, Direction::Down, &callee, 0);
         }
@@ -147,7 +148,7 @@ impl<S: EventStore> Hub<S> {
                 return false;
             };
             let (seq, wake) = {
-                let mut l = lock(&live);
+                let mut l = live.lock();
                 if outcome.is_some() && l.terminal.is_some() {
                     return false;
                 }
@@ -196,11 +197,11 @@ impl<S: EventStore> Hub<S> {
             match res.ok().and_then(|v| v.into_iter().next()) {
                 Some(AppendOutcome::Appended { seq }) => {
                     info!(%key, dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
-                    self.appended_here(&live, key, dir, seq, bytes, outcome, wake.is_some());
+                    self.appended(&live, key, dir, seq, bytes, outcome, wake.is_some());
                     return true;
                 }
                 Some(AppendOutcome::Conflict { tail }) => {
-                    let mut l = lock(&live);
+                    let mut l = live.lock();
                     if *l.tail_mut(dir) > tail {
                         // Below what this view had seen: the store lost
                         // entries; the next round appends at its real tail.
@@ -210,7 +211,7 @@ impl<S: EventStore> Hub<S> {
                     }
                 }
                 Some(AppendOutcome::AlreadyTerminal { outcome: o }) => {
-                    let mut l = lock(&live);
+                    let mut l = live.lock();
                     l.terminal.get_or_insert(o);
                     return false;
                 }
@@ -293,7 +294,9 @@ impl<S: EventStore> Hub<S> {
             }
         }
         let grace = self.config.lifecycle.unknown_grace_ms;
-        let gone: Vec<(PeerId, u64)> = lock(&self.offline_since)
+        let gone: Vec<(PeerId, u64)> = self
+            .offline_since
+            .lock()
             .iter()
             .filter(|(_, since)| now.saturating_sub(**since) >= grace)
             .map(|(p, since)| (p.clone(), *since))
@@ -315,7 +318,7 @@ impl<S: EventStore> Hub<S> {
         for (peer, since) in gone {
             if self.fleet.enabled && self.online_elsewhere(&peer).await != Some(false) {
                 // Held by a live instance (or unknown): not gone.
-                let mut off = lock(&self.offline_since);
+                let mut off = self.offline_since.lock();
                 if off.get(&peer) == Some(&since) {
                     off.remove(&peer);
                 }
@@ -324,7 +327,7 @@ impl<S: EventStore> Hub<S> {
             if let Ok(metas) = self.store.delegations_of(&peer).await {
                 self.end_lost_work(&peer, None, &metas).await;
                 // Forget the peer only if it did not come back meanwhile.
-                let mut off = lock(&self.offline_since);
+                let mut off = self.offline_since.lock();
                 if off.get(&peer) == Some(&since) {
                     off.remove(&peer);
                 }
@@ -339,7 +342,6 @@ impl<S: EventStore> Hub<S> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
-    use super::super::lock;
     use super::super::test_support::{
         CALLER, STEP, callee_completes, next_data, open_in_store, redis_hub, session,
     };
@@ -365,7 +367,7 @@ mod tests {
 
         // `created` looks up the callee's session after it cached the view:
         // holding the session table pauses it exactly there.
-        let held = lock(&hub.sessions);
+        let held = hub.sessions.lock();
         let creating = {
             let (hub, meta, rt) = (hub.clone(), meta.clone(), rt.handle().clone());
             std::thread::spawn(move || {
@@ -374,7 +376,7 @@ mod tests {
             })
         };
         let until = std::time::Instant::now() + STEP;
-        while !lock(&hub.views).contains_key(&meta.key) {
+        while !hub.views.lock().contains_key(&meta.key) {
             assert!(
                 std::time::Instant::now() < until,
                 "created never cached the view"
@@ -386,7 +388,7 @@ mod tests {
         let live = creating.join().unwrap();
 
         assert!(
-            !lock(&live).evicted(),
+            !live.lock().evicted(),
             "the caller was subscribed on a view the sweep had evicted"
         );
         let sent = rt.block_on(callee_completes(&hub, &meta.key));

@@ -29,9 +29,10 @@
 //! before the session table, the subscription index or the counts; the
 //! offline times before the session table.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use oab_wire::{DelegationKey, Direction, InstanceId, PeerId, SessionId};
@@ -71,12 +72,6 @@ pub struct SessionRef {
     pub instance: InstanceId,
     /// Its queue.
     pub outbox: Outbox,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections hold no await and no fallible step that could leave
-    // state half-updated, so a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The shared relay state.

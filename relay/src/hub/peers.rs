@@ -11,7 +11,7 @@ use bytes::Bytes;
 use oab_wire::{Frame, PeerEntry, PeerId, encode};
 use tracing::warn;
 
-use super::{Hub, lock};
+use super::Hub;
 use crate::store::EventStore;
 
 impl<S: EventStore> Hub<S> {
@@ -78,7 +78,7 @@ impl<S: EventStore> Hub<S> {
 
     /// Sends `peer` a fresh `Peers` frame if its session is here.
     pub(super) async fn push_peers(&self, peer: &PeerId) {
-        let session = lock(&self.sessions).get(peer).cloned();
+        let session = self.sessions.lock().get(peer).cloned();
         if let Some(s) = session {
             let payload = self.peers_payload(peer).await;
             if let Ok(bytes) = encode(&Frame::Peers(payload)) {

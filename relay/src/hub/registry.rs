@@ -14,20 +14,23 @@ use oab_wire::{CloseCode, PeerId};
 use tracing::{info, warn};
 
 use super::wakeups::nudge;
-use super::{Hub, SessionRef, lock};
+use super::{Hub, SessionRef};
 use crate::store::{EventStore, StoreError};
 
 impl<S: EventStore> Hub<S> {
     /// Whether a peer holds a session now.
     pub fn is_online(&self, peer: &PeerId) -> bool {
-        lock(&self.sessions).contains_key(peer)
+        self.sessions.lock().contains_key(peer)
     }
 
     /// Records a newly authenticated session; the older session of the same
     /// peer, if any, is closed with `replaced`.
     pub fn register(self: &Arc<Self>, session: SessionRef) {
-        let old = lock(&self.sessions).insert(session.peer.clone(), session.clone());
-        lock(&self.offline_since).remove(&session.peer);
+        let old = self
+            .sessions
+            .lock()
+            .insert(session.peer.clone(), session.clone());
+        self.offline_since.lock().remove(&session.peer);
         if let Some(old) = old {
             self.metrics.replaced.inc();
             info!(peer = %session.peer, old = %old.id, new = %session.id, "session replaced");
@@ -85,12 +88,14 @@ impl<S: EventStore> Hub<S> {
 
     /// Forgets a session that ended and drops its subscriptions.
     pub fn unregister(self: &Arc<Self>, session: &SessionRef) {
-        let subscribed = lock(&self.session_subscriptions)
+        let subscribed = self
+            .session_subscriptions
+            .lock()
             .remove(&session.id)
             .unwrap_or_default();
         self.metrics.sessions.dec();
         let went_offline = {
-            let mut sessions = lock(&self.sessions);
+            let mut sessions = self.sessions.lock();
             if sessions
                 .get(&session.peer)
                 .is_some_and(|s| s.id == session.id)
@@ -103,9 +108,9 @@ impl<S: EventStore> Hub<S> {
         };
         let mut nudges = Vec::new();
         for (key, dir) in subscribed {
-            let live = lock(&self.views).get(&key).cloned();
+            let live = self.views.lock().get(&key).cloned();
             if let Some(live) = live {
-                let mut l = lock(&live);
+                let mut l = live.lock();
                 let tail = *l.tail_mut(dir);
                 let slot = l.sub_mut(dir);
                 if slot.as_ref().is_some_and(|s| s.session == session.id) {
@@ -124,7 +129,9 @@ impl<S: EventStore> Hub<S> {
                 .peer_sessions
                 .with_label_values(&[session.peer.as_str()])
                 .set(0);
-            lock(&self.offline_since).insert(session.peer.clone(), oab_wire::identity::now_ms());
+            self.offline_since
+                .lock()
+                .insert(session.peer.clone(), oab_wire::identity::now_ms());
         }
         if self.fleet.enabled {
             let released = went_offline && self.fleet.release(&session.peer, session.id);

@@ -17,7 +17,7 @@ use oab_wire::{
 };
 use tokio_util::sync::CancellationToken;
 
-use super::{Hub, SessionRef, lock};
+use super::{Hub, SessionRef};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::outbox::{Inbox, outbox};
@@ -128,7 +128,7 @@ pub(super) async fn callee_completes(hub: &Arc<Hub<RedisStore>>, key: &Delegatio
     }))
     .unwrap();
     let live = hub.view(key).await.unwrap().unwrap();
-    let wake = hub.wake_for(&lock(&live), Direction::Up);
+    let wake = hub.wake_for(&live.lock(), Direction::Up);
     let woke = wake.is_some();
     let appended = hub
         .store

@@ -8,13 +8,14 @@
 //! a view's lock or the view map's. A subscription is only ever added to a
 //! view that is not marked evicted, checked under the view's lock.
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId, SessionId};
 
-use super::{Hub, SessionRef, lock};
+use super::{Hub, SessionRef};
 use crate::outbox::Outbox;
 use crate::store::{DelegationMeta, EventStore};
 
@@ -101,7 +102,7 @@ impl<S: EventStore> Hub<S> {
         &self,
         key: &DelegationKey,
     ) -> Result<Option<ViewRef>, crate::store::StoreError> {
-        if let Some(l) = lock(&self.views).get(key) {
+        if let Some(l) = self.views.lock().get(key) {
             return Ok(Some(l.clone()));
         }
         let started = Instant::now();
@@ -112,7 +113,8 @@ impl<S: EventStore> Hub<S> {
         };
         let fresh = Arc::new(Mutex::new(self.view_from_meta(&meta)));
         Ok(Some(
-            lock(&self.views)
+            self.views
+                .lock()
                 .entry(key.clone())
                 .or_insert(fresh)
                 .clone(),
@@ -144,7 +146,8 @@ impl<S: EventStore> Hub<S> {
         delivered: u64,
         replaying: bool,
     ) -> Subscription {
-        lock(&self.session_subscriptions)
+        self.session_subscriptions
+            .lock()
             .entry(session.id)
             .or_default()
             .insert((key.clone(), dir));
@@ -159,9 +162,9 @@ impl<S: EventStore> Hub<S> {
     }
 
     pub(super) fn drop_subscription(&self, key: &DelegationKey, dir: Direction, generation: u64) {
-        let live = lock(&self.views).get(key).cloned();
+        let live = self.views.lock().get(key).cloned();
         if let Some(live) = live {
-            let mut l = lock(&live);
+            let mut l = live.lock();
             let slot = l.sub_mut(dir);
             if slot.as_ref().is_some_and(|s| s.generation == generation) {
                 *slot = None;
@@ -176,8 +179,8 @@ impl<S: EventStore> Hub<S> {
     /// up again, and nothing subscribes to a marked view.
     pub(super) fn evict_unread(&self) {
         let shared = self.fleet.enabled;
-        lock(&self.views).retain(|_, l| {
-            let mut l = lock(l);
+        self.views.lock().retain(|_, l| {
+            let mut l = l.lock();
             let keep = l.subs.iter().any(Option::is_some) || (l.terminal.is_none() && !shared);
             if !keep {
                 l.evicted = true;

@@ -17,7 +17,7 @@ use oab_wire::{CloseCode, DelegationKey, Direction, Frame, Outcome, PeerId};
 use tracing::{debug, info, warn};
 
 use super::views::DelegationView;
-use super::{Hub, ViewRef, lock};
+use super::{Hub, ViewRef};
 use crate::fleet::DepartureKind;
 use crate::store::{EventStore, Liveness};
 
@@ -75,7 +75,7 @@ impl<S: EventStore> Hub<S> {
                     return;
                 };
                 self.metrics.wakes.with_label_values(&["nudge"]).inc();
-                let live = lock(&self.views).get(&key).cloned();
+                let live = self.views.lock().get(&key).cloned();
                 if let Some(live) = live {
                     self.catch_up(&live, &key, dir, tail, None);
                 }
@@ -91,7 +91,7 @@ impl<S: EventStore> Hub<S> {
                 };
                 self.metrics.wakes.with_label_values(&["claim"]).inc();
                 if let Some(old) = self.fleet.announced(&peer, generation) {
-                    let session = lock(&self.sessions).get(&peer).cloned();
+                    let session = self.sessions.lock().get(&peer).cloned();
                     if let Some(s) = session.filter(|s| s.id == old) {
                         self.metrics.replaced.inc();
                         info!(%peer, session = %s.id, "session replaced by a newer one on another instance");
@@ -121,10 +121,10 @@ impl<S: EventStore> Hub<S> {
         frame: Bytes,
         terminal: Option<Outcome>,
     ) {
-        let cached = lock(&self.views).get(&key).cloned();
+        let cached = self.views.lock().get(&key).cloned();
         let open_for_callee_here = dir == Direction::Down && seq == 1 && self.is_online(peer);
         match cached {
-            Some(live) if !open_for_callee_here || lock(&live).subs[0].is_some() => {
+            Some(live) if !open_for_callee_here || live.lock().subs[0].is_some() => {
                 self.appended(&live, &key, dir, seq, frame, terminal, true);
             }
             // Nobody reads it here.
@@ -176,12 +176,12 @@ impl<S: EventStore> Hub<S> {
         open: Option<Bytes>,
         tail: u64,
     ) -> bool {
-        let mut l = lock(live);
+        let mut l = live.lock();
         if l.evicted {
             return false;
         }
         if l.subs[0].is_none() {
-            let session = lock(&self.sessions).get(&l.callee).cloned();
+            let session = self.sessions.lock().get(&l.callee).cloned();
             let Some(session) = session else {
                 return true;
             };
@@ -209,7 +209,7 @@ impl<S: EventStore> Hub<S> {
         tail: u64,
         terminal: Option<Outcome>,
     ) {
-        let mut l = lock(live);
+        let mut l = live.lock();
         let t = l.tail_mut(dir);
         *t = (*t).max(tail);
         self.note_terminal(&mut l, terminal);
@@ -232,12 +232,14 @@ impl<S: EventStore> Hub<S> {
             .resyncs
             .with_label_values(&[cause.label()])
             .inc();
-        let lives: Vec<(DelegationKey, ViewRef)> = lock(&self.views)
+        let lives: Vec<(DelegationKey, ViewRef)> = self
+            .views
+            .lock()
             .iter()
             .map(|(k, l)| (k.clone(), l.clone()))
             .collect();
         for (key, live) in lives {
-            if !lock(&live).subs.iter().any(Option::is_some) {
+            if !live.lock().subs.iter().any(Option::is_some) {
                 continue;
             }
             if let Ok(Some(meta)) = self.store.meta(&key).await {
@@ -246,7 +248,7 @@ impl<S: EventStore> Hub<S> {
                 }
             }
         }
-        let sessions: Vec<PeerId> = lock(&self.sessions).keys().cloned().collect();
+        let sessions: Vec<PeerId> = self.sessions.lock().keys().cloned().collect();
         for peer in sessions {
             let Ok(metas) = self.store.delegations_of(&peer).await else {
                 continue;
@@ -337,7 +339,7 @@ impl<S: EventStore> Hub<S> {
             return;
         };
         let now = oab_wire::identity::now_ms();
-        let mut off = lock(&self.offline_since);
+        let mut off = self.offline_since.lock();
         for (peer, p) in peers.into_iter().zip(presence) {
             let online = self.is_online(&peer)
                 || p.as_ref()

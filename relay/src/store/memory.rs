@@ -1,8 +1,8 @@
 //! The in-memory store: one process, lost on restart, otherwise the same
 //! semantics as the Redis store (the shared conformance tests run both).
 
+use parking_lot::Mutex;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::sync::Mutex;
 
 use bytes::Bytes;
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
@@ -82,10 +82,10 @@ impl MemoryStore {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave a half-applied append
         // (every mutation is a few infallible steps), so poisoning is ignored.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 }
 

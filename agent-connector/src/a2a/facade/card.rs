@@ -5,8 +5,6 @@
 //! card lookup falls back to. It never starts, reads or changes a task and
 //! never holds the peer-list lock across an await.
 
-use std::sync::Mutex;
-
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -15,11 +13,6 @@ use serde_json::{Map, Value, json};
 
 use super::{Facade, Inner, RouterState, peer_of};
 use crate::a2a::{PROTOCOL_BINDING, PROTOCOL_VERSION, profile};
-
-/// Locks `m`, going on past a poisoned lock.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The base URL clients reach the facade at: the configured one, else
 /// `http://` and the request's `Host` (when it is a plain host name).
@@ -55,10 +48,12 @@ async fn lookup_peer(inner: &Inner, peer: &PeerId) -> PeerLookup {
     match fresh {
         Ok(Ok(list)) => {
             let found = list.iter().find(|e| &e.peer == peer).cloned();
-            *lock(&inner.peers) = Some(list);
+            *inner.peers.lock() = Some(list);
             found.map_or(PeerLookup::Absent, PeerLookup::Found)
         }
-        _ => lock(&inner.peers)
+        _ => inner
+            .peers
+            .lock()
             .as_ref()
             .and_then(|l| l.iter().find(|e| &e.peer == peer).cloned())
             .map_or(PeerLookup::Unknown, PeerLookup::Found),
@@ -212,7 +207,7 @@ pub(super) async fn list_peers(State(ctx): State<RouterState>, headers: HeaderMa
         )
             .into_response();
     };
-    *lock(&ctx.inner.peers) = Some(list.clone());
+    *ctx.inner.peers.lock() = Some(list.clone());
     let peers: Vec<Value> = list
         .iter()
         .map(|e| {

@@ -33,7 +33,8 @@
 //! | `stream` | the SSE producer of one stream, fed from the task table |
 //! | `tracker` | the task that folds one delegation's events into the task table |
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
