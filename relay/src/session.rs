@@ -310,12 +310,12 @@ where
         acks: Vec::new(),
         batch_at: (Instant::now(), oab_wire::identity::now_ms()),
         batch_limited: false,
-        last_live: None,
+        cached_view: None,
     })
 }
 
 struct Pending {
-    live: ViewRef,
+    view: ViewRef,
     req: AppendRequest,
     received: Instant,
 }
@@ -332,7 +332,7 @@ struct Session<S> {
     /// The current batch is over the peer's frame rate.
     batch_limited: bool,
     /// The last delegation looked up (consecutive frames mostly share one).
-    last_live: Option<(DelegationKey, ViewRef)>,
+    cached_view: Option<(DelegationKey, ViewRef)>,
 }
 
 enum End {
@@ -379,7 +379,7 @@ impl<S: EventStore> Session<S> {
                 msg = ws.next() => {
                     last_rx = tokio::time::Instant::now();
                     let mut batch = Vec::with_capacity(8);
-                    match self.take(msg, &limits, &mut batch) {
+                    match self.decode_into_batch(msg, &limits, &mut batch) {
                         Ok(true) => {}
                         Ok(false) => break End::Transport,
                         Err(end) => break end,
@@ -388,7 +388,7 @@ impl<S: EventStore> Session<S> {
                     let mut stop = None;
                     while batch.len() < MAX_BATCH {
                         let Some(msg) = ws.next().now_or_never() else { break };
-                        match self.take(msg, &limits, &mut batch) {
+                        match self.decode_into_batch(msg, &limits, &mut batch) {
                             Ok(true) => {}
                             Ok(false) => { stop = Some(End::Transport); break; }
                             Err(end) => { stop = Some(end); break; }
@@ -398,7 +398,7 @@ impl<S: EventStore> Session<S> {
                     self.batch_at = (Instant::now(), oab_wire::identity::now_ms());
                     // The lookup cache lives for one batch only, so it never
                     // outlives the hub's eviction of a finished delegation.
-                    self.last_live = None;
+                    self.cached_view = None;
                     let log_frames = batch
                         .iter()
                         .filter(|(_, f)| matches!(f, Frame::Data(_) | Frame::Cancel(_) | Frame::Open(_)))
@@ -446,7 +446,7 @@ impl<S: EventStore> Session<S> {
     }
 
     /// Decodes one read result into the batch. `Ok(false)`: the peer went away.
-    fn take(
+    fn decode_into_batch(
         &self,
         msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
         limits: &Limits,
@@ -582,11 +582,11 @@ impl<S: EventStore> Session<S> {
             return;
         }
         let cached = self
-            .last_live
+            .cached_view
             .as_ref()
             .filter(|(k, _)| *k == key)
             .map(|(_, l)| l.clone());
-        let mut live = match cached {
+        let mut view = match cached {
             Some(l) => l,
             None => match self.lookup(&key, dir, seq).await {
                 Some(l) => l,
@@ -595,7 +595,7 @@ impl<S: EventStore> Session<S> {
         };
         let (wake, refusal) = loop {
             let checked = {
-                let l = live.lock();
+                let l = view.lock();
                 (!l.evicted()).then(|| self.check(&l, dir, terminal, flags, len))
             };
             if let Some(checked) = checked {
@@ -604,7 +604,7 @@ impl<S: EventStore> Session<S> {
             // The hub dropped this view from its cache: look it up again
             // (rare; the check rides on the lock taken anyway).
             match self.lookup(&key, dir, seq).await {
-                Some(fresh) => live = fresh,
+                Some(fresh) => view = fresh,
                 None => return,
             }
         };
@@ -613,7 +613,7 @@ impl<S: EventStore> Session<S> {
             return;
         }
         self.pending.push(Pending {
-            live,
+            view,
             req: AppendRequest {
                 key,
                 dir,
@@ -659,13 +659,13 @@ impl<S: EventStore> Session<S> {
         (wake, refusal)
     }
 
-    /// The live view of `key` for a frame at `seq` (remembered for the next
+    /// The view of `key` for a frame at `seq` (remembered for the next
     /// frames of the batch); a missing delegation or an unavailable store is
     /// answered with an error frame and `None`.
     async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<ViewRef> {
         match self.hub.view(key).await {
             Ok(Some(l)) => {
-                self.last_live = Some((key.clone(), l.clone()));
+                self.cached_view = Some((key.clone(), l.clone()));
                 Some(l)
             }
             Ok(None) => {
@@ -732,7 +732,7 @@ impl<S: EventStore> Session<S> {
         };
         for (p, outcome) in pending.into_iter().zip(outcomes) {
             let Pending {
-                live,
+                view,
                 req,
                 received,
             } = p;
@@ -740,7 +740,7 @@ impl<S: EventStore> Session<S> {
                 AppendOutcome::Appended { seq } => {
                     let woke = req.wake.is_some();
                     self.hub
-                        .appended(&live, &req.key, req.dir, seq, req.frame, req.terminal, woke);
+                        .appended(&view, &req.key, req.dir, seq, req.frame, req.terminal, woke);
                     self.hub
                         .metrics
                         .ack_latency
@@ -751,11 +751,11 @@ impl<S: EventStore> Session<S> {
                     // Stored before (a resend, or a batch the Redis Cluster
                     // client re-sent after a lost connection): make sure a
                     // receiver here did not miss it.
-                    self.hub.catch_up(&live, &req.key, req.dir, tail, None);
+                    self.hub.catch_up(&view, &req.key, req.dir, tail, None);
                     self.record_ack(req.key, req.dir, tail);
                 }
                 AppendOutcome::Hole { tail } => {
-                    self.hub.hole(&live, &req.key, req.dir, tail);
+                    self.hub.hole(&view, &req.key, req.dir, tail);
                     self.error(
                         ErrorCode::SequenceGap,
                         Some(&req.key),
@@ -983,7 +983,7 @@ impl<S: EventStore> Session<S> {
     async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
         let hub = self.hub.clone();
         loop {
-            let live = match hub.view(&key).await {
+            let view = match hub.view(&key).await {
                 Ok(Some(l)) => l,
                 Ok(None) => {
                     hub.gap(
@@ -1009,7 +1009,7 @@ impl<S: EventStore> Session<S> {
                     return;
                 }
             };
-            match hub.subscribe(&live, &key, dir, &self.me, after) {
+            match hub.subscribe(&view, &key, dir, &self.me, after) {
                 Subscribed::Yes => return,
                 // The sweep dropped the view since the lookup: look it up again.
                 Subscribed::Evicted => {}

@@ -24,7 +24,7 @@
 //! | `peers` | `Peers` payloads and presence announcements |
 //! | `epoch` | the store epoch: a store that lost its data |
 //!
-//! **Locks.** Every lock here is a `std` mutex held for a few statements,
+//! **Locks.** Every lock here is a `parking_lot` mutex held for a few statements,
 //! never across an await. The order is: the view map before a view; a view
 //! before the session table, the subscription index or the counts; the
 //! offline times before the session table.
