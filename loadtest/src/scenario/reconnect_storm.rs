@@ -102,8 +102,8 @@ use crate::setup::{CALLEE, Setup};
 /// The relay heartbeat of a run that stalls links or kills Redis, unless
 /// set: a half-open link is found dead after three heartbeats (300 ms)
 /// instead of 45 s, and during a Redis outage the pings are traffic on the
-/// link more often than the connector's 200 ms resend of refused frames (a
-/// resend timer that traffic pushes back never fires).
+/// link more often than the connector's 250 ms resend of refused frames (a
+/// resend timer that traffic pushed back would never fire).
 pub const STALL_HEARTBEAT_MS: u32 = 100;
 
 /// Heartbeats without a frame after which a connector treats its link as
@@ -1075,7 +1075,7 @@ fn report(
     if !outages.is_empty() {
         let mut t = Table::new(
             format!(
-                "Redis outages (kill -9, restart on its AOF, appendfsync everysec); \
+                "Redis outages (kill -9, restart on its AOF); \
                  expected bound: pause <= outage + {:.0} ms",
                 bound.as_secs_f64() * 1e3
             ),
@@ -1112,7 +1112,7 @@ fn report(
     if !outages.is_empty() {
         notes.push(format!(
             "pause bound: the relay's Redis client retries with backoff up to 1 s, the \
-             connector resends refused frames after 200 ms and reconnects within its 500 ms \
+             connector resends refused frames after 250 ms and reconnects within its 500 ms \
              backoff cap; plus two event intervals: {:.0} ms over the outage. Reported, never \
              checked (timings do not fail a run).",
             bound.as_secs_f64() * 1e3
@@ -1161,9 +1161,9 @@ fn report(
 
 /// How much longer than a Redis outage a delegation's stream may pause: the
 /// relay's Redis reconnect backoff cap (1 s), the connector's retry of a
-/// refused frame (200 ms), its reconnect backoff cap and two event intervals.
+/// refused frame (250 ms), its reconnect backoff cap and two event intervals.
 pub fn pause_bound(opts: &ReconnectStormOptions) -> Duration {
-    Duration::from_millis(1_200) + crate::connectors::BACKOFF_MAX + opts.event_interval * 2
+    Duration::from_millis(1_250) + crate::connectors::BACKOFF_MAX + opts.event_interval * 2
 }
 
 /// Kills `redis-server`, cancels running delegations while it is down,
