@@ -14,7 +14,7 @@ use super::{Command, EventError, Link, LinkError, SendKind, Snapshot};
 const MAX_PEER_WAITERS: usize = 1_024;
 
 impl Link {
-    pub(super) fn command(&mut self, cmd: Command) {
+    pub(super) fn apply_command(&mut self, cmd: Command) {
         match cmd {
             Command::Open {
                 open,
@@ -38,11 +38,11 @@ impl Link {
                 let mut d = Delegation::new(true, target);
                 d.cursor = cursor;
                 d.resume_after_open = existing;
-                d.out.next = 2;
-                d.out.unacked.push_back((1, bytes));
+                d.send_log.next = 2;
+                d.send_log.unacked.push_back((1, bytes));
                 d.open_reply = Some(reply);
                 self.buffered += 1;
-                self.ready.insert(key.clone());
+                self.ready_to_send.insert(key.clone());
                 self.delegations.insert(key, d);
             }
             Command::Send {
@@ -63,19 +63,19 @@ impl Link {
                     }
                     return;
                 }
-                if let Some(held) = d.out.lost {
+                if let Some(held) = d.send_log.lost {
                     if let Some(a) = acked {
                         let _ = a.send(Err(LinkError::StoreLost {
-                            acked: d.out.acked,
+                            acked: d.send_log.acked,
                             held,
                         }));
                     }
                     return;
                 }
-                if d.out.next == 0 {
-                    d.out.next = 1;
+                if d.send_log.next == 0 {
+                    d.send_log.next = 1;
                 }
-                let seq = d.out.next;
+                let seq = d.send_log.next;
                 let frame = match kind {
                     SendKind::Cancel => Frame::Cancel(Cancel {
                         key: key.clone(),
@@ -97,15 +97,15 @@ impl Link {
                 };
                 match encode(&frame) {
                     Ok(bytes) => {
-                        d.out.next += 1;
-                        d.out.unacked.push_back((seq, bytes));
+                        d.send_log.next += 1;
+                        d.send_log.unacked.push_back((seq, bytes));
                         self.buffered += 1;
-                        self.ready.insert(key.clone());
+                        self.ready_to_send.insert(key.clone());
                         if let SendKind::Terminal(o) = kind {
                             d.terminal = Some(o);
                         }
                         if let Some(a) = acked {
-                            d.out.waiters.push((seq, a));
+                            d.send_log.ack_waiters.push((seq, a));
                         }
                     }
                     Err(e) => {
@@ -146,8 +146,8 @@ impl Link {
                     key: key.clone(),
                     counterpart: d.counterpart.clone(),
                     is_caller: d.is_caller,
-                    sent: d.out.next.saturating_sub(1),
-                    acked: d.out.acked,
+                    sent: d.send_log.next.saturating_sub(1),
+                    acked: d.send_log.acked,
                     received: d.cursor,
                     terminal: d.terminal,
                 });
@@ -163,7 +163,7 @@ impl Link {
                     && self.online
                     && let Ok(b) = encode(&Frame::PeersQuery)
                 {
-                    self.control.push(b);
+                    self.control_frames.push(b);
                 }
                 self.peer_waiters.push(reply);
             }
@@ -172,7 +172,7 @@ impl Link {
                 if self.online
                     && let Ok(b) = encode(&Frame::Publish(descriptor.clone()))
                 {
-                    self.control.push(b);
+                    self.control_frames.push(b);
                 }
                 self.descriptor = Some(descriptor);
             }

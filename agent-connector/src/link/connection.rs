@@ -3,9 +3,10 @@
 //! commands, pings on the relay's heartbeat and declares a silent link
 //! dead; reconnecting with exponential backoff and full jitter.
 //!
-//! The only code that touches the socket. Never awaits a write inside the
-//! session loop's `select!`: frames are collected in `out` and written after
-//! the arm ran. Never interprets a frame itself: frames go to `dispatch`.
+//! The only code that touches the socket. The session loop's `select!` arms
+//! only collect frames in `out`; they are written after the arm ran (the
+//! best-effort close on shutdown is the one write inside an arm). After the
+//! handshake, never interprets a frame itself: frames go to `dispatch`.
 
 use std::time::Duration;
 
@@ -94,8 +95,8 @@ impl Link {
     fn stop(&mut self, reason: &str) {
         let _ = self.state.send(LinkState::Stopped(reason.to_string()));
         for d in self.delegations.values_mut() {
-            d.notify(&Err(EventError::Stopped(reason.to_string())));
-            for (_, w) in d.out.waiters.drain(..) {
+            d.notify_subscribers(&Err(EventError::Stopped(reason.to_string())));
+            for (_, w) in d.send_log.ack_waiters.drain(..) {
                 let _ = w.send(Err(LinkError::Stopped(reason.to_string())));
             }
         }
@@ -112,7 +113,7 @@ impl Link {
                 () = shutdown.cancelled() => return false,
                 () = tokio::time::sleep_until(until) => return true,
                 cmd = self.commands.recv(), if room => match cmd {
-                    Some(cmd) => self.command(cmd),
+                    Some(cmd) => self.apply_command(cmd),
                     None => return false,
                 },
             }
@@ -239,9 +240,9 @@ impl Link {
         let mut out: Vec<Bytes> = Vec::new();
         self.after_welcome(&list, &mut out);
         for (key, d) in self.delegations.iter_mut() {
-            d.out.sent = d.out.acked;
-            if !d.out.unacked.is_empty() {
-                self.ready.insert(key.clone());
+            d.send_log.sent = d.send_log.acked;
+            if !d.send_log.unacked.is_empty() {
+                self.ready_to_send.insert(key.clone());
             }
         }
         self.pump(&mut out);
@@ -263,11 +264,11 @@ impl Link {
                 }
                 cmd = self.commands.recv(), if room => {
                     let Some(cmd) = cmd else { return Exit::Shutdown };
-                    self.command(cmd);
+                    self.apply_command(cmd);
                     // Take whatever else is queued without waiting.
                     while self.buffered < self.settings.max_buffered_frames {
                         let Ok(cmd) = self.commands.try_recv() else { break };
-                        self.command(cmd);
+                        self.apply_command(cmd);
                     }
                     self.pump(&mut out);
                 }
@@ -285,7 +286,7 @@ impl Link {
                             };
                         }
                         Some(Ok(Message::Binary(b))) => match decode_message(b, &self.limits_in()) {
-                            Ok(frame) => self.frame(frame, &mut out).await,
+                            Ok(frame) => self.dispatch(frame, &mut out).await,
                             Err(e) => return Exit::Reconnect(format!("undecodable frame from relay: {e}")),
                         },
                         Some(Ok(_)) => {}

@@ -12,16 +12,16 @@ use std::collections::VecDeque;
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::window::Outgoing;
+use super::window::SendLog;
 use super::{EventError, Link, LinkError, UpEvent};
 
 /// One delegation this connector takes part in, as caller or callee.
 /// Removed when its open is refused, or when it ages out of the finished
-/// list ([`Link::finished`]).
+/// list (`Link::record_finished`).
 pub(super) struct Delegation {
     pub(super) is_caller: bool,
     pub(super) counterpart: PeerId,
-    pub(super) out: Outgoing,
+    pub(super) send_log: SendLog,
     /// Last sequence received on our receiving log.
     pub(super) cursor: u64,
     /// A resume is in flight on this session (do not send another for a
@@ -44,7 +44,7 @@ impl Delegation {
         Delegation {
             is_caller,
             counterpart,
-            out: Outgoing::default(),
+            send_log: SendLog::default(),
             cursor: 0,
             resuming: false,
             resume_retry: false,
@@ -68,7 +68,7 @@ impl Delegation {
         self.send_dir().reverse()
     }
 
-    pub(super) fn notify(&mut self, item: &Result<UpEvent, EventError>) {
+    pub(super) fn notify_subscribers(&mut self, item: &Result<UpEvent, EventError>) {
         self.subscribers.retain_mut(|(tx, last)| match item {
             Ok(ev) if ev.seq <= *last => true,
             _ => match tx.try_send(item.clone()) {
@@ -94,7 +94,7 @@ impl Link {
     /// Remembers a finished delegation; the oldest beyond
     /// `max_finished` are forgotten (their events can no longer be replayed
     /// locally).
-    pub(super) fn finished(&mut self, key: &DelegationKey) {
+    pub(super) fn record_finished(&mut self, key: &DelegationKey) {
         self.finished.push_back(key.clone());
         while self.finished.len() > self.settings.max_finished {
             let Some(old) = self.finished.pop_front() else {
@@ -103,7 +103,7 @@ impl Link {
             if self
                 .delegations
                 .get(&old)
-                .is_some_and(|d| d.terminal.is_some() && d.out.unacked.is_empty())
+                .is_some_and(|d| d.terminal.is_some() && d.send_log.unacked.is_empty())
             {
                 self.delegations.remove(&old);
             }

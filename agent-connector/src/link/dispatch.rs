@@ -3,7 +3,9 @@
 //! local subscribers or the callee side.
 //!
 //! Never writes to the socket (replies go into `out`) and never parses
-//! event payloads: only the peer list is decoded here.
+//! event payloads: only the peer list is decoded here. What goes to the
+//! callee side waits for room in its bounded `incoming` channel
+//! (back-pressure: the link reads nothing more from the relay meanwhile).
 
 use std::time::Duration;
 
@@ -12,12 +14,12 @@ use oab_wire::{Data, Direction, ErrorCode, Frame, Outcome, encode};
 use tracing::{debug, info, warn};
 
 use super::delegation::Delegation;
-use super::resume::{in_order, resume_frame};
+use super::resume::{in_order, queue_resume};
 use super::{EventError, Incoming, Link, LinkError, UpEvent};
 
 impl Link {
     /// Handles one frame from the relay.
-    pub(super) async fn frame(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
+    pub(super) async fn dispatch(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
         match frame {
             Frame::Ack(a) => {
                 self.ack(&a.key, a.direction, a.seq);
@@ -26,14 +28,14 @@ impl Link {
                 if let Some(d) = self.delegations.get_mut(&a.key)
                     && d.is_caller
                     && d.resume_after_open
-                    && d.out.acked >= 1
+                    && d.send_log.acked >= 1
                 {
                     d.resume_after_open = false;
                     d.resuming = true;
-                    resume_frame(&a.key, Direction::Up, d.cursor, out);
+                    queue_resume(&a.key, Direction::Up, d.cursor, out);
                 }
             }
-            Frame::Data(d) => self.data(d, out).await,
+            Frame::Data(d) => self.deliver(d, out).await,
             Frame::Open(o) => {
                 let key = o.key.clone();
                 let entry = self
@@ -71,7 +73,7 @@ impl Link {
                 d.resuming = false;
                 warn!(key = %g.key, reason = g.reason.name(), after = g.after, "relay reports a gap");
                 if d.is_caller {
-                    d.notify(&Err(EventError::Gap {
+                    d.notify_subscribers(&Err(EventError::Gap {
                         after: g.after,
                         reason: g.reason,
                     }));
@@ -88,7 +90,7 @@ impl Link {
                         .await;
                 }
             }
-            Frame::Error(e) => self.error(e),
+            Frame::Error(e) => self.refused(e),
             Frame::Peers(payload) => {
                 self.peers = serde_json::from_slice(&payload).unwrap_or_default();
                 for w in self.peer_waiters.drain(..) {
@@ -117,7 +119,7 @@ impl Link {
         }
     }
 
-    async fn data(&mut self, f: Data, out: &mut Vec<Bytes>) {
+    async fn deliver(&mut self, f: Data, out: &mut Vec<Bytes>) {
         let Some(d) = self.delegations.get_mut(&f.key) else {
             return;
         };
@@ -134,17 +136,17 @@ impl Link {
             if let Some(t) = ev.terminal {
                 d.terminal.get_or_insert(t);
                 // Nothing more will be accepted on our down log.
-                self.buffered = self.buffered.saturating_sub(d.out.unacked.len());
-                d.out.unacked.clear();
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
             }
             d.events.push_back(ev.clone());
             while d.events.len() > self.settings.max_events_per_delegation {
                 d.events.pop_front();
             }
             let done = ev.terminal.is_some();
-            d.notify(&Ok(ev));
+            d.notify_subscribers(&Ok(ev));
             if done {
-                self.finished(&f.key);
+                self.record_finished(&f.key);
             }
         } else {
             let _ = self
@@ -158,7 +160,7 @@ impl Link {
         }
     }
 
-    fn error(&mut self, e: oab_wire::ErrorFrame) {
+    fn refused(&mut self, e: oab_wire::ErrorFrame) {
         let code = ErrorCode::from_u16(e.code);
         let name = code.map_or_else(|| format!("error_{}", e.code), |c| c.name().to_string());
         let Some(key) = e.key.clone() else {
@@ -170,19 +172,19 @@ impl Link {
         };
         debug!(%key, code = %name, seq = e.seq, message = %e.message, "relay refused a frame");
         match code {
-            Some(ErrorCode::SequenceGap) if e.seq < d.out.acked => {
+            Some(ErrorCode::SequenceGap) if e.seq < d.send_log.acked => {
                 // The relay acknowledged more than its store now holds:
                 // resending cannot repair that, and would be refused
                 // forever. The receiver is told with a gap by the relay.
-                warn!(%key, held = e.seq, acked = d.out.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
+                warn!(%key, held = e.seq, acked = d.send_log.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
                 let lost = LinkError::StoreLost {
-                    acked: d.out.acked,
+                    acked: d.send_log.acked,
                     held: e.seq,
                 };
-                d.out.lost = Some(e.seq);
-                self.buffered = self.buffered.saturating_sub(d.out.unacked.len());
-                d.out.unacked.clear();
-                for (_, w) in d.out.waiters.drain(..) {
+                d.send_log.lost = Some(e.seq);
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
                     let _ = w.send(Err(lost.clone()));
                 }
                 if let Some(r) = d.open_reply.take() {
@@ -192,13 +194,13 @@ impl Link {
             Some(ErrorCode::SequenceGap) => {
                 // The relay holds up to e.seq: everything after is resent.
                 let tail = e.seq;
-                while d.out.unacked.front().is_some_and(|(s, _)| *s <= tail) {
-                    d.out.unacked.pop_front();
+                while d.send_log.unacked.front().is_some_and(|(s, _)| *s <= tail) {
+                    d.send_log.unacked.pop_front();
                     self.buffered = self.buffered.saturating_sub(1);
                 }
-                d.out.acked = d.out.acked.max(tail);
-                d.out.sent = d.out.acked;
-                self.ready.insert(key.clone());
+                d.send_log.acked = d.send_log.acked.max(tail);
+                d.send_log.sent = d.send_log.acked;
+                self.ready_to_send.insert(key.clone());
             }
             Some(
                 ErrorCode::StoreUnavailable
@@ -211,8 +213,8 @@ impl Link {
                     d.resume_retry = true;
                 } else {
                     // Resend from the acked point after the pause.
-                    d.out.sent = d.out.acked;
-                    self.retry.insert(key.clone());
+                    d.send_log.sent = d.send_log.acked;
+                    self.retry_logs.insert(key.clone());
                 }
                 self.retry_later();
             }
@@ -222,9 +224,9 @@ impl Link {
                     .copied()
                     .find(|o| e.message.ends_with(o.name()));
                 d.terminal.get_or_insert(won.unwrap_or(Outcome::Unknown));
-                self.buffered = self.buffered.saturating_sub(d.out.unacked.len());
-                d.out.unacked.clear();
-                for (_, w) in d.out.waiters.drain(..) {
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
                     let _ = w.send(Err(LinkError::AlreadyTerminal(
                         won.unwrap_or(Outcome::Unknown),
                     )));
@@ -238,16 +240,16 @@ impl Link {
                 if let Some(r) = d.open_reply.take() {
                     let _ = r.send(Err(refused.clone()));
                 }
-                for (_, w) in d.out.waiters.drain(..) {
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
                     let _ = w.send(Err(refused.clone()));
                 }
-                d.notify(&Err(EventError::Refused {
+                d.notify_subscribers(&Err(EventError::Refused {
                     code: name,
                     message: e.message,
                 }));
                 if e.direction == d.send_dir() && e.seq <= 1 && d.is_caller {
                     // The open itself was refused: nothing of this delegation exists.
-                    self.buffered = self.buffered.saturating_sub(d.out.unacked.len());
+                    self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
                     self.delegations.remove(&key);
                 }
             }

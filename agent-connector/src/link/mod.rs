@@ -402,13 +402,13 @@ pub fn spawn(
         max_in_flight: 1024,
         limits: Limits::default(),
         drain_hint: None,
-        control: Vec::new(),
+        control_frames: Vec::new(),
         descriptor: None,
         retry_at: None,
-        retry: std::collections::HashSet::new(),
+        retry_logs: std::collections::HashSet::new(),
         heartbeat: Duration::from_secs(15),
         online: false,
-        ready: std::collections::HashSet::new(),
+        ready_to_send: std::collections::HashSet::new(),
         finished: VecDeque::new(),
     };
     let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
@@ -433,21 +433,21 @@ struct Link {
     limits: Limits,
     drain_hint: Option<Duration>,
     /// Unsequenced frames to send once connected (peer queries, publish).
-    control: Vec<Bytes>,
+    control_frames: Vec<Bytes>,
     descriptor: Option<Bytes>,
     /// When to resend what the relay refused with a retryable code (see
     /// [`RETRY_AFTER`]); `None` while nothing waits.
     retry_at: Option<tokio::time::Instant>,
     /// Logs refused with a retryable code, resent from their last ack when
     /// `retry_at` fires. Emptied then, and on every new session.
-    retry: std::collections::HashSet<DelegationKey>,
+    retry_logs: std::collections::HashSet<DelegationKey>,
     /// Ping interval asked by the relay.
     heartbeat: Duration,
     /// Whether a session is up (control frames are queued only then; the
     /// welcome path re-sends what matters).
     online: bool,
     /// Delegations with frames to send.
-    ready: std::collections::HashSet<DelegationKey>,
+    ready_to_send: std::collections::HashSet<DelegationKey>,
     /// Finished delegations, oldest first (bounded by `max_finished`).
     finished: VecDeque<DelegationKey>,
 }

@@ -14,10 +14,10 @@ use super::{EventError, Link};
 
 impl Link {
     pub(super) fn after_welcome(&mut self, list: &[DelegationCursor], out: &mut Vec<Bytes>) {
-        self.control.clear();
+        self.control_frames.clear();
         // Everything goes out again from its last ack on this session.
         self.retry_at = None;
-        self.retry.clear();
+        self.retry_logs.clear();
         if let Some(d) = &self.descriptor
             && let Ok(b) = encode(&Frame::Publish(d.clone()))
         {
@@ -46,7 +46,7 @@ impl Link {
             if d.terminal.is_some() {
                 continue;
             }
-            if d.is_caller && d.out.acked == 0 {
+            if d.is_caller && d.send_log.acked == 0 {
                 // The open goes out again; resume once it is acknowledged (a
                 // resume before the open lands would be answered with a gap,
                 // and a relay that already had the open does not subscribe
@@ -55,7 +55,7 @@ impl Link {
                 continue;
             }
             d.resuming = true;
-            resume_frame(key, d.recv_dir(), d.cursor, out);
+            queue_resume(key, d.recv_dir(), d.cursor, out);
         }
     }
 
@@ -64,7 +64,7 @@ impl Link {
     pub(super) fn epoch_changed(&mut self, list: &[DelegationCursor]) {
         for (key, d) in self.delegations.iter_mut() {
             if d.terminal.is_none() && !list.iter().any(|c| &c.key == key) {
-                d.notify(&Err(EventError::Gap {
+                d.notify_subscribers(&Err(EventError::Gap {
                     after: d.cursor,
                     reason: GapReason::EpochChanged,
                 }));
@@ -74,7 +74,7 @@ impl Link {
 }
 
 /// Queues a `Resume` of `dir` after `after`.
-pub(super) fn resume_frame(key: &DelegationKey, dir: Direction, after: u64, out: &mut Vec<Bytes>) {
+pub(super) fn queue_resume(key: &DelegationKey, dir: Direction, after: u64, out: &mut Vec<Bytes>) {
     if let Ok(b) = encode(&Frame::Resume(Resume {
         key: key.clone(),
         direction: dir,
@@ -98,7 +98,7 @@ pub(super) fn in_order(
     if seq > d.cursor + 1 {
         if !d.resuming {
             d.resuming = true;
-            resume_frame(key, d.recv_dir(), d.cursor, out);
+            queue_resume(key, d.recv_dir(), d.cursor, out);
         }
         return false;
     }
