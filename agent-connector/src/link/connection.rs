@@ -18,13 +18,12 @@ use oab_wire::{DelegationCursor, Frame, Limits, decode_message, encode};
 use tokio::net::TcpStream;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::relay_url::url_parts;
+use super::relay_url::relay_request;
 use super::{EventError, Link, LinkError, LinkState};
 
 type Ws = WebSocketStream<
@@ -122,7 +121,7 @@ impl Link {
 
     async fn connect(&mut self) -> Result<(Ws, Vec<DelegationCursor>), Exit> {
         let reconnect = |e: &dyn std::fmt::Display| Exit::Reconnect(e.to_string());
-        let url = url_parts(&self.settings.url).map_err(Exit::Fatal)?;
+        let (mut req, url) = relay_request(&self.settings.url).map_err(Exit::Fatal)?;
         let tcp = TcpStream::connect((url.host.as_str(), url.port))
             .await
             .map_err(|e| reconnect(&e))?;
@@ -155,12 +154,6 @@ impl Link {
                 ChannelBinding::ChallengeOnly,
             )
         };
-        let mut req = self
-            .settings
-            .url
-            .as_str()
-            .into_client_request()
-            .map_err(|e| Exit::Fatal(format!("relay url: {e}")))?;
         req.headers_mut().insert(
             "sec-websocket-protocol",
             HeaderValue::from_static(oab_wire::SUBPROTOCOL),

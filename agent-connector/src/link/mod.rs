@@ -60,7 +60,9 @@ use crate::trust::RelayTrust;
 #[derive(Debug, Clone)]
 pub struct LinkSettings {
     /// `wss://host:port/` (or `ws://` only for a relay behind a TLS-terminating
-    /// load balancer reached over a private network, and tests).
+    /// load balancer reached over a private network, and tests). The port
+    /// defaults to 443 (80 for `ws://`); an IPv6 address goes in brackets,
+    /// `wss://[2001:db8::1]/`.
     pub url: String,
     /// Trust anchor for the relay's certificate.
     pub trust: RelayTrust,
