@@ -1,0 +1,181 @@
+//! Commands from the handles: an open or a send becomes a sequenced frame in
+//! the delegation's outgoing log; subscriptions replay the kept events;
+//! snapshots, peer queries and the published descriptor.
+//!
+//! Never awaits: a command is applied at once and its frames leave with the
+//! next pump. Never sends a frame after the delegation's terminal.
+
+use oab_wire::{Cancel, Data, Frame, GapReason, encode};
+
+use super::delegation::Delegation;
+use super::{Command, EventError, Link, LinkError, SendKind, Snapshot};
+
+/// `list_peers` calls waiting for one answer, at most.
+const MAX_PEER_WAITERS: usize = 1_024;
+
+impl Link {
+    pub(super) fn apply_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Open {
+                open,
+                cursor,
+                existing,
+                reply,
+            } => {
+                if self.delegations.contains_key(&open.key) {
+                    let _ = reply.send(Err(LinkError::Duplicate(open.key.request_id.to_string())));
+                    return;
+                }
+                let key = open.key.clone();
+                let target = open.target.clone();
+                let bytes = match encode(&Frame::Open(open)) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = reply.send(Err(LinkError::Frame(e.to_string())));
+                        return;
+                    }
+                };
+                let mut d = Delegation::new(true, target);
+                d.cursor = cursor;
+                d.resume_after_open = existing;
+                d.send_log.next = 2;
+                d.send_log.unacked.push_back((1, bytes));
+                d.open_reply = Some(reply);
+                self.buffered += 1;
+                self.ready_to_send.insert(key.clone());
+                self.delegations.insert(key, d);
+            }
+            Command::Send {
+                key,
+                kind,
+                payload,
+                acked,
+            } => {
+                let Some(d) = self.delegations.get_mut(&key) else {
+                    if let Some(a) = acked {
+                        let _ = a.send(Err(LinkError::UnknownDelegation(key.to_string())));
+                    }
+                    return;
+                };
+                if let Some(t) = d.terminal {
+                    if let Some(a) = acked {
+                        let _ = a.send(Err(LinkError::AlreadyTerminal(t)));
+                    }
+                    return;
+                }
+                if let Some(held) = d.send_log.lost {
+                    if let Some(a) = acked {
+                        let _ = a.send(Err(LinkError::StoreLost {
+                            acked: d.send_log.acked,
+                            held,
+                        }));
+                    }
+                    return;
+                }
+                if d.send_log.next == 0 {
+                    d.send_log.next = 1;
+                }
+                let seq = d.send_log.next;
+                let frame = match kind {
+                    SendKind::Cancel => Frame::Cancel(Cancel {
+                        key: key.clone(),
+                        seq,
+                        flags: 0,
+                        payload,
+                    }),
+                    SendKind::Data | SendKind::Terminal(_) => Frame::Data(Data {
+                        key: key.clone(),
+                        direction: d.send_dir(),
+                        seq,
+                        terminal: match kind {
+                            SendKind::Terminal(o) => Some(o),
+                            _ => None,
+                        },
+                        flags: 0,
+                        payload,
+                    }),
+                };
+                match encode(&frame) {
+                    Ok(bytes) => {
+                        d.send_log.next += 1;
+                        d.send_log.unacked.push_back((seq, bytes));
+                        self.buffered += 1;
+                        self.ready_to_send.insert(key.clone());
+                        if let SendKind::Terminal(o) = kind {
+                            d.terminal = Some(o);
+                        }
+                        if let Some(a) = acked {
+                            d.send_log.ack_waiters.push((seq, a));
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(a) = acked {
+                            let _ = a.send(Err(LinkError::Frame(e.to_string())));
+                        }
+                    }
+                }
+            }
+            Command::Subscribe { key, after, tx } => {
+                let Some(d) = self.delegations.get_mut(&key) else {
+                    let _ = tx.try_send(Err(EventError::Gap {
+                        after,
+                        reason: GapReason::Unknown,
+                    }));
+                    return;
+                };
+                let first = d.events.front().map_or(d.cursor + 1, |e| e.seq);
+                if after + 1 < first {
+                    let _ = tx.try_send(Err(EventError::Gap {
+                        after,
+                        reason: GapReason::Trimmed,
+                    }));
+                    return;
+                }
+                let mut last = after;
+                for ev in d.events.iter().filter(|e| e.seq > after) {
+                    if tx.try_send(Ok(ev.clone())).is_err() {
+                        let _ = tx.try_send(Err(EventError::Lagged { last }));
+                        return;
+                    }
+                    last = ev.seq;
+                }
+                d.subscribers.push((tx, last));
+            }
+            Command::Snapshot { key, reply } => {
+                let snap = self.delegations.get(&key).map(|d| Snapshot {
+                    key: key.clone(),
+                    counterpart: d.counterpart.clone(),
+                    is_caller: d.is_caller,
+                    sent: d.send_log.next.saturating_sub(1),
+                    acked: d.send_log.acked,
+                    received: d.cursor,
+                    terminal: d.terminal,
+                });
+                let _ = reply.send(snap);
+            }
+            Command::Peers { reply } => {
+                // Bounded: past MAX_PEER_WAITERS, answer from the last list.
+                if self.peer_waiters.len() >= MAX_PEER_WAITERS {
+                    let _ = reply.send(self.peers.clone());
+                    return;
+                }
+                if self.peer_waiters.is_empty()
+                    && self.online
+                    && let Ok(b) = encode(&Frame::PeersQuery)
+                {
+                    self.control_frames.push(b);
+                }
+                self.peer_waiters.push(reply);
+            }
+            Command::Publish { descriptor } => {
+                // Not sequenced: sent now if connected, and on every connect.
+                if self.online
+                    && let Ok(b) = encode(&Frame::Publish(descriptor.clone()))
+                {
+                    self.control_frames.push(b);
+                }
+                self.descriptor = Some(descriptor);
+            }
+        }
+    }
+}

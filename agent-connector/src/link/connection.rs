@@ -1,0 +1,359 @@
+//! Reaching the relay and keeping the session up: dial, TLS, the WebSocket
+//! upgrade and the handshake; the session loop that reads frames, takes
+//! commands, pings on the relay's heartbeat and declares a silent link
+//! dead; reconnecting with exponential backoff and full jitter.
+//!
+//! The only code that touches the socket. The session loop's `select!` arms
+//! only collect frames in `out`; they are written after the arm ran (the
+//! best-effort close on shutdown is the one write inside an arm). After the
+//! handshake, never interprets a frame itself: frames go to `dispatch`.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt as _, StreamExt as _};
+use oab_wire::handshake::{ChannelBinding, answer_challenge};
+use oab_wire::identity::now_ms;
+use oab_wire::{DelegationCursor, Frame, Limits, decode_message, encode};
+use tokio::net::TcpStream;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::relay_url::relay_request;
+use super::{EventError, Link, LinkError, LinkState};
+
+type Ws = WebSocketStream<
+    tokio_util::either::Either<tokio_rustls::client::TlsStream<TcpStream>, TcpStream>,
+>;
+
+enum Exit {
+    Reconnect(String),
+    Fatal(String),
+    Shutdown,
+}
+
+fn jitter(max: Duration) -> Duration {
+    let mut b = [0u8; 8];
+    rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
+    let max_ms = u64::try_from(max.as_millis()).unwrap_or(u64::MAX).max(1);
+    Duration::from_millis(u64::from_be_bytes(b) % max_ms)
+}
+
+impl Link {
+    pub(super) async fn run(mut self, shutdown: CancellationToken) {
+        let mut attempt: u32 = 0;
+        loop {
+            let _ = self.state.send(LinkState::Connecting { attempt });
+            let connected = tokio::select! {
+                () = shutdown.cancelled() => break,
+                r = tokio::time::timeout(self.settings.connect_timeout, self.connect()) => r,
+            };
+            let exit = match connected {
+                Ok(Ok((ws, welcome_list))) => {
+                    attempt = 0;
+                    self.online = true;
+                    let exit = self.session(ws, welcome_list, &shutdown).await;
+                    self.online = false;
+                    exit
+                }
+                Ok(Err(Exit::Fatal(r))) => Exit::Fatal(r),
+                Ok(Err(e)) => e,
+                Err(_) => Exit::Reconnect("connect timed out".into()),
+            };
+            match exit {
+                Exit::Shutdown => break,
+                Exit::Fatal(reason) => {
+                    warn!(%reason, "link stopped for good");
+                    self.stop(&reason);
+                    return;
+                }
+                Exit::Reconnect(reason) => {
+                    attempt = attempt.saturating_add(1);
+                    let cap = self
+                        .settings
+                        .backoff_initial
+                        .saturating_mul(2u32.saturating_pow(attempt.min(16)))
+                        .min(self.settings.backoff_max);
+                    // Full jitter; a drain hint sets the floor.
+                    let wait = self.drain_hint.take().unwrap_or_default() + jitter(cap);
+                    info!(%reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
+                    let _ = self.state.send(LinkState::Connecting { attempt });
+                    if !self.wait_offline(wait, &shutdown).await {
+                        break;
+                    }
+                }
+            }
+        }
+        self.stop("connector shut down");
+    }
+
+    fn stop(&mut self, reason: &str) {
+        let _ = self.state.send(LinkState::Stopped(reason.to_string()));
+        for d in self.delegations.values_mut() {
+            d.notify_subscribers(&Err(EventError::Stopped(reason.to_string())));
+            for (_, w) in d.send_log.ack_waiters.drain(..) {
+                let _ = w.send(Err(LinkError::Stopped(reason.to_string())));
+            }
+        }
+        self.commands.close();
+    }
+
+    /// While disconnected: keep taking commands (frames queue as unacked)
+    /// until the backoff elapses. `false` on shutdown.
+    async fn wait_offline(&mut self, wait: Duration, shutdown: &CancellationToken) -> bool {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            let room = self.buffered < self.settings.max_buffered_frames;
+            tokio::select! {
+                () = shutdown.cancelled() => return false,
+                () = tokio::time::sleep_until(until) => return true,
+                cmd = self.commands.recv(), if room => match cmd {
+                    Some(cmd) => self.apply_command(cmd),
+                    None => return false,
+                },
+            }
+        }
+    }
+
+    async fn connect(&mut self) -> Result<(Ws, Vec<DelegationCursor>), Exit> {
+        let reconnect = |e: &dyn std::fmt::Display| Exit::Reconnect(e.to_string());
+        let (mut req, url) = relay_request(&self.settings.url).map_err(Exit::Fatal)?;
+        let tcp = TcpStream::connect((url.host.as_str(), url.port))
+            .await
+            .map_err(|e| reconnect(&e))?;
+        let _ = tcp.set_nodelay(true);
+        let (io, binding) = if url.tls {
+            let name = rustls::pki_types::ServerName::try_from(url.host.clone())
+                .map_err(|e| Exit::Fatal(format!("relay host name: {e}")))?;
+            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|e| reconnect(&format!("TLS: {e}")))?;
+            let binding = if self.settings.challenge_only {
+                ChannelBinding::ChallengeOnly
+            } else {
+                let value = tls
+                    .get_ref()
+                    .1
+                    .export_keying_material(
+                        [0u8; 32],
+                        oab_wire::handshake::TLS_EXPORTER_LABEL,
+                        None,
+                    )
+                    .map_err(|e| reconnect(&e))?;
+                ChannelBinding::TlsExporter(value)
+            };
+            (tokio_util::either::Either::Left(tls), binding)
+        } else {
+            (
+                tokio_util::either::Either::Right(tcp),
+                ChannelBinding::ChallengeOnly,
+            )
+        };
+        req.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static(oab_wire::SUBPROTOCOL),
+        );
+        let limits = Limits::default();
+        let cfg = WebSocketConfig::default()
+            .read_buffer_size(16 * 1024)
+            .write_buffer_size(32 * 1024)
+            .max_write_buffer_size(4 * limits.max_frame())
+            .max_message_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2))
+            .max_frame_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2));
+        let (mut ws, _) = tokio_tungstenite::client_async_with_config(req, io, Some(cfg))
+            .await
+            .map_err(|e| reconnect(&format!("upgrade: {e}")))?;
+        let challenge = match recv_handshake(&mut ws).await? {
+            Frame::Challenge(c) => c,
+            other => {
+                return Err(Exit::Reconnect(format!(
+                    "expected challenge, got {:?}",
+                    other.frame_type()
+                )));
+            }
+        };
+        let hello = answer_challenge(
+            &self.settings.identity,
+            &challenge,
+            self.settings.relay_id.as_ref(),
+            self.settings.instance,
+            now_ms(),
+            &binding,
+        )
+        .map_err(|e| Exit::Fatal(e.to_string()))?;
+        let bytes = encode(&Frame::Hello(hello)).map_err(|e| Exit::Fatal(e.to_string()))?;
+        ws.send(Message::Binary(bytes))
+            .await
+            .map_err(|e| reconnect(&e))?;
+        let welcome = match recv_handshake(&mut ws).await? {
+            Frame::Welcome(w) => w,
+            other => {
+                return Err(Exit::Reconnect(format!(
+                    "expected welcome, got {:?}",
+                    other.frame_type()
+                )));
+            }
+        };
+        let list: Vec<DelegationCursor> =
+            serde_json::from_slice(&welcome.payload).unwrap_or_default();
+        self.max_in_flight = welcome.max_in_flight.max(1);
+        self.heartbeat = Duration::from_millis(u64::from(welcome.heartbeat_ms.max(100)));
+        self.limits = Limits {
+            max_header: welcome.max_header,
+            max_payload: welcome.max_payload,
+        };
+        if let Some(old) = self.epoch.replace(welcome.epoch)
+            && old != welcome.epoch
+        {
+            warn!(
+                old,
+                new = welcome.epoch,
+                "relay store epoch changed: its logs may be lost"
+            );
+            self.epoch_changed(&list);
+        }
+        let _ = self.state.send(LinkState::Connected {
+            epoch: welcome.epoch,
+        });
+        info!(session = %welcome.session, delegations = list.len(), "connected to relay");
+        Ok((ws, list))
+    }
+
+    async fn session(
+        &mut self,
+        mut ws: Ws,
+        list: Vec<DelegationCursor>,
+        shutdown: &CancellationToken,
+    ) -> Exit {
+        let mut out: Vec<Bytes> = Vec::new();
+        self.after_welcome(&list, &mut out);
+        for (key, d) in self.delegations.iter_mut() {
+            d.send_log.sent = d.send_log.acked;
+            if !d.send_log.unacked.is_empty() {
+                self.ready_to_send.insert(key.clone());
+            }
+        }
+        self.pump(&mut out);
+        if let Err(e) = write_all(&mut ws, &mut out).await {
+            return Exit::Reconnect(e);
+        }
+        let heartbeat = self.heartbeat;
+        let dead = heartbeat * self.settings.dead_after_heartbeats.max(2);
+        let mut ping = tokio::time::interval(heartbeat);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_rx = tokio::time::Instant::now();
+        let mut token = 0u64;
+        loop {
+            let room = self.buffered < self.settings.max_buffered_frames;
+            tokio::select! {
+                () = shutdown.cancelled() => {
+                    let _ = ws.close(None).await;
+                    return Exit::Shutdown;
+                }
+                cmd = self.commands.recv(), if room => {
+                    let Some(cmd) = cmd else { return Exit::Shutdown };
+                    self.apply_command(cmd);
+                    // Take whatever else is queued without waiting.
+                    while self.buffered < self.settings.max_buffered_frames {
+                        let Ok(cmd) = self.commands.try_recv() else { break };
+                        self.apply_command(cmd);
+                    }
+                    self.pump(&mut out);
+                }
+                msg = ws.next() => {
+                    last_rx = tokio::time::Instant::now();
+                    match msg {
+                        None => return Exit::Reconnect("relay closed the connection".into()),
+                        Some(Err(e)) => return Exit::Reconnect(e.to_string()),
+                        Some(Ok(Message::Close(c))) => {
+                            let (code, reason) = c.map(|c| (u16::from(c.code), c.reason.to_string())).unwrap_or((1005, String::new()));
+                            return if oab_wire::code::close_code_should_reconnect(code) {
+                                Exit::Reconnect(format!("closed by relay: {code} {reason}"))
+                            } else {
+                                Exit::Fatal(format!("closed by relay: {code} {reason}"))
+                            };
+                        }
+                        Some(Ok(Message::Binary(b))) => match decode_message(b, &self.limits_in()) {
+                            Ok(frame) => self.dispatch(frame, &mut out).await,
+                            Err(e) => return Exit::Reconnect(format!("undecodable frame from relay: {e}")),
+                        },
+                        Some(Ok(_)) => {}
+                    }
+                    self.pump(&mut out);
+                }
+                () = tokio::time::sleep_until(self.retry_at.unwrap_or_else(tokio::time::Instant::now)), if self.retry_at.is_some() => {
+                    self.retry_now(&mut out);
+                    self.pump(&mut out);
+                }
+                _ = ping.tick() => {
+                    if last_rx.elapsed() > dead {
+                        return Exit::Reconnect("no frame from the relay within the heartbeat deadline".into());
+                    }
+                    token += 1;
+                    if let Ok(b) = encode(&Frame::Ping(oab_wire::Ping { token })) {
+                        out.push(b);
+                    }
+                }
+            }
+            if let Err(e) = write_all(&mut ws, &mut out).await {
+                return Exit::Reconnect(e);
+            }
+        }
+    }
+
+    /// Frames from the relay may carry a larger payload than we would send.
+    fn limits_in(&self) -> Limits {
+        Limits {
+            max_header: u16::MAX,
+            max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
+        }
+    }
+}
+
+async fn recv_handshake(ws: &mut Ws) -> Result<Frame, Exit> {
+    loop {
+        match ws.next().await {
+            None => return Err(Exit::Reconnect("relay closed during the handshake".into())),
+            Some(Err(e)) => return Err(Exit::Reconnect(e.to_string())),
+            Some(Ok(Message::Binary(b))) => {
+                return decode_message(
+                    b,
+                    &Limits {
+                        max_header: u16::MAX,
+                        max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
+                    },
+                )
+                .map_err(|e| Exit::Reconnect(e.to_string()));
+            }
+            Some(Ok(Message::Close(c))) => {
+                let (code, reason) = c
+                    .map(|c| (u16::from(c.code), c.reason.to_string()))
+                    .unwrap_or((1005, String::new()));
+                let msg = format!("relay refused the session: {code} {reason}");
+                return Err(if oab_wire::code::close_code_should_reconnect(code) {
+                    Exit::Reconnect(msg)
+                } else {
+                    Exit::Fatal(msg)
+                });
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+async fn write_all(ws: &mut Ws, out: &mut Vec<Bytes>) -> Result<(), String> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    for b in out.drain(..) {
+        ws.feed(Message::Binary(b))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    ws.flush().await.map_err(|e| e.to_string())
+}

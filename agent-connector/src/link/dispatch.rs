@@ -1,0 +1,258 @@
+//! Frames from the relay: acks, data, opens, cancels, gaps, refusals, the
+//! peer list, pings and drain hints, each routed to the delegation, the
+//! local subscribers or the callee side.
+//!
+//! Never writes to the socket (replies go into `out`) and never parses
+//! event payloads: only the peer list is decoded here. What goes to the
+//! callee side waits for room in its bounded `incoming` channel
+//! (back-pressure: the link reads nothing more from the relay meanwhile).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use oab_wire::{Data, Direction, ErrorCode, Frame, Outcome, encode};
+use tracing::{debug, info, warn};
+
+use super::delegation::Delegation;
+use super::resume::{in_order, queue_resume};
+use super::{EventError, Incoming, Link, LinkError, UpEvent};
+
+impl Link {
+    /// Handles one frame from the relay.
+    pub(super) async fn dispatch(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
+        match frame {
+            Frame::Ack(a) => {
+                self.ack(&a.key, a.direction, a.seq);
+                // A caller's open is durable: start its up log (after the
+                // cursor a restored delegation already processed).
+                if let Some(d) = self.delegations.get_mut(&a.key)
+                    && d.is_caller
+                    && d.resume_after_open
+                    && d.send_log.acked >= 1
+                {
+                    d.resume_after_open = false;
+                    d.resuming = true;
+                    queue_resume(&a.key, Direction::Up, d.cursor, out);
+                }
+            }
+            Frame::Data(d) => self.deliver(d, out).await,
+            Frame::Open(o) => {
+                let key = o.key.clone();
+                let entry = self
+                    .delegations
+                    .entry(key.clone())
+                    .or_insert_with(|| Delegation::new(false, o.key.caller.clone()));
+                if entry.is_caller || entry.cursor >= 1 {
+                    return;
+                }
+                entry.cursor = 1;
+                entry.resuming = false;
+                let _ = self.incoming.send(Incoming::Open(o)).await;
+            }
+            Frame::Cancel(c) => {
+                let Some(d) = self.delegations.get_mut(&c.key) else {
+                    return;
+                };
+                if d.is_caller || !in_order(d, c.seq, &c.key, out) {
+                    return;
+                }
+                let relay_origin = c.flags & oab_wire::frame::FLAG_RELAY_ORIGIN != 0;
+                let _ = self
+                    .incoming
+                    .send(Incoming::Cancel {
+                        key: c.key,
+                        relay_origin,
+                        payload: c.payload,
+                    })
+                    .await;
+            }
+            Frame::Gap(g) => {
+                let Some(d) = self.delegations.get_mut(&g.key) else {
+                    return;
+                };
+                d.resuming = false;
+                warn!(key = %g.key, reason = g.reason.name(), after = g.after, "relay reports a gap");
+                if d.is_caller {
+                    d.notify_subscribers(&Err(EventError::Gap {
+                        after: g.after,
+                        reason: g.reason,
+                    }));
+                    if let Some(t) = g.terminal {
+                        d.terminal.get_or_insert(t);
+                    }
+                } else {
+                    let _ = self
+                        .incoming
+                        .send(Incoming::Ended {
+                            key: g.key,
+                            terminal: g.terminal,
+                        })
+                        .await;
+                }
+            }
+            Frame::Error(e) => self.refused(e),
+            Frame::Peers(payload) => {
+                self.peers = serde_json::from_slice(&payload).unwrap_or_default();
+                for w in self.peer_waiters.drain(..) {
+                    let _ = w.send(self.peers.clone());
+                }
+            }
+            Frame::Ping(p) => {
+                if let Ok(b) = encode(&Frame::Pong(p)) {
+                    out.push(b);
+                }
+            }
+            Frame::Drain(d) => {
+                info!(
+                    reconnect_after_ms = d.reconnect_after_ms,
+                    "relay is draining"
+                );
+                self.drain_hint = Some(Duration::from_millis(u64::from(d.reconnect_after_ms)));
+            }
+            Frame::Pong(_)
+            | Frame::Challenge(_)
+            | Frame::Hello(_)
+            | Frame::Welcome(_)
+            | Frame::Resume(_)
+            | Frame::PeersQuery
+            | Frame::Publish(_) => {}
+        }
+    }
+
+    async fn deliver(&mut self, f: Data, out: &mut Vec<Bytes>) {
+        let Some(d) = self.delegations.get_mut(&f.key) else {
+            return;
+        };
+        if f.direction != d.recv_dir() || !in_order(d, f.seq, &f.key, out) {
+            return;
+        }
+        if d.is_caller {
+            let ev = UpEvent {
+                seq: f.seq,
+                terminal: f.terminal,
+                relay_origin: f.flags & oab_wire::frame::FLAG_RELAY_ORIGIN != 0,
+                payload: f.payload,
+            };
+            if let Some(t) = ev.terminal {
+                d.terminal.get_or_insert(t);
+                // Nothing more will be accepted on our down log.
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
+            }
+            d.events.push_back(ev.clone());
+            while d.events.len() > self.settings.max_events_per_delegation {
+                d.events.pop_front();
+            }
+            let done = ev.terminal.is_some();
+            d.notify_subscribers(&Ok(ev));
+            if done {
+                self.record_finished(&f.key);
+            }
+        } else {
+            let _ = self
+                .incoming
+                .send(Incoming::Message {
+                    key: f.key,
+                    seq: f.seq,
+                    payload: f.payload,
+                })
+                .await;
+        }
+    }
+
+    fn refused(&mut self, e: oab_wire::ErrorFrame) {
+        let code = ErrorCode::from_u16(e.code);
+        let name = code.map_or_else(|| format!("error_{}", e.code), |c| c.name().to_string());
+        let Some(key) = e.key.clone() else {
+            warn!(code = %name, message = %e.message, "relay error");
+            return;
+        };
+        let Some(d) = self.delegations.get_mut(&key) else {
+            return;
+        };
+        debug!(%key, code = %name, seq = e.seq, message = %e.message, "relay refused a frame");
+        match code {
+            Some(ErrorCode::SequenceGap) if e.seq < d.send_log.acked => {
+                // The relay acknowledged more than its store now holds:
+                // resending cannot repair that, and would be refused
+                // forever. The receiver is told with a gap by the relay.
+                warn!(%key, held = e.seq, acked = d.send_log.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
+                let lost = LinkError::StoreLost {
+                    acked: d.send_log.acked,
+                    held: e.seq,
+                };
+                d.send_log.lost = Some(e.seq);
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
+                    let _ = w.send(Err(lost.clone()));
+                }
+                if let Some(r) = d.open_reply.take() {
+                    let _ = r.send(Err(lost));
+                }
+            }
+            Some(ErrorCode::SequenceGap) => {
+                // The relay holds up to e.seq: everything after is resent.
+                let tail = e.seq;
+                while d.send_log.unacked.front().is_some_and(|(s, _)| *s <= tail) {
+                    d.send_log.unacked.pop_front();
+                    self.buffered = self.buffered.saturating_sub(1);
+                }
+                d.send_log.acked = d.send_log.acked.max(tail);
+                d.send_log.sent = d.send_log.acked;
+                self.ready_to_send.insert(key.clone());
+            }
+            Some(
+                ErrorCode::StoreUnavailable
+                | ErrorCode::RateLimited
+                | ErrorCode::TooManyDelegations,
+            ) => {
+                if e.direction == d.recv_dir() {
+                    // Our resume was refused: ask again after the pause.
+                    d.resuming = false;
+                    d.resume_retry = true;
+                } else {
+                    // Resend from the acked point after the pause.
+                    d.send_log.sent = d.send_log.acked;
+                    self.retry_logs.insert(key.clone());
+                }
+                self.retry_later();
+            }
+            Some(ErrorCode::AlreadyTerminal) => {
+                let won = Outcome::ALL
+                    .iter()
+                    .copied()
+                    .find(|o| e.message.ends_with(o.name()));
+                d.terminal.get_or_insert(won.unwrap_or(Outcome::Unknown));
+                self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                d.send_log.unacked.clear();
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
+                    let _ = w.send(Err(LinkError::AlreadyTerminal(
+                        won.unwrap_or(Outcome::Unknown),
+                    )));
+                }
+            }
+            _ => {
+                let refused = LinkError::Refused {
+                    code: name.clone(),
+                    message: e.message.clone(),
+                };
+                if let Some(r) = d.open_reply.take() {
+                    let _ = r.send(Err(refused.clone()));
+                }
+                for (_, w) in d.send_log.ack_waiters.drain(..) {
+                    let _ = w.send(Err(refused.clone()));
+                }
+                d.notify_subscribers(&Err(EventError::Refused {
+                    code: name,
+                    message: e.message,
+                }));
+                if e.direction == d.send_dir() && e.seq <= 1 && d.is_caller {
+                    // The open itself was refused: nothing of this delegation exists.
+                    self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                    self.delegations.remove(&key);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! The link: the one task that owns the connection to the relay.
+//!
+//! It dials the relay over WSS, runs the session handshake, pings on the
+//! relay's heartbeat and treats a silent link as dead after
+//! [`LinkSettings::dead_after_heartbeats`] intervals, reconnects with
+//! exponential backoff and full jitter (honouring a `Drain` hint), resends
+//! every unacknowledged frame and resumes every open delegation from its
+//! cursor. Handles talk to it over a bounded command channel
+//! ([`LinkHandle`]); nothing else touches the socket.
+//!
+//! **Bounds and overflow policies**
+//! - commands: a bounded channel; senders wait (back-pressure);
+//! - unacknowledged frames: at most `max_buffered_frames` across delegations;
+//!   while full the link stops taking commands (senders wait);
+//! - frames in flight per log: at most the relay's `max_in_flight`; the rest
+//!   wait in the unacked buffer until acks make room;
+//! - events kept per delegation for replay to local subscribers:
+//!   `max_events_per_delegation`, oldest dropped (a subscriber asking for a
+//!   dropped event gets [`EventError::Gap`]);
+//! - subscriber channels: bounded; a subscriber that does not keep up is
+//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor.
+//!
+//! **Layout.** This module owns the public types, the handle, [`spawn`] and
+//! the state of the link task; each part adds its own `impl Link` block:
+//!
+//! | module | owns |
+//! |---|---|
+//! | `connection` | dial, TLS, upgrade, handshake; the session loop (heartbeat, dead-link detection); reconnect with backoff and jitter |
+//! | `relay_url` | reading the relay URL: scheme, host, port |
+//! | `commands` | commands from handles: opens and sends into the outgoing logs, subscriptions, snapshots, peer queries, publish |
+//! | `window` | the outgoing log per delegation: sequence numbers, unacked frames, the in-flight window, acks, retries after retryable refusals |
+//! | `dispatch` | frames from the relay: acks, data, opens, cancels, gaps, refusals, peers, pings, drain hints |
+//! | `resume` | the receive cursor per delegation and resumes: in-order checks, what a new session resumes, a new store epoch |
+//! | `delegation` | the state kept per delegation, local subscribers, retention of finished delegations |
+
+mod commands;
+mod connection;
+mod delegation;
+mod dispatch;
+mod relay_url;
+mod resume;
+mod window;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use oab_wire::identity::Identity;
+use oab_wire::{
+    DelegationKey, GapReason, InstanceId, Limits, Open, Outcome, PeerEntry, PeerId, RelayId,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use self::delegation::Delegation;
+use crate::trust::RelayTrust;
+
+/// Where the relay is and how to reach it.
+#[derive(Debug, Clone)]
+pub struct LinkSettings {
+    /// `wss://host:port/` (or `ws://` only for a relay behind a TLS-terminating
+    /// load balancer reached over a private network, and tests). The port
+    /// defaults to 443 (80 for `ws://`); an IPv6 address goes in brackets,
+    /// `wss://[2001:db8::1]/`.
+    pub url: String,
+    /// Trust anchor for the relay's certificate.
+    pub trust: RelayTrust,
+    /// Pin the relay id the relay must present (recommended).
+    pub relay_id: Option<RelayId>,
+    /// Bind the handshake to the challenge only (relay behind a TLS-terminating
+    /// load balancer). Default: bind to the TLS session.
+    pub challenge_only: bool,
+    /// This peer's identity.
+    pub identity: Identity,
+    /// This process start.
+    pub instance: InstanceId,
+    /// First reconnect backoff.
+    pub backoff_initial: Duration,
+    /// Largest reconnect backoff.
+    pub backoff_max: Duration,
+    /// TCP + TLS + upgrade + handshake must finish within this.
+    pub connect_timeout: Duration,
+    /// The link is dead when nothing arrived for this many heartbeats.
+    pub dead_after_heartbeats: u32,
+    /// Unacknowledged frames kept across all delegations.
+    pub max_buffered_frames: usize,
+    /// Events kept per delegation for local replay.
+    pub max_events_per_delegation: usize,
+    /// Capacity of the command channel and of each subscriber channel.
+    pub queue: usize,
+    /// Finished delegations kept (for `events`/`get` after the end); older
+    /// ones are forgotten.
+    pub max_finished: usize,
+}
+
+impl LinkSettings {
+    /// Settings with the defaults for everything but where and who.
+    pub fn new(url: impl Into<String>, trust: RelayTrust, identity: Identity) -> Self {
+        LinkSettings {
+            url: url.into(),
+            trust,
+            relay_id: None,
+            challenge_only: false,
+            identity,
+            instance: InstanceId::random(),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            dead_after_heartbeats: 3,
+            max_buffered_frames: 65_536,
+            max_events_per_delegation: 10_000,
+            queue: 1_024,
+            max_finished: 10_000,
+        }
+    }
+}
+
+/// One event of a delegation's up log, as the caller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpEvent {
+    /// Position in the up log (from 1).
+    pub seq: u64,
+    /// Set on the one terminal.
+    pub terminal: Option<Outcome>,
+    /// Appended by the relay (`expired`, `unknown`), not by the callee.
+    pub relay_origin: bool,
+    /// The event bytes.
+    pub payload: Bytes,
+}
+
+/// Why an event stream ended early.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    /// Events after `after` are gone (trimmed, or the store lost them).
+    #[error("events after {after} are not available ({reason:?}); reconcile")]
+    Gap {
+        /// The cursor that was asked for.
+        after: u64,
+        /// Why.
+        reason: GapReason,
+    },
+    /// The subscriber fell behind and was dropped; resubscribe after `last`.
+    #[error("subscriber fell behind after event {last}; resubscribe from there")]
+    Lagged {
+        /// Last event delivered to it.
+        last: u64,
+    },
+    /// The relay refused the delegation.
+    #[error("the relay refused: {code} ({message})")]
+    Refused {
+        /// The error code name.
+        code: String,
+        /// The relay's message.
+        message: String,
+    },
+    /// The link stopped for good (identity replaced, auth failed, shutdown).
+    #[error("the connector stopped: {0}")]
+    Stopped(String),
+}
+
+/// What the callee side receives from the relay.
+#[derive(Debug, Clone)]
+pub enum Incoming {
+    /// A new delegation for this peer (the `Open` as stamped by the relay).
+    Open(Open),
+    /// A follow-up message from the caller (down log).
+    Message {
+        /// The delegation.
+        key: DelegationKey,
+        /// Down-log sequence.
+        seq: u64,
+        /// The payload.
+        payload: Bytes,
+    },
+    /// The caller (or the relay, after expiry) asks to stop.
+    Cancel {
+        /// The delegation.
+        key: DelegationKey,
+        /// Sent by the relay after the deadline passed.
+        relay_origin: bool,
+        /// The reason payload.
+        payload: Bytes,
+    },
+    /// The delegation's down log is gone or ended elsewhere.
+    Ended {
+        /// The delegation.
+        key: DelegationKey,
+        /// The terminal the relay holds, if known.
+        terminal: Option<Outcome>,
+    },
+}
+
+/// Where the link stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkState {
+    /// Connecting or waiting to reconnect.
+    Connecting {
+        /// Consecutive failed attempts.
+        attempt: u32,
+    },
+    /// Authenticated.
+    Connected {
+        /// The relay's store epoch.
+        epoch: u64,
+    },
+    /// Stopped for good.
+    Stopped(String),
+}
+
+/// A snapshot of one delegation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// The other peer.
+    pub counterpart: PeerId,
+    /// Whether this peer is the caller.
+    pub is_caller: bool,
+    /// Last sequence sent on our sending log.
+    pub sent: u64,
+    /// Last sequence the relay acknowledged.
+    pub acked: u64,
+    /// Last sequence received on our receiving log.
+    pub received: u64,
+    /// The terminal, once known.
+    pub terminal: Option<Outcome>,
+}
+
+/// Errors of link commands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    /// The link task has stopped.
+    #[error("the connector stopped: {0}")]
+    Stopped(String),
+    /// No such delegation in this connector.
+    #[error("unknown delegation {0}")]
+    UnknownDelegation(String),
+    /// The delegation already ended.
+    #[error("the delegation already ended ({0})")]
+    AlreadyTerminal(Outcome),
+    /// The relay refused a frame.
+    #[error("the relay refused: {code} ({message})")]
+    Refused {
+        /// Error code name.
+        code: String,
+        /// Message.
+        message: String,
+    },
+    /// A frame could not be encoded (a field over its limit).
+    #[error("frame: {0}")]
+    Frame(String),
+    /// This request id is already in use with another payload.
+    #[error("request id {0} already used in this connector")]
+    Duplicate(String),
+    /// The relay's store lost events of this delegation after acknowledging
+    /// them (it restarted without its latest writes): nothing more can be
+    /// sent on it.
+    #[error(
+        "the relay's store lost acknowledged events of this delegation (it holds {held} of {acked}); nothing more can be sent on it"
+    )]
+    StoreLost {
+        /// Events the relay had acknowledged.
+        acked: u64,
+        /// Events its store still holds.
+        held: u64,
+    },
+}
+
+pub(crate) enum Command {
+    Open {
+        open: Open,
+        /// Events already processed (0 for a new delegation; a restored
+        /// delegation resumes its up log after this).
+        cursor: u64,
+        /// The relay may already hold this delegation (restored after a
+        /// restart, or re-attached): resume its up log once the open is
+        /// acknowledged, since the relay subscribes us by itself only when it
+        /// creates the delegation.
+        existing: bool,
+        reply: oneshot::Sender<Result<(), LinkError>>,
+    },
+    Send {
+        key: DelegationKey,
+        kind: SendKind,
+        payload: Bytes,
+        /// Resolved once the relay acknowledged this frame.
+        acked: Option<oneshot::Sender<Result<u64, LinkError>>>,
+    },
+    Subscribe {
+        key: DelegationKey,
+        after: u64,
+        tx: mpsc::Sender<Result<UpEvent, EventError>>,
+    },
+    Snapshot {
+        key: DelegationKey,
+        reply: oneshot::Sender<Option<Snapshot>>,
+    },
+    Peers {
+        reply: oneshot::Sender<Vec<PeerEntry>>,
+    },
+    Publish {
+        descriptor: Bytes,
+    },
+}
+
+/// What a sending peer appends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SendKind {
+    /// A data event (up for callees, down for callers).
+    Data,
+    /// The one terminal (callee only).
+    Terminal(Outcome),
+    /// A cancel (caller only).
+    Cancel,
+}
+
+/// A cloneable handle to the link task.
+#[derive(Debug, Clone)]
+pub struct LinkHandle {
+    tx: mpsc::Sender<Command>,
+    state: watch::Receiver<LinkState>,
+    /// This connector's peer id.
+    pub peer: PeerId,
+    /// This process's instance id.
+    pub instance: InstanceId,
+}
+
+impl LinkHandle {
+    pub(crate) async fn command(&self, cmd: Command) -> Result<(), LinkError> {
+        self.tx
+            .send(cmd)
+            .await
+            .map_err(|_| LinkError::Stopped(self.stopped_reason()))
+    }
+
+    fn stopped_reason(&self) -> String {
+        match &*self.state.borrow() {
+            LinkState::Stopped(r) => r.clone(),
+            _ => "link task ended".into(),
+        }
+    }
+
+    /// The current link state.
+    pub fn state(&self) -> LinkState {
+        self.state.borrow().clone()
+    }
+
+    /// Waits until the link is connected (or stopped).
+    pub async fn connected(&self) -> Result<u64, LinkError> {
+        let mut rx = self.state.clone();
+        loop {
+            match &*rx.borrow_and_update() {
+                LinkState::Connected { epoch } => return Ok(*epoch),
+                LinkState::Stopped(r) => return Err(LinkError::Stopped(r.clone())),
+                LinkState::Connecting { .. } => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(LinkError::Stopped("link task ended".into()));
+            }
+        }
+    }
+
+    /// A snapshot of a delegation.
+    pub async fn snapshot(&self, key: &DelegationKey) -> Result<Option<Snapshot>, LinkError> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Snapshot {
+            key: key.clone(),
+            reply,
+        })
+        .await?;
+        rx.await
+            .map_err(|_| LinkError::Stopped(self.stopped_reason()))
+    }
+}
+
+/// Starts the link task. `incoming` receives what arrives for this peer as a
+/// callee; `shutdown` stops the link (after a best-effort close).
+pub fn spawn(
+    settings: LinkSettings,
+    incoming: mpsc::Sender<Incoming>,
+    shutdown: CancellationToken,
+) -> Result<(LinkHandle, tokio::task::JoinHandle<()>), crate::trust::TrustError> {
+    let tls = crate::trust::client_config(&settings.trust)?;
+    let (tx, rx) = mpsc::channel(settings.queue.max(1));
+    let (state_tx, state_rx) = watch::channel(LinkState::Connecting { attempt: 0 });
+    let handle = LinkHandle {
+        tx,
+        state: state_rx,
+        peer: settings.identity.peer.clone(),
+        instance: settings.instance,
+    };
+    let link = Link {
+        settings,
+        tls,
+        commands: rx,
+        incoming,
+        state: state_tx,
+        delegations: HashMap::new(),
+        buffered: 0,
+        peers: Vec::new(),
+        peer_waiters: Vec::new(),
+        epoch: None,
+        max_in_flight: 1024,
+        limits: Limits::default(),
+        drain_hint: None,
+        control_frames: Vec::new(),
+        descriptor: None,
+        retry_at: None,
+        retry_logs: std::collections::HashSet::new(),
+        heartbeat: Duration::from_secs(15),
+        online: false,
+        ready_to_send: std::collections::HashSet::new(),
+        finished: VecDeque::new(),
+    };
+    let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
+    let task = tokio::spawn(tracing::Instrument::instrument(link.run(shutdown), span));
+    Ok((handle, task))
+}
+
+/// The link task's state: settings, the command channel, every delegation
+/// this connector takes part in, and what the current session asked for.
+struct Link {
+    settings: LinkSettings,
+    tls: Arc<rustls::ClientConfig>,
+    commands: mpsc::Receiver<Command>,
+    incoming: mpsc::Sender<Incoming>,
+    state: watch::Sender<LinkState>,
+    delegations: HashMap<DelegationKey, Delegation>,
+    buffered: usize,
+    peers: Vec<PeerEntry>,
+    peer_waiters: Vec<oneshot::Sender<Vec<PeerEntry>>>,
+    epoch: Option<u64>,
+    max_in_flight: u32,
+    limits: Limits,
+    drain_hint: Option<Duration>,
+    /// Unsequenced frames to send once connected (peer queries, publish).
+    control_frames: Vec<Bytes>,
+    descriptor: Option<Bytes>,
+    /// When to resend what the relay refused with a retryable code (see
+    /// [`RETRY_AFTER`]); `None` while nothing waits.
+    retry_at: Option<tokio::time::Instant>,
+    /// Logs refused with a retryable code, resent from their last ack when
+    /// `retry_at` fires. Emptied then, and on every new session.
+    retry_logs: std::collections::HashSet<DelegationKey>,
+    /// Ping interval asked by the relay.
+    heartbeat: Duration,
+    /// Whether a session is up (control frames are queued only then; the
+    /// welcome path re-sends what matters).
+    online: bool,
+    /// Delegations with frames to send.
+    ready_to_send: std::collections::HashSet<DelegationKey>,
+    /// Finished delegations, oldest first (bounded by `max_finished`).
+    finished: VecDeque<DelegationKey>,
+}

@@ -1,0 +1,126 @@
+//! The outgoing log of each delegation: sequence numbers, the frames not yet
+//! acknowledged, the in-flight window, acks, and resending after a
+//! retryable refusal once the retry deadline fires.
+//!
+//! Never writes to the socket: `pump` moves frames into the session's `out`
+//! buffer. Never sends a frame beyond its log's in-flight window, nor a
+//! refused log's frames before the retry deadline.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bytes::Bytes;
+use oab_wire::{DelegationKey, Direction};
+use tokio::sync::oneshot;
+
+use super::resume::queue_resume;
+use super::{Link, LinkError};
+
+/// Pause before resending what the relay refused with a retryable code
+/// (`store_unavailable`, `rate_limited`, `too_many_delegations`). A deadline
+/// set by the first refusal and kept until it fires: other traffic does not
+/// push it back, so a log refused during a store outage goes out again at
+/// most this long after the outage ends.
+const RETRY_AFTER: Duration = Duration::from_millis(250);
+
+/// The sending half of one delegation (our log towards the relay).
+#[derive(Debug, Default)]
+pub(super) struct SendLog {
+    pub(super) next: u64,
+    pub(super) acked: u64,
+    /// Sequence up to which frames were written on the current connection.
+    pub(super) sent: u64,
+    pub(super) unacked: VecDeque<(u64, Bytes)>,
+    pub(super) ack_waiters: Vec<(u64, oneshot::Sender<Result<u64, LinkError>>)>,
+    /// The relay's store lost entries of this log after acknowledging them
+    /// (it holds up to this sequence): they cannot be sent again, so
+    /// nothing more is sent on it.
+    pub(super) lost: Option<u64>,
+}
+
+impl Link {
+    pub(super) fn ack(&mut self, key: &DelegationKey, dir: Direction, seq: u64) {
+        let Some(d) = self.delegations.get_mut(key) else {
+            return;
+        };
+        if dir != d.send_dir() || seq <= d.send_log.acked {
+            return;
+        }
+        d.send_log.acked = seq;
+        d.send_log.sent = d.send_log.sent.max(seq);
+        while d.send_log.unacked.front().is_some_and(|(s, _)| *s <= seq) {
+            d.send_log.unacked.pop_front();
+            self.buffered = self.buffered.saturating_sub(1);
+        }
+        if let Some(r) = d.open_reply.take() {
+            let _ = r.send(Ok(()));
+        }
+        let (done, waiting): (Vec<_>, Vec<_>) = d
+            .send_log
+            .ack_waiters
+            .drain(..)
+            .partition(|(s, _)| *s <= seq);
+        d.send_log.ack_waiters = waiting;
+        for (s, w) in done {
+            let _ = w.send(Ok(s));
+        }
+        let sent_all = d.send_log.unacked.is_empty();
+        let our_terminal_durable = sent_all && d.terminal.is_some() && !d.is_caller;
+        if !sent_all {
+            // The window moved: more may go out.
+            self.ready_to_send.insert(key.clone());
+        }
+        if our_terminal_durable {
+            self.record_finished(key);
+        }
+    }
+
+    /// Moves unsent frames into `out`, within each log's in-flight window.
+    /// Logs waiting for the retry deadline stay put; the others go on.
+    pub(super) fn pump(&mut self, out: &mut Vec<Bytes>) {
+        out.append(&mut self.control_frames);
+        let window = u64::from(self.max_in_flight);
+        // Only logs with something new to send (or a window that opened).
+        for key in self.ready_to_send.drain() {
+            if self.retry_logs.contains(&key) {
+                continue;
+            }
+            let Some(d) = self.delegations.get_mut(&key) else {
+                continue;
+            };
+            if d.send_log.lost.is_some() {
+                continue;
+            }
+            for (seq, bytes) in d.send_log.unacked.iter() {
+                if *seq <= d.send_log.sent {
+                    continue;
+                }
+                if *seq > d.send_log.acked + window {
+                    // Window full: the next ack makes this log ready again.
+                    break;
+                }
+                out.push(bytes.clone());
+                d.send_log.sent = *seq;
+            }
+        }
+    }
+
+    /// Schedules a retry (keeps an earlier deadline).
+    pub(super) fn retry_later(&mut self) {
+        self.retry_at
+            .get_or_insert_with(|| tokio::time::Instant::now() + RETRY_AFTER);
+    }
+
+    /// The retry deadline fired: refused logs go out again from their last
+    /// ack, refused resumes are sent again.
+    pub(super) fn retry_now(&mut self, out: &mut Vec<Bytes>) {
+        self.retry_at = None;
+        self.ready_to_send.extend(self.retry_logs.drain());
+        for (key, d) in self.delegations.iter_mut() {
+            if std::mem::take(&mut d.resume_retry) && d.terminal.is_none() {
+                d.resuming = true;
+                queue_resume(key, d.recv_dir(), d.cursor, out);
+            }
+        }
+    }
+}
