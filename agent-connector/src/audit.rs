@@ -14,6 +14,11 @@
 //! and one field per member), [`FileAuditSink`] (appends JSON lines through a
 //! bounded queue and a writer thread), [`MemoryAuditSink`] (tests), and
 //! [`TeeAuditSink`] to send to several.
+//!
+//! Never: holds a principal's content (task text, context, messages, outputs,
+//! artifacts, error messages, envelopes), and never blocks the delegation path
+//! on disk: [`FileAuditSink`] drops and counts a record its full queue cannot
+//! take.
 
 use parking_lot::Mutex;
 use std::io::Write;

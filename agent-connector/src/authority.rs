@@ -43,6 +43,10 @@
 //! **Budgets** (tokens, cost, risk, output bytes, deadline): see
 //! [`clamp_budgets`] for why the caller side refuses and the callee side
 //! clamps.
+//!
+//! Never: narrows a capability set to let a request pass: a capability some
+//! layer does not cover is refused by name, never dropped. Never reads a clock
+//! or a file: every check takes `now_ms`.
 
 use std::collections::BTreeSet;
 use std::fmt;

@@ -22,6 +22,12 @@
 //! Stop reasons map to outcomes: end of turn -> `completed`; refusal, limits
 //! or error -> `failed`; deadline -> `expired`; cancel -> `cancelled`, sent
 //! only after the executor returned (the worker stopped).
+//!
+//! Never: runs an executor for a request it has not verified
+//! (`verify_open_request`), authorized (`authorize_incoming`), reserved (a
+//! fresh nonce and two concurrency permits) and whose `accepted` event the
+//! relay acknowledged. Never sends the terminal while the executor still runs:
+//! at the deadline it cancels the run and waits for the executor to return.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;

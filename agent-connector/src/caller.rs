@@ -1,5 +1,19 @@
 //! The caller API: delegate a task to a peer, follow its events (replay,
 //! then live), get, wait, cancel, list peers, verify the signed result.
+//!
+//! It owns this connector's record of each delegation it started (the signed
+//! request, its digest, the callee), the state file written before an `Open`
+//! leaves (with a state folder), and the reading of up-log events into
+//! [`EventKind`]s (`parse_event`).
+//!
+//! Never: sends a new delegation before authorizing it: `Caller::delegate`
+//! refuses a nested delegation, runs `authorize_outgoing` (grant and policy,
+//! fail closed), signs the request and saves its state file, all before the
+//! `Open` is handed to the link; a delegation restored from the state folder
+//! is sent again exactly as it was signed then. Never takes a result on the
+//! relay's word: [`Caller::verify`] checks the callee's signature with its
+//! configured key and the request signed here, and a relay-originated terminal,
+//! which has no result, fails it.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;

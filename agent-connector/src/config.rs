@@ -19,6 +19,13 @@
 //! max_concurrent = 16
 //! max_concurrent_per_peer = 4
 //! ```
+//!
+//! It owns the file's shape, its validation (every problem at once, each naming
+//! its field) and the peers' keys in lookup form ([`ConnectorConfig::trust`]).
+//!
+//! Never: reads the identity file or any other secret: it holds the identity
+//! file's path, and `keyfile` reads it. Never accepts a facade address off
+//! loopback: the facade has no authentication of its own.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,4 +1,8 @@
 //! Starting a connector: the link task, the caller API and the callee runtime.
+//!
+//! Never: holds delegation state or touches the socket: it wires the link, the
+//! caller and the callee runtime together and hands out their handles; stopping
+//! is [`Connector::shutdown`].
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -14,6 +14,12 @@
 //! Down log (caller -> callee) after the `Open`: `message` (a follow-up, e.g.
 //! an answer to `input-required`), and `Cancel` frames whose payload is
 //! `{"reason": "..."}`.
+//!
+//! This module owns these payload shapes and nothing else.
+//!
+//! Never: decides anything about what it carries: a `result` event holds the
+//! callee's envelope as sent, and only [`crate::caller::Caller::verify`] makes
+//! it a result.
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};

@@ -4,6 +4,9 @@
 //! The file's format ([`Identity::to_file_string`],
 //! [`Identity::from_file_str`]) belongs to `oab-wire`; this module owns only
 //! the file system side, and never logs or prints the secret.
+//!
+//! Never: overwrites an identity file (`save` creates a new file only), and
+//! never reads one that group or others can read.
 
 use std::io::Write as _;
 use std::path::Path;

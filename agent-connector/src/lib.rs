@@ -16,6 +16,11 @@
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
 //! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
+//!
+//! Never: trusts the relay with authority or results: signed requests and
+//! results are verified against the peers' keys in the local configuration
+//! (`ConnectorOptions::trust`), and the relay's route ceiling can only refuse
+//! more, never allow more.
 
 pub mod a2a;
 pub mod audit;

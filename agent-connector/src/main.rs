@@ -1,5 +1,12 @@
 //! `oab-connector`: make an identity, check a configuration, or run the
 //! connector beside an OAB host.
+//!
+//! It owns the command line, reading the configuration and the identity, and
+//! wiring the connector, the A2A driver (callee side) and the A2A facade
+//! (caller side) for `run`.
+//!
+//! Never: runs on a configuration that failed validation, and never overwrites
+//! an identity file (`keygen` refuses an existing one).
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -34,6 +34,9 @@
 //! Only verified requests go into the cache (verify first, see
 //! [`crate::profile::verify_open_request`]), so unauthenticated input cannot
 //! fill it.
+//!
+//! Never: evicts a live entry to make room, and never forgets an entry while
+//! its request could still be accepted.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;

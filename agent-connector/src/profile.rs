@@ -25,6 +25,10 @@
 //!
 //! **No credentials.** A request whose task carries credentials, environment
 //! or session handles is refused ([`find_credential_field`]).
+//!
+//! Never: parses a request or a result that [`Envelope::verify`] has not handed
+//! out, and does no I/O: no socket, no file, no clock (every check takes
+//! `now_ms`).
 
 use oab_wire::envelope::{EnvelopeError, REQUEST_TYPE, RESULT_TYPE};
 use oab_wire::identity::{Identity, TrustStore};

@@ -13,6 +13,9 @@
 //!
 //! Files are written to a temporary name and renamed, so a crash leaves the
 //! old or the new version, never a torn one.
+//!
+//! Never: rewrites a file in place, and never stores a follow-up message or a
+//! cancel.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

@@ -4,6 +4,13 @@
 //! Unknown fields are errors (`deny_unknown_fields`), every default is named
 //! here, and [`Config::validate`] reports every problem at once, each naming
 //! its field (`routes[2].to: peer acme/x is not configured`).
+//!
+//! It also owns [`Directory`]: the peers' keys and the routes in lookup form,
+//! which the handshake and the session consult.
+//!
+//! Never: opens a socket, touches the store or reads a key or certificate file:
+//! it holds the peers' public keys and the paths of the TLS files (`tls.rs`
+//! reads those). Never stops validating at the first bad field.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;

@@ -5,6 +5,9 @@
 //!
 //! Never use a development setup in production: its certificate is
 //! self-signed and its identities sit next to the relay config.
+//!
+//! Never: overwrites a setup: a folder that has its `relay.toml` is reused as
+//! it is, and the config is written last, once it validated.
 
 use std::path::{Path, PathBuf};
 

@@ -25,6 +25,13 @@
 //!   cleanly is a [`Departure`]: the others resynchronise from the store;
 //! - competes for the sweeper lease; the holder runs the fleet-wide lifecycle
 //!   work (deadlines, `unknown` after the grace period, retention).
+//!
+//! Never: touches a delegation's log, view or payload: it knows peers,
+//! sessions, claim generations and instances only, and the hub acts on what it
+//! reports. Never blocks the Redis client's reader: a wake message that finds
+//! its link's queue full is dropped and the link flagged
+//! (`Fleet::take_overflow`), and the wake loop then resynchronises from the
+//! store.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};

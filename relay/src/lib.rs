@@ -16,6 +16,11 @@
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`dev`] | the quick start: development certificate, identities, config |
+//!
+//! Never: parses or rewrites a delegation frame's payload. The relay stores,
+//! forwards and replays the exact bytes a peer sent; it reads headers only,
+//! hashes an `Open`'s payload to check its digest, and stamps the route's
+//! capability ceiling into the `Open`'s header.
 
 pub mod config;
 pub mod dev;

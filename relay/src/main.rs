@@ -1,4 +1,12 @@
 //! `oab-relay`: run the relay, or check a configuration.
+//!
+//! It owns the command line (flags, `--set`, environment overrides), the
+//! runtime, binding the listeners, choosing the store and the shutdown signals;
+//! the relay itself is `oab_relay::run`.
+//!
+//! Never: serves with a configuration that failed validation: the file, the
+//! flags and the environment are merged and validated first
+//! (`Config::from_toml_with_overrides`).
 
 use std::path::PathBuf;
 use std::sync::Arc;

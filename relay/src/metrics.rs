@@ -1,6 +1,12 @@
 //! Prometheus metrics. Labels come only from fixed sets (frame types, close
 //! codes, outcomes) and from configured peer ids, never from anything a
 //! client claims, so an attacker cannot create series.
+//!
+//! It owns the registry, the counters of the frame path resolved once at start
+//! (`Metrics::hot`), and the text rendered for `/metrics`.
+//!
+//! Never: takes a label value from a frame, or from a handshake before it
+//! authenticated: labels are fixed names or configured peer ids.
 
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,

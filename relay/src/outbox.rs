@@ -13,6 +13,12 @@
 //!   receiver that took nothing off a full queue for `stall` is closed with
 //!   `slow_consumer`; it resumes from its cursor after reconnecting, and
 //!   nothing is lost because every frame is in the log.
+//!
+//! Never: blocks a live pusher: `Outbox::push` and `Outbox::push_data` only
+//! `try_send`, so the hub can call them under a view's lock; a full control
+//! lane closes the session, a full data lane answers `Pushed::Full` and the hub
+//! replays instead. Only a replay waits for room (`Outbox::send_data`), and it
+//! gives up once the writer took nothing off the data lane for `stall`.
 
 use parking_lot::Mutex;
 use std::sync::Arc;

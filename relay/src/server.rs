@@ -3,6 +3,17 @@
 //! caps connections and handshakes, rate-limits source addresses, and hands
 //! authenticated sessions to [`crate::session`]. Also the admin listener and
 //! the lifecycle sweeper.
+//!
+//! It owns the tasks that live as long as the relay: the wake subscriber loops
+//! (`wake_loop`, one per store URL), the fleet liveness tick, the sweeper, the
+//! pruning of the rate limiters' per-address and per-peer state, and the drain
+//! at shutdown.
+//!
+//! Never: waits in the accept loop for anything a client controls: TLS, the
+//! upgrade and the session handshake run in the connection's own task under one
+//! deadline, and a connection over the per-address rate, the connection cap or
+//! the handshake cap is dropped at once (`try_acquire_owned`, never a queue).
+//! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
 use std::net::IpAddr;

@@ -6,6 +6,21 @@
 //! before authentication, text messages and undecodable frames close the
 //! connection with a typed close code; frames that are valid but refused get
 //! an `Error` frame and the session continues.
+//!
+//! It owns the path of a peer's frames into the relay: a batch is decoded
+//! (`decode_into_batch`) and rate-checked once, each log frame is checked
+//! against its delegation's view (`stage`, `check`) and staged, the staged
+//! frames go to the store in one pipelined `EventStore::append` (`flush`), and
+//! each durable entry is handed to the hub (`Hub::appended`) and acknowledged
+//! with one cumulative `Ack` per log. An `Open` is answered by `open`:
+//! idempotency check, route, depth, deadline, size, digest, caps,
+//! `EventStore::open`, `Hub::created`.
+//!
+//! Never: acknowledges a frame the store has not made durable: an `Ack` follows
+//! an `Appended` or `Duplicate` outcome of `EventStore::append`, or a
+//! delegation `EventStore::open` created or already held; a failed append is
+//! answered with `store_unavailable`, never with an ack. Never reads a
+//! delegation payload beyond its length and, for an `Open`, its digest.
 
 use parking_lot::Mutex;
 use std::sync::Arc;

@@ -1,5 +1,9 @@
 //! TLS for the relay listener (rustls, TLS 1.3 only, ring provider) and the
 //! development certificate of the quick start.
+//!
+//! Never: offers a protocol version below TLS 1.3, or asks a client for a
+//! certificate: peers authenticate in the session handshake, bound to the TLS
+//! session by its exporter value (`exporter_value`).
 
 use std::path::Path;
 use std::sync::Arc;

@@ -6,6 +6,11 @@
 //! "do not retry"** until an operator fixed something (a key, a clock, a
 //! version, the config). A connector decides what to do from the range alone,
 //! so new codes stay safe for old connectors.
+//!
+//! Never: decides more about a code than the range rule
+//! (`close_code_should_reconnect`) and `ErrorCode::is_retryable`: a code is a
+//! number and a stable snake_case name, and the text a peer reads travels
+//! beside it.
 
 use std::fmt;
 

@@ -22,6 +22,10 @@
 //! - a clean end of input between frames differs from an end mid-frame
 //!   ([`FrameDecoder::decode_eof`]);
 //! - no input makes the decoder panic or allocate more than the limits allow.
+//!
+//! Never: allocates or buffers for a frame before its 8-byte prefix passed the
+//! version, type and length checks, and never copies a payload: a decoded
+//! frame's payload and ids are slices of the received message.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 

@@ -1,4 +1,7 @@
 //! SHA-256 digests of exact bytes.
+//!
+//! Never: hashes anything but the exact bytes given: no re-serialisation, no
+//! normalisation, so a digest names one byte string.
 
 use std::fmt;
 

@@ -19,6 +19,9 @@
 //! **Verify, then parse**: an [`Envelope`] does not expose its payload; only
 //! [`Envelope::verify`] hands out the bytes, and only after the signature
 //! checked out, so no code path can parse unverified bytes.
+//!
+//! Never: hands out payload bytes before the signature verified (strict
+//! ed25519) under a key of the expected signer that is valid at the given time.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;

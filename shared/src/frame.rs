@@ -4,6 +4,12 @@
 //! a small typed header the relay reads, and an opaque payload the relay never
 //! parses (it forwards the very bytes it received). The byte layout is in
 //! [`crate::codec`] and `docs/protocol.md`.
+//!
+//! It owns the frame types, their header fields and the enums on the wire
+//! (directions, outcomes, bindings, gap reasons).
+//!
+//! Never: encodes or decodes bytes (that is `codec`), and never gives a payload
+//! a type: whatever a frame carries, its payload is `Bytes`.
 
 use std::fmt;
 

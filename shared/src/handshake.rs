@@ -15,6 +15,10 @@
 //! bound to the TLS session with the RFC 9266 `tls-exporter` value unless the
 //! relay runs behind a TLS-terminating load balancer (explicit
 //! [`Binding::ChallengeOnly`]).
+//!
+//! Never: accepts a challenge nonce twice (the ledger consumes it, and holds at
+//! most `capacity` outstanding), a hello without TLS binding when the policy
+//! requires one, or a key outside its validity window.
 
 use std::collections::HashMap;
 

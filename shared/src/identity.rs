@@ -16,6 +16,11 @@
 //! **Public key text**: `ed25519:` followed by the 32-byte key in unpadded
 //! base64url. This is what goes into the relay's and the other connectors'
 //! peer configuration.
+//!
+//! Never: shows a secret key (`Debug` redacts it), and never touches the file
+//! system: this is the file's text form only; writing and reading the file with
+//! its permissions is the connector's `keyfile` module (and the relay's quick
+//! start, for its development identities).
 
 use std::fmt;
 

@@ -4,6 +4,9 @@
 //! String ids are ASCII with a restricted alphabet, validated once when they
 //! are made or decoded, and backed by [`Bytes`] so decoding a frame slices
 //! them out of the received message without copying.
+//!
+//! Never: holds a value that failed its check: every way to make an id (`new`,
+//! `from_bytes`, `FromStr`, `Deserialize`) validates it.
 
 use std::fmt;
 

@@ -18,6 +18,11 @@
 //! | [`envelope`] | signed envelopes (DSSE-style) for requests and results |
 //!
 //! The protocol itself is specified in `docs/protocol.md`.
+//!
+//! Never: opens a socket or a file, spawns a task or keeps global state: every
+//! function works on the values it is given (the clock is read only by
+//! `identity::now_ms`, for the callers that ask, and the operating system's
+//! randomness only where keys, nonces and ids are made).
 
 #![deny(clippy::indexing_slicing, clippy::panic, clippy::unwrap_used)]
 

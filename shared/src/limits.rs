@@ -4,6 +4,10 @@
 //! of a frame is buffered (see [`crate::codec`]). The relay publishes the
 //! limits it enforces in its `Welcome`, so a connector can refuse locally what
 //! the relay would refuse remotely.
+//!
+//! Never: holds a limit that needs more than the prefix to check, and
+//! [`Limits::validate`] never admits a header limit under [`MIN_HEADER_LIMIT`]
+//! or a payload limit over [`MAX_PAYLOAD_CEILING`].
 
 /// Length of the fixed frame prefix: version (1), type (1), header length (2),
 /// payload length (4).

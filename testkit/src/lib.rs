@@ -8,6 +8,10 @@
 //!
 //! The relay and the connector take this crate as a dev-dependency only;
 //! `oab-loadtest`, itself a test tool, depends on it.
+//!
+//! Never: a dependency of a production crate, and never a mock: every helper
+//! runs the real program (`redis-server`) or speaks the real protocol over a
+//! real socket.
 
 pub mod raw_client;
 #[cfg(unix)]

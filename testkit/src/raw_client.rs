@@ -1,6 +1,10 @@
 //! A minimal protocol client: TLS, WebSocket upgrade, session handshake, then
 //! raw frames. Used by the relay's tests, the load tester and for debugging;
 //! OAB hosts use the `oab-connector` crate instead.
+//!
+//! Never: retries, resends or reorders anything: it sends exactly the frames
+//! (or the raw bytes, `send_raw`) a test gives it, so a test can send what a
+//! real connector never would.
 
 use std::sync::Arc;
 

@@ -14,6 +14,10 @@
 //! AOF. The harness assigns the slots and introduces the nodes itself, with
 //! `CLUSTER ADDSLOTSRANGE` and `CLUSTER MEET` (no `redis-cli` needed), then
 //! waits until every node reports the cluster ok.
+//!
+//! Never: leaves a `redis-server` running after its handle is dropped, and
+//! never takes a fixed sleep for readiness: it polls (`PING`, `CLUSTER INFO`) a
+//! bounded number of times and reports the server's log when it gives up.
 
 use std::fmt;
 use std::io::{self, Read, Write};

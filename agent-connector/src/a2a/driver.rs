@@ -15,6 +15,11 @@
 //! sends `CancelTask` and waits a bounded time for the server's terminal.
 //!
 //! Plain HTTP only (the server is on loopback; no TLS code is linked in).
+//!
+//! Never: sends the terminal or signs anything: it returns an [`Execution`],
+//! and the callee runtime signs the result and appends the terminal. Never
+//! forwards the caller's signed envelope to the local server: the server gets
+//! the task's message, with the effective authority in its metadata.
 
 use parking_lot::Mutex;
 use std::future::Future;

@@ -7,6 +7,9 @@
 //! is an array holding one ErrorInfo (`@type`, `reason`, `domain`,
 //! `metadata`), as the 1.0 binding asks (SPEC §9.5). Internal details are
 //! logged, never sent.
+//!
+//! Never: answers a method or reads the task table: it parses and builds
+//! envelopes and maps errors; the methods live in the facade.
 
 use serde_json::{Map, Value, json};
 

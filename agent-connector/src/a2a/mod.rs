@@ -17,6 +17,10 @@
 //! - callee side: `A2aDriver::new(DriverOptions::new(url))` as the
 //!   [`crate::CalleeOptions::executor`], and [`driver::A2aDriver::agent_card`]
 //!   published with [`crate::Connector::publish`] so callers' facades can show it.
+//!
+//! Never: lets A2A decide authority: a client's delegation contract is a
+//! request that the caller's `authorize_outgoing` checks like any other, and
+//! the A2A server behind the driver runs only what the callee runtime accepted.
 
 pub mod driver;
 pub mod facade;

@@ -5,6 +5,10 @@
 //! A2A objects are handled as JSON values (camelCase, ProtoJSON enum
 //! strings), not as typed structs: the facade and the driver forward
 //! members they do not know, as the spec asks servers to tolerate them.
+//!
+//! Never: keeps state or touches a socket or a file, and never indexes into a
+//! JSON value: every member is read with `get` and a fallback, so no client's
+//! or server's JSON can make these functions panic.
 
 use serde_json::{Map, Value, json};
 

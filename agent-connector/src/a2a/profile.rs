@@ -12,6 +12,10 @@
 //!
 //! Without activation none of this is read or written: the facade is plain
 //! A2A 1.0.
+//!
+//! Never: grants anything: a contract only states what the client asks for (the
+//! caller's `authorize_outgoing` decides), a contract member this version does
+//! not know is refused, and so is a depth other than 1.
 
 use std::time::Duration;
 

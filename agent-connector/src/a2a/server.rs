@@ -2,6 +2,10 @@
 //! tests), until a shutdown token fires. Open SSE streams end when it fires,
 //! so the graceful shutdown is not held up by subscribers; the delegations
 //! behind them go on.
+//!
+//! Never: binds a port or chooses an address: the caller hands in the listener
+//! (the `oab-connector` binary binds `a2a.facade_listen`, which its
+//! configuration keeps on loopback).
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

@@ -11,6 +11,9 @@
 //! is forgotten (an unfinished one never is). At most `max_events` events
 //! per task: past that the oldest is dropped, and a cursor before the first
 //! kept event is reported as a gap, never skipped silently.
+//!
+//! Never: forgets an unfinished task, skips an event silently, or awaits:
+//! everything here is synchronous.
 
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, VecDeque};

@@ -18,6 +18,12 @@
 //! | `N` | `<d\|u>\|<tail>\|<caller>#<request_id>` | the log has entries up to `tail`: a receiver behind it replays from the store |
 //! | `T` | `<generation>\|<session>\|<node>` | the peer's session moved: an instance holding an older generation closes it (`replaced`) |
 //! | `P` | `<peer>` | a peer this one may reach came or went: push a fresh `Peers` frame |
+//!
+//! Never: decides anything about a session: the store records claims, liveness
+//! and leases and publishes messages; closing a superseded session and
+//! resynchronising are the hub's. A wake message is never the only copy of
+//! anything: an entry it carries is in its log first, so a lost message costs a
+//! resynchronisation, never data.
 
 use std::future::Future;
 

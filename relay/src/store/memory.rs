@@ -1,5 +1,10 @@
 //! The in-memory store: one process, lost on restart, otherwise the same
 //! semantics as the Redis store (the shared conformance tests run both).
+//!
+//! Never: awaits while it holds its lock: every operation runs to its end under
+//! one `parking_lot` mutex, which is what makes each one atomic. Never
+//! publishes a wake-up: a memory store is never shared, so it keeps the
+//! `FleetStore` defaults.
 
 use parking_lot::Mutex;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};

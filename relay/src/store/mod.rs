@@ -23,6 +23,10 @@
 //! - logs are capped at `max_log_entries` (oldest trimmed; a reader asking
 //!   for trimmed entries gets a `Gap`), finished delegations are dropped
 //!   `finished_ttl_ms` after their terminal.
+//!
+//! Never: parses or changes an entry: frames go in and come out as the exact
+//! bytes given. Checking who may append is the session's, delivering is the
+//! hub's.
 
 pub mod fleet;
 pub mod memory;
