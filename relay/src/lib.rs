@@ -12,6 +12,7 @@
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
+//! | [`refusal`] | every refused frame's `Error` code and text, in one place |
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
@@ -28,6 +29,7 @@ pub mod fleet;
 pub mod hub;
 pub mod metrics;
 pub mod outbox;
+pub mod refusal;
 pub mod server;
 pub mod session;
 pub mod store;

@@ -32,8 +32,8 @@ use governor::DefaultKeyedRateLimiter;
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
 use oab_wire::handshake::{ChannelBinding, HandshakePolicy, NonceLedger, ServerHandshake};
 use oab_wire::{
-    Ack, CloseCode, DelegationCursor, DelegationKey, Digest, Direction, ErrorCode, Frame, Limits,
-    Outcome, PeerId, SessionId, Welcome, decode_message, encode,
+    Ack, CloseCode, DelegationCursor, DelegationKey, Digest, Direction, Frame, Limits, Outcome,
+    PeerId, SessionId, Welcome, decode_message, encode,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::WebSocketStream;
@@ -44,6 +44,7 @@ use tracing::{Instrument as _, debug, info, warn};
 
 use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
 use crate::outbox::{Inbox, outbox};
+use crate::refusal::Refusal;
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
 
 /// Frames read from the socket before a batch is processed.
@@ -513,16 +514,9 @@ impl<S: EventStore> Session<S> {
         }
     }
 
-    fn error(
-        &self,
-        code: ErrorCode,
-        key: Option<&DelegationKey>,
-        dir: Direction,
-        seq: u64,
-        message: &str,
-    ) {
-        self.hub
-            .error(&self.me.outbox, code, key, dir, seq, message);
+    /// Refuses the frame at `seq` of `key`'s `dir` log with an `Error` frame.
+    fn refuse(&self, refusal: Refusal, key: Option<&DelegationKey>, dir: Direction, seq: u64) {
+        self.hub.refuse(&self.me.outbox, refusal, key, dir, seq);
     }
 
     async fn handle(&mut self, (raw, frame): (Bytes, Frame)) {
@@ -555,15 +549,13 @@ impl<S: EventStore> Session<S> {
                 self.push(&Frame::Peers(payload));
             }
             Frame::Publish(descriptor) => Box::pin(self.publish(descriptor)).await,
-            other => self.error(
-                ErrorCode::ProtocolViolation,
+            other => self.refuse(
+                Refusal::NotForTheRelay {
+                    frame: other.frame_type(),
+                },
                 None,
                 Direction::Down,
                 0,
-                &format!(
-                    "{} frames are sent by the relay, not to it",
-                    other.frame_type().name()
-                ),
             ),
         }
     }
@@ -587,13 +579,7 @@ impl<S: EventStore> Session<S> {
                 .rate_limited
                 .with_label_values(&["peer"])
                 .inc();
-            self.error(
-                ErrorCode::RateLimited,
-                Some(&key),
-                dir,
-                seq,
-                "frame rate over quota; resend later",
-            );
+            self.refuse(Refusal::RateLimited, Some(&key), dir, seq);
             return;
         }
         let cached = self
@@ -623,8 +609,8 @@ impl<S: EventStore> Session<S> {
                 None => return,
             }
         };
-        if let Some((code, message)) = refusal {
-            self.error(code, Some(&key), dir, seq, message);
+        if let Some(refusal) = refusal {
+            self.refuse(refusal, Some(&key), dir, seq);
             return;
         }
         self.pending.push(Pending {
@@ -651,23 +637,17 @@ impl<S: EventStore> Session<S> {
         terminal: Option<Outcome>,
         flags: u8,
         len: usize,
-    ) -> (Option<PeerId>, Option<(ErrorCode, &'static str)>) {
+    ) -> (Option<PeerId>, Option<Refusal>) {
         let wake = self.hub.wake_for(l, dir);
         let refusal = if l.sender(dir) != &self.me.peer {
             // Answered exactly like a missing delegation.
-            Some((ErrorCode::UnknownDelegation, "no such delegation"))
+            Some(Refusal::NoSuchDelegation)
         } else if flags & FLAG_RELAY_ORIGIN != 0 {
-            Some((
-                ErrorCode::ProtocolViolation,
-                "the relay-origin flag is set by the relay only",
-            ))
+            Some(Refusal::RelayOriginFlag)
         } else if terminal == Some(Outcome::Unknown) {
-            Some((
-                ErrorCode::ProtocolViolation,
-                "unknown is appended by the relay only",
-            ))
+            Some(Refusal::UnknownOutcome)
         } else if len > l.max_payload as usize {
-            Some((ErrorCode::PayloadTooLarge, "payload over the route's limit"))
+            Some(Refusal::PayloadTooLarge)
         } else {
             None
         };
@@ -684,24 +664,12 @@ impl<S: EventStore> Session<S> {
                 Some(l)
             }
             Ok(None) => {
-                self.error(
-                    ErrorCode::UnknownDelegation,
-                    Some(key),
-                    dir,
-                    seq,
-                    "no such delegation",
-                );
+                self.refuse(Refusal::NoSuchDelegation, Some(key), dir, seq);
                 None
             }
             Err(e) => {
                 warn!(error = %e, "store unavailable");
-                self.error(
-                    ErrorCode::StoreUnavailable,
-                    Some(key),
-                    dir,
-                    seq,
-                    "store unavailable; resend later",
-                );
+                self.refuse(Refusal::StoreUnavailable, Some(key), dir, seq);
                 None
             }
         }
@@ -734,12 +702,11 @@ impl<S: EventStore> Session<S> {
             Err(e) => {
                 warn!(error = %e, "append failed; nothing acknowledged");
                 for p in &pending {
-                    self.error(
-                        ErrorCode::StoreUnavailable,
+                    self.refuse(
+                        Refusal::StoreUnavailable,
                         Some(&p.req.key),
                         p.req.dir,
                         p.req.seq,
-                        "store unavailable; resend later",
                     );
                 }
                 return;
@@ -771,35 +738,20 @@ impl<S: EventStore> Session<S> {
                 }
                 AppendOutcome::Hole { tail } => {
                     self.hub.hole(&view, &req.key, req.dir, tail);
-                    self.error(
-                        ErrorCode::SequenceGap,
-                        Some(&req.key),
-                        req.dir,
-                        tail,
-                        "sequence skips ahead of the log; resend from seq+1 of this error",
-                    );
+                    self.refuse(Refusal::SequenceGap, Some(&req.key), req.dir, tail);
                 }
-                AppendOutcome::AlreadyTerminal { outcome } => self.error(
-                    ErrorCode::AlreadyTerminal,
+                AppendOutcome::AlreadyTerminal { outcome } => self.refuse(
+                    Refusal::AlreadyTerminal { outcome },
                     Some(&req.key),
                     req.dir,
                     req.seq,
-                    &format!("the delegation already ended: {outcome}"),
                 ),
-                AppendOutcome::Unavailable => self.error(
-                    ErrorCode::StoreUnavailable,
-                    Some(&req.key),
-                    req.dir,
-                    req.seq,
-                    "store unavailable; resend later",
-                ),
-                AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => self.error(
-                    ErrorCode::UnknownDelegation,
-                    Some(&req.key),
-                    req.dir,
-                    req.seq,
-                    "no such delegation",
-                ),
+                AppendOutcome::Unavailable => {
+                    self.refuse(Refusal::StoreUnavailable, Some(&req.key), req.dir, req.seq)
+                }
+                AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => {
+                    self.refuse(Refusal::NoSuchDelegation, Some(&req.key), req.dir, req.seq)
+                }
             }
         }
         self.send_acks();
@@ -831,15 +783,12 @@ impl<S: EventStore> Session<S> {
     async fn open(&mut self, open: oab_wire::Open, raw: Bytes) {
         let hub = self.hub.clone();
         let key = open.key.clone();
-        let refuse = |s: &Self, code: ErrorCode, message: &str| {
-            s.error(code, Some(&key), Direction::Down, 1, message);
+        // An open is refused about seq 1 of its down log.
+        let refuse = |s: &Self, refusal: Refusal| {
+            s.refuse(refusal, Some(&key), Direction::Down, 1);
         };
         if open.key.caller != self.me.peer {
-            return refuse(
-                self,
-                ErrorCode::ProtocolViolation,
-                "an open names its sender as caller",
-            );
+            return refuse(self, Refusal::OpenForAnotherCaller);
         }
         // An idempotent retry is answered from the store before any check
         // that could have changed since the first attempt (deadline, caps).
@@ -847,79 +796,40 @@ impl<S: EventStore> Session<S> {
             Ok(Some(m)) if m.digest == open.digest => {
                 return self.reopened(key).await;
             }
-            Ok(Some(_)) => {
-                return refuse(
-                    self,
-                    ErrorCode::IdempotencyMismatch,
-                    "this request id was used with a different payload",
-                );
-            }
+            Ok(Some(_)) => return refuse(self, Refusal::IdempotencyMismatch),
             Ok(None) => {}
             Err(e) => {
                 warn!(error = %e, "store unavailable");
-                return refuse(
-                    self,
-                    ErrorCode::StoreUnavailable,
-                    "store unavailable; resend later",
-                );
+                return refuse(self, Refusal::StoreUnavailable);
             }
         }
         let Some(route) = hub.directory.route(&self.me.peer, &open.target) else {
-            return refuse(
-                self,
-                ErrorCode::RouteDenied,
-                "no route from this peer to the target",
-            );
+            return refuse(self, Refusal::NoRoute);
         };
         if open.depth == 0 || open.depth > route.max_depth {
-            return refuse(
-                self,
-                ErrorCode::DepthExceeded,
-                &format!("depth must be 1..={}", route.max_depth),
-            );
+            let max_depth = route.max_depth;
+            return refuse(self, Refusal::DepthExceeded { max_depth });
         }
         let now = oab_wire::identity::now_ms();
         if open.deadline_ms <= now || open.deadline_ms > now.saturating_add(route.max_deadline_ms) {
-            return refuse(
-                self,
-                ErrorCode::InvalidDeadline,
-                &format!(
-                    "deadline must be in the future and at most {} ms away",
-                    route.max_deadline_ms
-                ),
-            );
+            let max_deadline_ms = route.max_deadline_ms;
+            return refuse(self, Refusal::InvalidDeadline { max_deadline_ms });
         }
         let max_payload = route.max_payload.unwrap_or(hub.config.limits.max_payload);
         if open.payload.len() > max_payload as usize {
-            return refuse(
-                self,
-                ErrorCode::PayloadTooLarge,
-                "payload over the route's limit",
-            );
+            return refuse(self, Refusal::PayloadTooLarge);
         }
         if Digest::of(&open.payload) != open.digest {
-            return refuse(
-                self,
-                ErrorCode::DigestMismatch,
-                "digest is not the SHA-256 of the payload",
-            );
+            return refuse(self, Refusal::DigestMismatch);
         }
         if self.batch_limited {
             hub.metrics.rate_limited.with_label_values(&["peer"]).inc();
-            return refuse(
-                self,
-                ErrorCode::RateLimited,
-                "frame rate over quota; resend later",
-            );
+            return refuse(self, Refusal::RateLimited);
         }
         let ceiling = route.ceiling.join(",");
         let route_max = route.max_open;
         if !hub.may_open(&self.me.peer, &open.target, route_max) {
-            return refuse(
-                self,
-                ErrorCode::TooManyDelegations,
-                "too many open delegations; retry later",
-            );
+            return refuse(self, Refusal::TooManyDelegations);
         }
         let frame = if open.ceiling == ceiling {
             raw
@@ -930,13 +840,7 @@ impl<S: EventStore> Session<S> {
             });
             match encode(&stamped) {
                 Ok(b) => b,
-                Err(_) => {
-                    return refuse(
-                        self,
-                        ErrorCode::Internal,
-                        "could not stamp the capability ceiling",
-                    );
-                }
+                Err(_) => return refuse(self, Refusal::CeilingNotStamped),
             }
         };
         let req = OpenRequest {
@@ -960,18 +864,10 @@ impl<S: EventStore> Session<S> {
                 self.record_ack(key, Direction::Down, 1);
             }
             Ok(OpenOutcome::Existing(_)) => return self.reopened(key).await,
-            Ok(OpenOutcome::Mismatch(_)) => refuse(
-                self,
-                ErrorCode::IdempotencyMismatch,
-                "this request id was used with a different payload",
-            ),
+            Ok(OpenOutcome::Mismatch(_)) => refuse(self, Refusal::IdempotencyMismatch),
             Err(e) => {
                 warn!(error = %e, "open failed; nothing acknowledged");
-                refuse(
-                    self,
-                    ErrorCode::StoreUnavailable,
-                    "store unavailable; resend later",
-                );
+                refuse(self, Refusal::StoreUnavailable);
             }
         }
         self.send_acks();
@@ -982,13 +878,7 @@ impl<S: EventStore> Session<S> {
     async fn reopened(&mut self, key: DelegationKey) {
         if let Err(e) = self.hub.reopened(&key, &self.me).await {
             warn!(error = %e, "store unavailable");
-            self.error(
-                ErrorCode::StoreUnavailable,
-                Some(&key),
-                Direction::Down,
-                1,
-                "store unavailable; resend later",
-            );
+            self.refuse(Refusal::StoreUnavailable, Some(&key), Direction::Down, 1);
             return;
         }
         self.record_ack(key, Direction::Down, 1);
@@ -1014,13 +904,7 @@ impl<S: EventStore> Session<S> {
                 }
                 Err(e) => {
                     warn!(error = %e, "store unavailable");
-                    self.error(
-                        ErrorCode::StoreUnavailable,
-                        Some(&key),
-                        dir,
-                        after,
-                        "store unavailable; resume later",
-                    );
+                    self.refuse(Refusal::StoreUnavailableOnResume, Some(&key), dir, after);
                     return;
                 }
             };
@@ -1048,34 +932,16 @@ impl<S: EventStore> Session<S> {
     async fn publish(&mut self, descriptor: Bytes) {
         let hub = self.hub.clone();
         if descriptor.len() > hub.config.limits.max_descriptor {
-            self.error(
-                ErrorCode::DescriptorTooLarge,
-                None,
-                Direction::Down,
-                0,
-                "descriptor over the relay's limit",
-            );
+            self.refuse(Refusal::DescriptorTooLarge, None, Direction::Down, 0);
             return;
         }
         if serde_json::from_slice::<serde_json::Value>(&descriptor).is_err() {
-            self.error(
-                ErrorCode::ProtocolViolation,
-                None,
-                Direction::Down,
-                0,
-                "a descriptor is a JSON document",
-            );
+            self.refuse(Refusal::DescriptorNotJson, None, Direction::Down, 0);
             return;
         }
         match hub.store.put_descriptor(&self.me.peer, descriptor).await {
             Ok(()) => hub.announce_presence(&self.me.peer),
-            Err(_) => self.error(
-                ErrorCode::StoreUnavailable,
-                None,
-                Direction::Down,
-                0,
-                "store unavailable; publish later",
-            ),
+            Err(_) => self.refuse(Refusal::StoreUnavailableOnPublish, None, Direction::Down, 0),
         }
     }
 }

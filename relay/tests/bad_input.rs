@@ -141,17 +141,68 @@ async fn oversized_and_malformed_frames_close_with_their_codes() {
 }
 
 both_stores! {
-    invalid_opens_and_log_frames_get_typed_errors => invalid_opens;
+    refused_frames_get_their_error_codes_and_texts => refused_frames;
 }
 
-async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
+/// The next `Error` frame's code and message (other frames are skipped).
+async fn next_refusal(c: &mut RawClient) -> (u16, String) {
+    recv_until(c, |f| match f {
+        Frame::Error(e) => Some((e.code, e.message.clone())),
+        _ => None,
+    })
+    .await
+}
+
+fn refusal(code: ErrorCode, text: &str) -> (u16, String) {
+    (code.as_u16(), text.to_string())
+}
+
+/// Every refusal a peer can provoke without breaking the store arrives as an
+/// `Error` frame with its documented code and exactly its text (connectors
+/// and operators match on both), and the session stays usable throughout.
+async fn refused_frames<S: oab_relay::store::EventStore>(store: Arc<S>) {
     let env = TestEnv::new("");
     let relay = TestRelay::start(&env, store).await;
     let mut a = relay.client(&env.caller).await;
-    let errs = |f: &Frame| match f {
-        Frame::Error(e) => Some(e.code),
-        _ => None,
-    };
+    // A frame only the relay sends.
+    a.send(&Frame::Drain(oab_wire::Drain {
+        reconnect_after_ms: 1,
+    }))
+    .await
+    .unwrap();
+    assert_eq!(
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "drain frames are sent by the relay, not to it"
+        )
+    );
+    // An open naming another caller.
+    let mut open = open_frame("e0", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.key.caller = peer(CALLEE);
+    }
+    a.send(&open).await.unwrap();
+    assert_eq!(
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "an open names its sender as caller"
+        )
+    );
+    // No route to the target.
+    let mut open = open_frame("e0", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.target = peer(OTHER);
+    }
+    a.send(&open).await.unwrap();
+    assert_eq!(
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::RouteDenied,
+            "no route from this peer to the target"
+        )
+    );
     // Wrong digest.
     let mut open = open_frame("e1", b"{}");
     if let Frame::Open(o) = &mut open {
@@ -159,18 +210,24 @@ async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
     }
     a.send(&open).await.unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::DigestMismatch.as_u16()
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::DigestMismatch,
+            "digest is not the SHA-256 of the payload"
+        )
     );
-    // Deadline in the past, depth two.
+    // Deadline in the past, depth two (the texts carry the route's bounds).
     let mut open = open_frame("e2", b"{}");
     if let Frame::Open(o) = &mut open {
         o.deadline_ms = 1;
     }
     a.send(&open).await.unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::InvalidDeadline.as_u16()
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::InvalidDeadline,
+            "deadline must be in the future and at most 86400000 ms away"
+        )
     );
     let mut open = open_frame("e3", b"{}");
     if let Frame::Open(o) = &mut open {
@@ -178,8 +235,8 @@ async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
     }
     a.send(&open).await.unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::DepthExceeded.as_u16()
+        next_refusal(&mut a).await,
+        refusal(ErrorCode::DepthExceeded, "depth must be 1..=1")
     );
     // Same request id, other payload.
     a.send(&open_frame("e4", b"{\"a\":1}")).await.unwrap();
@@ -188,17 +245,35 @@ async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
     await_ack(&mut a, "e4", Direction::Down, 1).await;
     a.send(&open_frame("e4", b"{\"a\":2}")).await.unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::IdempotencyMismatch.as_u16()
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::IdempotencyMismatch,
+            "this request id was used with a different payload"
+        )
     );
-    // A caller cannot write the callee's log, nor claim a relay terminal.
+    // A caller cannot write the callee's log: answered exactly like a
+    // delegation that does not exist (below).
     a.send(&data("e4", Direction::Up, 1, None, Bytes::new()))
         .await
         .unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::UnknownDelegation.as_u16()
+        next_refusal(&mut a).await,
+        refusal(ErrorCode::UnknownDelegation, "no such delegation")
     );
+    // Nor set the relay-origin flag.
+    let mut flagged = data("e4", Direction::Down, 2, None, Bytes::new());
+    if let Frame::Data(d) = &mut flagged {
+        d.flags = oab_wire::frame::FLAG_RELAY_ORIGIN;
+    }
+    a.send(&flagged).await.unwrap();
+    assert_eq!(
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "the relay-origin flag is set by the relay only"
+        )
+    );
+    // A callee cannot claim the relay's terminal.
     let mut b = relay.client(&env.callee).await;
     b.send(&data(
         "e4",
@@ -210,23 +285,70 @@ async fn invalid_opens<S: oab_relay::store::EventStore>(store: Arc<S>) {
     .await
     .unwrap();
     assert_eq!(
-        recv_until(&mut b, errs).await,
-        ErrorCode::ProtocolViolation.as_u16()
+        next_refusal(&mut b).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "unknown is appended by the relay only"
+        )
     );
     // Wrong sequences: a hole, then a frame for a delegation that does not exist.
     a.send(&data("e4", Direction::Down, 5, None, Bytes::new()))
         .await
         .unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::SequenceGap.as_u16()
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::SequenceGap,
+            "sequence skips ahead of the log; resend from seq+1 of this error"
+        )
     );
     a.send(&data("nope", Direction::Down, 2, None, Bytes::new()))
         .await
         .unwrap();
     assert_eq!(
-        recv_until(&mut a, errs).await,
-        ErrorCode::UnknownDelegation.as_u16()
+        next_refusal(&mut a).await,
+        refusal(ErrorCode::UnknownDelegation, "no such delegation")
+    );
+    // After the terminal, the message names the outcome.
+    b.send(&data(
+        "e4",
+        Direction::Up,
+        1,
+        Some(Outcome::Completed),
+        Bytes::new(),
+    ))
+    .await
+    .unwrap();
+    await_ack(&mut b, "e4", Direction::Up, 1).await;
+    b.send(&data("e4", Direction::Up, 2, None, Bytes::new()))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_refusal(&mut b).await,
+        refusal(
+            ErrorCode::AlreadyTerminal,
+            "the delegation already ended: completed"
+        )
+    );
+    // Descriptors: JSON, within the relay's limit.
+    b.send(&Frame::Publish(Bytes::from_static(b"not json")))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_refusal(&mut b).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "a descriptor is a JSON document"
+        )
+    );
+    let big = vec![b' '; env.config.limits.max_descriptor + 1];
+    b.send(&Frame::Publish(Bytes::from(big))).await.unwrap();
+    assert_eq!(
+        next_refusal(&mut b).await,
+        refusal(
+            ErrorCode::DescriptorTooLarge,
+            "descriptor over the relay's limit"
+        )
     );
     relay.stop().await;
 }

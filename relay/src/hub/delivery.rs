@@ -12,15 +12,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use oab_wire::{
-    CloseCode, DelegationKey, Direction, ErrorCode, Frame, Gap, GapReason, Outcome, encode,
-};
+use oab_wire::{CloseCode, DelegationKey, Direction, Frame, Gap, GapReason, Outcome, encode};
 use tracing::{Instrument as _, debug, warn};
 
 use super::views::DelegationView;
 use super::wakeups::nudge;
 use super::{Hub, SessionRef, ViewRef};
 use crate::outbox::{Outbox, Pushed};
+use crate::refusal::Refusal;
 use crate::store::{EventStore, ReadOutcome};
 
 /// Entries read from the store per replay step.
@@ -361,23 +360,24 @@ impl<S: EventStore> Hub<S> {
         }
     }
 
-    /// Sends a typed error frame about a log position.
-    pub fn error(
+    /// Sends the `Error` frame of `refusal` about a frame at a log position
+    /// (its code and text come from [`Refusal`] only).
+    pub fn refuse(
         &self,
         outbox: &Outbox,
-        code: ErrorCode,
+        refusal: Refusal,
         key: Option<&DelegationKey>,
         dir: Direction,
         seq: u64,
-        message: &str,
     ) {
+        let code = refusal.code();
         self.metrics.errors.with_label_values(&[code.name()]).inc();
         let frame = Frame::Error(oab_wire::ErrorFrame {
             code: code.as_u16(),
             key: key.cloned(),
             direction: dir,
             seq,
-            message: message.to_string(),
+            message: refusal.message().into_owned(),
         });
         if let Ok(bytes) = encode(&frame) {
             outbox.push(bytes);
