@@ -97,6 +97,19 @@ async fn facade_up(rpc: &Rpc) {
     }
 }
 
+/// Sends task `i` (message id `m-<i>`) with the profile, returning at once.
+async fn send_task(rpc: &Rpc, i: usize) -> Value {
+    rpc.call(
+        "SendMessage",
+        json!({
+            "message": message(&format!("m-{i}"), &format!("task {i}")),
+            "configuration": { "returnImmediately": true },
+        }),
+        &with_profile(&[]),
+    )
+    .await
+}
+
 /// The delegation key the facade derives for a profile message.
 fn key_of_message(env: &Env, message_id: &str) -> DelegationKey {
     let d = Digest::of(format!("{}\n{message_id}", env.callee.peer).as_bytes());
@@ -130,16 +143,7 @@ async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart
     let profile = with_profile(&[]);
     let mut ids = Vec::new();
     for i in 0..3 {
-        let r = rpc
-            .call(
-                "SendMessage",
-                json!({
-                    "message": message(&format!("m-{i}"), &format!("task {i}")),
-                    "configuration": { "returnImmediately": true },
-                }),
-                &profile,
-            )
-            .await;
+        let r = send_task(&rpc, i).await;
         let id = r["result"]["task"]["id"]
             .as_str()
             .unwrap_or_else(|| panic!("a task: {r}"))
@@ -240,16 +244,7 @@ async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart
     }
     // The same message again is the same task (the profile's idempotency).
     for (i, id) in ids.iter().enumerate() {
-        let r = rpc
-            .call(
-                "SendMessage",
-                json!({
-                    "message": message(&format!("m-{i}"), &format!("task {i}")),
-                    "configuration": { "returnImmediately": true },
-                }),
-                &profile,
-            )
-            .await;
+        let r = send_task(&rpc, i).await;
         let again: &Value = &r["result"]["task"];
         assert_eq!(
             again["metadata"][oab_connector::a2a::PROFILE_URI]["facadeTaskId"],
