@@ -24,8 +24,10 @@
 //! its field) and the peers' keys in lookup form ([`ConnectorConfig::trust`]).
 //!
 //! Never: reads the identity file or any other secret: it holds the identity
-//! file's path, and `keyfile` reads it. Never accepts a facade address off
-//! loopback: the facade has no authentication of its own.
+//! file's path, and `keyfile` reads it (the facade token file likewise, read
+//! by `oab-connector run`). Never accepts a facade address off loopback: the
+//! facade's optional token guards against other local users and web pages,
+//! not against a network.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -63,6 +65,13 @@ pub struct A2aSection {
     /// The base URL local clients use to reach the facade (in agent cards).
     #[serde(default)]
     pub public_url: Option<String>,
+    /// A file (mode 0600) holding a local bearer token: when set, every
+    /// facade request must carry `Authorization: Bearer <token>`. Read once
+    /// at start; the token is never logged. The environment variable
+    /// `OAB_CONNECTOR_FACADE_TOKEN` sets a token too (and wins over the
+    /// file).
+    #[serde(default)]
+    pub facade_token_file: Option<PathBuf>,
     /// Capabilities requested for delegations from plain A2A clients.
     #[serde(default)]
     pub default_capabilities: Vec<String>,

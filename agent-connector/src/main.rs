@@ -15,7 +15,9 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use std::sync::Arc;
 
-use oab_connector::a2a::{A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions};
+use oab_connector::a2a::{
+    A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions, FacadeToken,
+};
 use oab_connector::authority::{CapabilitySet, Grant, Policy};
 use oab_connector::callee::CalleeOptions;
 use oab_connector::config::ConnectorConfig;
@@ -171,11 +173,20 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
                 .map_or(base.timeout, Duration::from_millis),
             ..base
         };
+        let token = match std::env::var("OAB_CONNECTOR_FACADE_TOKEN") {
+            Ok(secret) => Some(FacadeToken::new(&secret).context("OAB_CONNECTOR_FACADE_TOKEN")?),
+            Err(_) => match &config.a2a.facade_token_file {
+                Some(file) => Some(FacadeToken::from_file(file)?),
+                None => None,
+            },
+        };
         let options = FacadeOptions {
             public_url: config.a2a.public_url.clone(),
+            token,
             defaults,
             ..FacadeOptions::default()
         };
+        let options_have_token = options.token.is_some();
         let facade = Facade::new(connector.caller().clone(), options);
         // Delegations an earlier process left open get their tasks back
         // before the first client asks.
@@ -192,7 +203,11 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding a2a.facade_listen {addr}"))?;
-        tracing::info!(%addr, "A2A facade listening (agents under /peers/<namespace>/<name>/)");
+        tracing::info!(
+            %addr,
+            bearer_token = options_have_token,
+            "A2A facade listening (agents under /peers/<namespace>/<name>/)"
+        );
         tokio::spawn(oab_connector::a2a::serve(
             listener,
             facade,

@@ -228,8 +228,18 @@ async fn error_codes_follow_the_spec() {
         code(&rpc.raw(r#"{"jsonrpc":"2.0","id":1}"#, V1).await.0),
         -32600
     );
-    let text_plain = [("A2A-Version", "1.0"), ("content-type", "text/plain")];
-    assert_eq!(code(&rpc.raw("{}", &text_plain).await.0), -32005);
+    // A media type other than JSON: HTTP 415 with a JSON-RPC error.
+    let resp = rpc
+        .http
+        .post(&rpc.url)
+        .header("A2A-Version", "1.0")
+        .header("content-type", "text/plain")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 415);
+    assert_eq!(code(&resp.json().await.unwrap()), -32005);
     assert_eq!(code(&rpc.call("tasks/get", json!({}), V1).await), -32601);
     assert_eq!(code(&rpc.call("NoSuchMethod", json!({}), V1).await), -32601);
     assert_eq!(code(&rpc.call("GetTask", json!({}), V1).await), -32602);

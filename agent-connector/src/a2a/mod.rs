@@ -31,7 +31,7 @@ pub mod server;
 mod tasks;
 
 pub use driver::{A2aDriver, DriverError, DriverOptions};
-pub use facade::{DelegationDefaults, Facade, FacadeOptions};
+pub use facade::{DelegationDefaults, Facade, FacadeOptions, FacadeToken, TokenError};
 pub use jsonrpc::A2aError;
 pub use profile::PROFILE_URI;
 pub use server::serve;

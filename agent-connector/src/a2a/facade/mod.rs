@@ -9,6 +9,9 @@
 //!   the JSON-RPC 2.0 binding with every 1.0 method;
 //! - `GET /peers`: the reachable peers and their card URLs.
 //!
+//! Every route first passes the browser-safety checks of `guard` (`Host`,
+//! `Origin`, `Sec-Fetch-Site`, the optional bearer token).
+//!
 //! Each `SendMessage` without a `taskId` starts one delegation; a message
 //! with a `taskId` goes down as a follow-up ([`Caller::send_message`]). One
 //! tracker task per delegation folds the connector's event log (replay, then
@@ -22,6 +25,7 @@
 //!
 //! | module | concern |
 //! |---|---|
+//! | `guard` | browser safety: `Host`, `Origin`, the optional bearer token |
 //! | `card` | agent cards and the peer list (`GET` routes) |
 //! | `rpc` | the JSON-RPC endpoint: envelope checks, the method table, replies |
 //! | `params` | reading typed members out of a method's params |
@@ -53,6 +57,7 @@ use tracker::track_delegation;
 mod cancel_task;
 mod card;
 mod get_task;
+mod guard;
 mod list_tasks;
 mod params;
 mod rpc;
@@ -62,6 +67,7 @@ mod subscribe_to_task;
 mod tracker;
 
 pub use card::build_card;
+pub use guard::{FacadeToken, TokenError};
 
 /// What a delegation asks for when the client says nothing (a plain A2A
 /// client, or a profile contract that leaves members out).
@@ -104,6 +110,10 @@ pub struct FacadeOptions {
     /// `http://127.0.0.1:7070`), used in agent cards. `None`: taken from
     /// each request's `Host` header, with `http://`.
     pub public_url: Option<String>,
+    /// The local bearer token every request must carry
+    /// (`Authorization: Bearer <token>`); `None`: no token is asked for
+    /// (the `Host`, `Origin` and media-type checks apply either way).
+    pub token: Option<FacadeToken>,
     /// Delegation defaults.
     pub defaults: DelegationDefaults,
     /// How long a new task's stream waits for the callee's first event
@@ -129,6 +139,7 @@ impl Default for FacadeOptions {
     fn default() -> Self {
         FacadeOptions {
             public_url: None,
+            token: None,
             defaults: DelegationDefaults::default(),
             first_event_wait: Duration::from_secs(1),
             cancel_wait: Duration::from_secs(10),
@@ -251,6 +262,10 @@ impl Facade {
             )
             .route("/peers/{namespace}/{name}", post(rpc::rpc))
             .route("/peers/{namespace}/{name}/", post(rpc::rpc))
+            .layer(axum::middleware::from_fn_with_state(
+                ctx.clone(),
+                guard::guard,
+            ))
             .with_state(ctx)
     }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, HeaderValue, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use oab_wire::PeerId;
@@ -71,6 +71,36 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
+/// The request must say `Content-Type: application/json` (or a `+json`
+/// type; parameters allowed). A missing type, `text/plain` and the form
+/// types are what a browser sends cross-site without a CORS preflight, so
+/// they are refused before any method runs.
+fn check_media_type(headers: &HeaderMap) -> Result<(), A2aError> {
+    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
+        return Err(A2aError::ContentTypeNotSupported(
+            "no Content-Type; the JSON-RPC binding takes application/json".into(),
+        ));
+    };
+    let media = ct
+        .to_str()
+        .unwrap_or_default()
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    if media == "application/json"
+        || (media.starts_with("application/") && media.ends_with("+json"))
+    {
+        Ok(())
+    } else {
+        Err(A2aError::ContentTypeNotSupported(format!(
+            "Content-Type {:?}; the JSON-RPC binding takes application/json",
+            media.chars().take(64).collect::<String>()
+        )))
+    }
+}
+
 /// `POST /peers/{namespace}/{name}/`: one JSON-RPC request, checked
 /// (media type, envelope, `A2A-Version`, peer), then answered by its method.
 pub(super) async fn rpc(
@@ -81,21 +111,10 @@ pub(super) async fn rpc(
     body: Bytes,
 ) -> Response {
     let profile = profile::requested(&headers);
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let media = ct
-            .to_str()
-            .unwrap_or_default()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase();
-        if !(media == "application/json" || media.ends_with("+json")) {
-            let e = A2aError::ContentTypeNotSupported(format!(
-                "Content-Type {media:?}; the JSON-RPC binding takes application/json"
-            ));
-            return json_response(&e.to_response(&Value::Null), profile);
-        }
+    if let Err(e) = check_media_type(&headers) {
+        let mut resp = json_response(&e.to_response(&Value::Null), profile);
+        *resp.status_mut() = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+        return resp;
     }
     let RpcRequest { id, method, params } = match parse_request(&body) {
         Ok(r) => r,
