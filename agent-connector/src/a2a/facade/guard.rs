@@ -326,4 +326,20 @@ mod tests {
         assert!(!t.matches("s3cre"));
         assert!(FacadeToken::new("  ").is_err());
     }
+
+    #[cfg(unix)]
+    #[test]
+    fn token_file_must_be_private() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = std::env::temp_dir().join(format!("oab-facade-token-{}", std::process::id()));
+        std::fs::write(&path, "file-secret\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = FacadeToken::from_file(&path).unwrap_err();
+        assert!(matches!(e, TokenError::Mode { mode: 0o644, .. }), "{e}");
+        assert!(!e.to_string().contains("file-secret"));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let t = FacadeToken::from_file(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(t.matches("file-secret"));
+    }
 }
