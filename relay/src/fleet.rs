@@ -46,6 +46,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
+use crate::store::redis::RedactedUrl;
 use crate::store::{Liveness, StoreError, wake_channel};
 
 /// The name of the fleet-wide sweeper lease.
@@ -78,10 +79,10 @@ pub struct Departure {
     pub kind: DepartureKind,
 }
 
-/// One wake subscriber connection and its store URL.
+/// One wake subscriber connection and its store URL (shown redacted).
 #[derive(Debug)]
 struct Link {
-    url: String,
+    url: RedactedUrl,
     /// `None` while it is (re)connecting.
     conn: Mutex<Option<MultiplexedConnection>>,
     /// Messages were dropped on a full queue since the last check.
@@ -148,7 +149,7 @@ impl Fleet {
             links: urls
                 .into_iter()
                 .map(|url| Link {
-                    url,
+                    url: RedactedUrl(url),
                     conn: Mutex::new(None),
                     overflowed: Arc::new(AtomicBool::new(false)),
                 })
