@@ -510,6 +510,23 @@ mod tests {
     }
 
     #[test]
+    fn debug_of_the_fleet_shows_no_subscriber_password() {
+        let config = crate::config::Config::from_toml_with_overrides(
+            "[relay]\nid = \"r\"\ntls_mode = \"behind-load-balancer\"\n",
+            "test",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let urls = vec![
+            "redis://:hunter2@127.0.0.1:7001".to_owned(),
+            "redis://user:hunter2@127.0.0.1:7002".to_owned(),
+        ];
+        let shown = format!("{:?}", Fleet::new(&config, urls));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("127.0.0.1:7002"), "{shown}");
+    }
+
+    #[test]
     fn the_newest_claim_wins_whatever_order_the_announcements_arrive_in() {
         let f = fleet();
         let peer = PeerId::new("acme/callee").unwrap_or_else(|_| unreachable!());
