@@ -21,6 +21,7 @@ use oab_wire::{Limits, PeerId, RelayId};
 use serde::{Deserialize, Serialize};
 
 use crate::store::Retention;
+use crate::store::redis::RedactedUrl;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -161,8 +162,8 @@ pub struct RateSection {
     pub connects_burst_per_ip: u32,
 }
 
-/// `[store]`
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// `[store]`. `Debug` shows `url` with its password replaced by `***`.
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreSection {
     /// `memory` (default: one process, lost on restart) or a Redis URL
@@ -176,6 +177,21 @@ pub struct StoreSection {
     /// How long a finished delegation stays readable after its terminal, ms.
     #[serde(default = "default_finished_ttl_ms")]
     pub finished_ttl_ms: u64,
+}
+
+impl std::fmt::Debug for StoreSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            url,
+            max_log_entries,
+            finished_ttl_ms,
+        } = self;
+        f.debug_struct("StoreSection")
+            .field("url", &RedactedUrl(url))
+            .field("max_log_entries", max_log_entries)
+            .field("finished_ttl_ms", finished_ttl_ms)
+            .finish()
+    }
 }
 
 /// `[lifecycle]`
@@ -914,6 +930,27 @@ tls_key = "key.pem"
         let bad = vec![("relay.heartbeat_ms".to_string(), "0".to_string())];
         let e = Config::from_toml_with_overrides(MINIMAL, "t", &bad).unwrap_err();
         assert!(e.to_string().contains("relay.heartbeat_ms"), "{e}");
+    }
+
+    #[test]
+    fn debug_of_a_config_shows_no_store_password() {
+        for url in [
+            "redis://:hunter2@127.0.0.1:6379/",
+            "redis-cluster://user:hunter2@h1:7001,h2:7002",
+        ] {
+            let overrides = vec![("store.url".to_string(), url.to_string())];
+            let c = Config::from_toml_with_overrides(MINIMAL, "t", &overrides).unwrap();
+            assert_eq!(c.store.url, url);
+            let shown = format!("{c:?}");
+            assert!(!shown.contains("hunter2"), "{shown}");
+            let host = if url.contains("h1") {
+                "h1:7001,h2:7002"
+            } else {
+                "127.0.0.1:6379"
+            };
+            assert!(shown.contains(host), "{shown}");
+            assert!(format!("{c:#?}").contains("max_log_entries"));
+        }
     }
 
     #[test]

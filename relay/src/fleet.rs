@@ -46,6 +46,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
+use crate::store::redis::RedactedUrl;
 use crate::store::{Liveness, StoreError, wake_channel};
 
 /// The name of the fleet-wide sweeper lease.
@@ -78,10 +79,10 @@ pub struct Departure {
     pub kind: DepartureKind,
 }
 
-/// One wake subscriber connection and its store URL.
+/// One wake subscriber connection and its store URL (shown redacted).
 #[derive(Debug)]
 struct Link {
-    url: String,
+    url: RedactedUrl,
     /// `None` while it is (re)connecting.
     conn: Mutex<Option<MultiplexedConnection>>,
     /// Messages were dropped on a full queue since the last check.
@@ -148,7 +149,7 @@ impl Fleet {
             links: urls
                 .into_iter()
                 .map(|url| Link {
-                    url,
+                    url: RedactedUrl(url),
                     conn: Mutex::new(None),
                     overflowed: Arc::new(AtomicBool::new(false)),
                 })
@@ -506,6 +507,23 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         Fleet::new(&config, vec!["redis://127.0.0.1:1/".into()])
+    }
+
+    #[test]
+    fn debug_of_the_fleet_shows_no_subscriber_password() {
+        let config = crate::config::Config::from_toml_with_overrides(
+            "[relay]\nid = \"r\"\ntls_mode = \"behind-load-balancer\"\n",
+            "test",
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let urls = vec![
+            "redis://:hunter2@127.0.0.1:7001".to_owned(),
+            "redis://user:hunter2@127.0.0.1:7002".to_owned(),
+        ];
+        let shown = format!("{:?}", Fleet::new(&config, urls));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("127.0.0.1:7002"), "{shown}");
     }
 
     #[test]

@@ -95,8 +95,9 @@ pub fn exporter_value<D>(conn: &rustls::ConnectionCommon<D>) -> Option<[u8; 32]>
         .ok()
 }
 
-/// A self-signed certificate and key, as PEM text.
-#[derive(Debug, Clone)]
+/// A self-signed certificate and key, as PEM text. `Debug` shows the
+/// certificate, never the key.
+#[derive(Clone)]
 pub struct SelfSigned {
     /// Certificate PEM.
     pub cert_pem: String,
@@ -104,6 +105,21 @@ pub struct SelfSigned {
     pub key_pem: String,
     /// The certificate in DER form (to trust it in a client).
     pub cert_der: Vec<u8>,
+}
+
+impl std::fmt::Debug for SelfSigned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            cert_pem,
+            key_pem: _,
+            cert_der,
+        } = self;
+        f.debug_struct("SelfSigned")
+            .field("cert_pem", cert_pem)
+            .field("key_pem", &"***")
+            .field("cert_der", cert_der)
+            .finish()
+    }
 }
 
 /// Generates a self-signed certificate for the given names (DNS names or IPs).
@@ -118,7 +134,8 @@ pub fn self_signed(names: &[&str]) -> Result<SelfSigned, TlsError> {
     })
 }
 
-/// Writes a file, with mode 0600 when `secret`.
+/// Writes a file, with mode 0600 when `secret`: a file that already exists
+/// gets that mode too, before the text is written into it.
 pub fn write_file(path: &Path, text: &str, secret: bool) -> Result<(), TlsError> {
     use std::io::Write as _;
     let io = |source| TlsError::Io {
@@ -133,5 +150,53 @@ pub fn write_file(path: &Path, text: &str, secret: bool) -> Result<(), TlsError>
         opts.mode(0o600);
     }
     let mut f = opts.open(path).map_err(io)?;
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::PermissionsExt as _;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(io)?;
+    }
     f.write_all(text.as_bytes()).map_err(io)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_of_self_signed_shows_no_key() {
+        let s = self_signed(&["localhost"]).unwrap();
+        let shown = format!("{s:?}");
+        let body: String = s
+            .key_pem
+            .lines()
+            .filter(|l| !l.starts_with("-----"))
+            .collect();
+        assert!(!body.is_empty());
+        assert!(!shown.contains(&body), "{shown}");
+        for line in s.key_pem.lines().filter(|l| !l.starts_with("-----")) {
+            assert!(!shown.contains(line), "{shown}");
+        }
+        assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+        assert!(shown.contains("BEGIN CERTIFICATE"), "{shown}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_secret_file_is_0600_even_when_it_existed() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key.pem");
+        std::fs::write(&path, "old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_file(&path, "secret", true).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "mode {mode:o}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "secret");
+        let fresh = dir.path().join("new.pem");
+        write_file(&fresh, "secret", true).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "mode {mode:o}");
+    }
 }

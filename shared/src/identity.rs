@@ -309,8 +309,16 @@ mod tests {
         assert_eq!(back.peer, id.peer);
         let dbg = format!("{id:?}");
         assert!(dbg.contains("redacted"));
-        let secret_b64 = URL_SAFE_NO_PAD.encode(id.signing.to_bytes());
-        assert!(!dbg.contains(&secret_b64));
+        let secret = id.signing.to_bytes();
+        let secret_b64 = URL_SAFE_NO_PAD.encode(secret);
+        let secret_hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+        let alternate = format!("{id:#?}");
+        for shown in [&dbg, &alternate] {
+            assert!(!shown.contains(&secret_b64), "{shown}");
+            assert!(!shown.to_lowercase().contains(&secret_hex), "{shown}");
+            assert!(!shown.contains(&format!("{secret:?}")), "{shown}");
+            assert!(!shown.contains(&format!("{secret:#?}")), "{shown}");
+        }
     }
 
     #[test]

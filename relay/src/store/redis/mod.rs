@@ -102,6 +102,8 @@ mod replies;
 mod scripts;
 mod url;
 
+pub use self::url::RedactedUrl;
+
 use std::time::Duration;
 
 use bytes::Bytes;

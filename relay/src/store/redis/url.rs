@@ -8,30 +8,87 @@ const CLUSTER_SCHEME: &str = "redis-cluster://";
 /// Port of a cluster seed given without one.
 const DEFAULT_PORT: u16 = 6379;
 
+/// A URL that may carry credentials: `Debug` and `Display` show it with the
+/// password replaced by `***` (see [`redact_url`]); [`RedactedUrl::as_str`]
+/// gives the URL itself, to connect with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedactedUrl<S: AsRef<str> = String>(pub S);
+
+impl<S: AsRef<str>> RedactedUrl<S> {
+    /// The URL, credentials included.
+    pub fn as_str(&self) -> &str {
+        self.0.as_ref()
+    }
+}
+
+impl<S: AsRef<str>> std::fmt::Debug for RedactedUrl<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&redact_url(self.as_str()), f)
+    }
+}
+
+impl<S: AsRef<str>> std::fmt::Display for RedactedUrl<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&redact_url(self.as_str()))
+    }
+}
+
 /// URLs that may carry credentials: shown redacted by `Debug`.
 pub(super) struct RedactedUrls(pub(super) Vec<String>);
 
 impl std::fmt::Debug for RedactedUrls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
-            .entries(self.0.iter().map(|u| redact_url(u)))
+            .entries(self.0.iter().map(RedactedUrl))
             .finish()
     }
 }
 
-/// Removes credentials (user info, `pass=` query parameters) from a URL
-/// before it goes into an error message.
+/// Query parameters whose value is a credential (the redis crate reads
+/// `pass` on `redis+unix://` URLs).
+const SECRET_PARAMS: [&str; 2] = ["pass", "password"];
+
+/// A URL with its credentials replaced by `***`, before it goes into an error
+/// message or a `Debug` output: the password of the user info
+/// (`redis://user:***@host:6379/0`) and the value of a `pass=` or
+/// `password=` query parameter. Scheme, user, hosts, ports, path and the
+/// other parameters stay. A URL whose `@` does not end a plain user info (an
+/// unencoded `/`, `?` or `#` before it) is shown as `scheme://***`: nothing
+/// in it can be told apart from a password.
 pub(super) fn redact_url(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let rest = rest.split_once('?').map_or(rest, |(path, _)| path);
-    let rest = match rest.split_once('/') {
-        Some((authority, path)) => {
-            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-            format!("{host}/{path}")
-        }
-        None => rest.rsplit_once('@').map_or(rest, |(_, h)| h).to_owned(),
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return if url.contains(['@', '?', ':']) {
+            "***".to_owned()
+        } else {
+            url.to_owned()
+        };
     };
-    format!("{scheme}://{rest}")
+    let (user, tail) = match rest.rsplit_once('@') {
+        Some((userinfo, _)) if userinfo.contains(['/', '?', '#']) => {
+            return format!("{scheme}://***");
+        }
+        Some((userinfo, tail)) => match userinfo.split_once(':') {
+            Some((user, _)) => (format!("{user}:***@"), tail),
+            None => (format!("{userinfo}@"), tail),
+        },
+        None => (String::new(), rest),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if SECRET_PARAMS.iter().any(|s| key.eq_ignore_ascii_case(s)) => {
+                        format!("{key}=***")
+                    }
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    format!("{scheme}://{user}{tail}")
 }
 
 /// Whether `url` names a Redis Cluster (`redis-cluster://`, any case).
@@ -112,17 +169,36 @@ mod tests {
     fn urls_are_redacted() {
         assert_eq!(
             redact_url("redis://user:secret@h:6379/0"),
-            "redis://h:6379/0"
+            "redis://user:***@h:6379/0"
         );
         assert_eq!(
-            redact_url("redis+unix:///tmp/r.sock?pass=secret"),
-            "redis+unix:///tmp/r.sock"
+            redact_url("redis+unix:///tmp/r.sock?db=1&pass=secret"),
+            "redis+unix:///tmp/r.sock?db=1&pass=***"
         );
-        assert_eq!(redact_url("redis://:pw@h"), "redis://h");
+        assert_eq!(redact_url("redis://:pw@h"), "redis://:***@h");
+        assert_eq!(redact_url("redis://user@h:1/"), "redis://user@h:1/");
         assert_eq!(
             redact_url("redis-cluster://u:secret@h1:7000,h2:7001"),
-            "redis-cluster://h1:7000,h2:7001"
+            "redis-cluster://u:***@h1:7000,h2:7001"
         );
+        assert_eq!(redact_url("redis://:se/cret@h/0"), "redis://***");
+        assert_eq!(redact_url("memory"), "memory");
+        assert_eq!(redact_url("user:secret@h"), "***");
+        assert_eq!(redact_url("redis://h:6379/"), "redis://h:6379/");
+    }
+
+    #[test]
+    fn redacted_url_debug_hides_the_password() {
+        for url in [
+            "redis://:hunter2@127.0.0.1:6379/",
+            "redis-cluster://user:hunter2@h1:7001,h2:7002",
+        ] {
+            let shown = format!("{:?} {}", RedactedUrl(url), RedactedUrl(url));
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert_eq!(RedactedUrl(url).as_str(), url);
+        }
+        let list = format!("{:?}", RedactedUrls(vec!["redis://u:hunter2@h:1".into()]));
+        assert_eq!(list, r#"["redis://u:***@h:1"]"#);
     }
 
     #[test]
