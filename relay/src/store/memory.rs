@@ -185,20 +185,7 @@ impl EventStore for MemoryStore {
                 OpenOutcome::Mismatch(d.meta.clone())
             });
         }
-        let meta = DelegationMeta {
-            key: req.key.clone(),
-            callee: req.callee.clone(),
-            deadline_ms: req.deadline_ms,
-            digest: req.digest,
-            created_ms: req.now_ms,
-            down_tail: 1,
-            up_tail: 0,
-            down_sender_tail: 1,
-            up_sender_tail: 0,
-            terminal: None,
-            terminal_ms: None,
-            accepted_by: None,
-        };
+        let meta = DelegationMeta::opened(&req);
         let mut down = Log::default();
         down.push(1, req.frame, self.retention.max_log_entries);
         inner.delegations.insert(

@@ -118,6 +118,25 @@ pub struct DelegationMeta {
 }
 
 impl DelegationMeta {
+    /// The meta record of a delegation `req` just created: the open is down
+    /// entry 1, nothing else is stored yet.
+    pub fn opened(req: &OpenRequest) -> Self {
+        DelegationMeta {
+            key: req.key.clone(),
+            callee: req.callee.clone(),
+            deadline_ms: req.deadline_ms,
+            digest: req.digest,
+            created_ms: req.now_ms,
+            down_tail: 1,
+            up_tail: 0,
+            down_sender_tail: 1,
+            up_sender_tail: 0,
+            terminal: None,
+            terminal_ms: None,
+            accepted_by: None,
+        }
+    }
+
     /// The last durable sequence of a log.
     pub fn tail(&self, dir: Direction) -> u64 {
         match dir {

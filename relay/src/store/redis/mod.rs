@@ -334,6 +334,31 @@ impl RedisStore {
 
     /// Makes sure the indexes list this delegation as its state says.
     /// Idempotent; run after `open` created or found it.
+    /// Up to `count` members of the index zset `key` below `upper`
+    /// (`ZRANGEBYLEX key - upper LIMIT offset count`).
+    async fn range_below(
+        &self,
+        key: &str,
+        upper: &str,
+        offset: u64,
+        count: u64,
+    ) -> Result<Vec<Value>, StoreError> {
+        let mut cmd = redis::cmd("ZRANGEBYLEX");
+        cmd.arg(key)
+            .arg("-")
+            .arg(upper)
+            .arg("LIMIT")
+            .arg(offset)
+            .arg(count);
+        match self.query(&cmd, true, "ZRANGEBYLEX").await? {
+            Value::Array(items) => Ok(items),
+            other => Err(corrupt(format!(
+                "ZRANGEBYLEX: unexpected reply {}",
+                excerpt(&other)
+            ))),
+        }
+    }
+
     async fn ensure_indexed(&self, meta: &DelegationMeta) -> Result<(), StoreError> {
         let member = meta.key.to_string();
         let mut pipe = pipeline();
@@ -430,20 +455,7 @@ impl EventStore for RedisStore {
         let code = items.next();
         match code.as_ref().and_then(str_of) {
             Some("N") => {
-                let meta = DelegationMeta {
-                    key: req.key,
-                    callee: req.callee,
-                    deadline_ms: req.deadline_ms,
-                    digest: req.digest,
-                    created_ms: req.now_ms,
-                    down_tail: 1,
-                    up_tail: 0,
-                    down_sender_tail: 1,
-                    up_sender_tail: 0,
-                    terminal: None,
-                    terminal_ms: None,
-                    accepted_by: None,
-                };
+                let meta = DelegationMeta::opened(&req);
                 // The delegation is durable, but until it is indexed the
                 // deadline sweeper cannot see it: report failure so the
                 // sender retries, and the retry (`Existing`) indexes it.
@@ -600,22 +612,10 @@ impl EventStore for RedisStore {
         // member, so this ends.
         while out.len() < limit {
             let want = limit - out.len();
-            let mut cmd = redis::cmd("ZRANGEBYLEX");
-            cmd.arg(DEADLINES_KEY)
-                .arg("-")
-                .arg(&upper)
-                .arg("LIMIT")
-                .arg(out.len())
-                .arg(u64::try_from(want).unwrap_or(u64::MAX).min(i64::MAX as u64));
-            let members = match self.query(&cmd, true, "ZRANGEBYLEX").await? {
-                Value::Array(items) => items,
-                other => {
-                    return Err(corrupt(format!(
-                        "ZRANGEBYLEX: unexpected reply {}",
-                        excerpt(&other)
-                    )));
-                }
-            };
+            let count = u64::try_from(want).unwrap_or(u64::MAX).min(i64::MAX as u64);
+            let members = self
+                .range_below(DEADLINES_KEY, &upper, out.len() as u64, count)
+                .await?;
             if members.is_empty() {
                 break;
             }
@@ -660,22 +660,9 @@ impl EventStore for RedisStore {
         let upper = lex_upper_bound(cutoff);
         let mut expired = 0u64;
         loop {
-            let mut cmd = redis::cmd("ZRANGEBYLEX");
-            cmd.arg(FINISHED_KEY)
-                .arg("-")
-                .arg(&upper)
-                .arg("LIMIT")
-                .arg(0)
-                .arg(EXPIRE_CHUNK);
-            let members = match self.query(&cmd, true, "ZRANGEBYLEX").await? {
-                Value::Array(items) => items,
-                other => {
-                    return Err(corrupt(format!(
-                        "ZRANGEBYLEX: unexpected reply {}",
-                        excerpt(&other)
-                    )));
-                }
-            };
+            let members = self
+                .range_below(FINISHED_KEY, &upper, 0, EXPIRE_CHUNK as u64)
+                .await?;
             if members.is_empty() {
                 break;
             }
