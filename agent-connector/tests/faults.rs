@@ -357,6 +357,32 @@ impl InOrder {
     }
 }
 
+/// A relay on a real redis-server with `persistence`, and both connectors
+/// connected (the callee running `exec`).
+async fn on_redis(
+    env: &Env,
+    persistence: oab_testkit::redis::Persistence,
+    exec: Arc<Paced>,
+) -> (
+    oab_testkit::redis::RedisServer,
+    Relay,
+    oab_connector::Connector,
+    oab_connector::Connector,
+) {
+    let redis = oab_testkit::redis::RedisServer::start(persistence).unwrap();
+    let store = Arc::new(
+        oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
+            .await
+            .unwrap(),
+    );
+    let relay = Relay::start(env, store).await;
+    let b = connector(env, &env.callee, relay.addr, Some(exec));
+    let a = connector(env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    (redis, relay, a, b)
+}
+
 /// Waits (bounded) until `cond` holds, checking every few milliseconds.
 async fn eventually<F, Fut>(what: &str, mut cond: F)
 where
@@ -449,19 +475,13 @@ async fn a_store_outage_pauses_delegations_only_while_it_lasts() {
     // Fsynced before every answer: a SIGKILL loses nothing acknowledged
     // (with `everysec` it may, and then the caller gets a gap instead; see
     // the next test).
-    let mut redis =
-        oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::AofAlways).unwrap();
-    let store = Arc::new(
-        oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
-            .await
-            .unwrap(),
-    );
-    let relay = Relay::start(&env, store).await;
     let exec = Paced::new(1_000_000, Duration::from_millis(2));
-    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
-    let a = connector(&env, &env.caller, relay.addr, None);
-    a.connected().await.unwrap();
-    b.connected().await.unwrap();
+    let (mut redis, relay, a, b) = on_redis(
+        &env,
+        oab_testkit::redis::Persistence::AofAlways,
+        exec.clone(),
+    )
+    .await;
     let h = a
         .caller()
         .delegate(&peer(CALLEE), spec("stream through store outages"))
@@ -521,24 +541,13 @@ async fn a_store_outage_pauses_delegations_only_while_it_lasts() {
 /// a replica that lagged), simulated by restoring the delegation's keys as
 /// they were earlier: the caller, which already holds the lost events, is
 /// told with a gap at once (not left waiting for events that will never
-/// come again under those numbers), and the callee stops resending into a
-/// log that cannot take its events.
+/// come again under those numbers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_loses_acknowledged_events_ends_the_stream_with_a_gap() {
     let env = env_fast();
-    let redis =
-        oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
-    let store = Arc::new(
-        oab_relay::store::RedisStore::connect(&redis.url(), Retention::default())
-            .await
-            .unwrap(),
-    );
-    let relay = Relay::start(&env, store).await;
     let exec = Paced::gated(40, Duration::from_millis(20), 10);
-    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
-    let a = connector(&env, &env.caller, relay.addr, None);
-    a.connected().await.unwrap();
-    b.connected().await.unwrap();
+    let (redis, relay, a, b) =
+        on_redis(&env, oab_testkit::redis::Persistence::None, exec.clone()).await;
     let h = a
         .caller()
         .delegate(&peer(CALLEE), spec("lose some events"))
