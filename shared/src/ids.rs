@@ -2,8 +2,11 @@
 //! process instances and delegation keys.
 //!
 //! String ids are ASCII with a restricted alphabet, validated once when they
-//! are made or decoded, and backed by [`Bytes`] so decoding a frame slices
-//! them out of the received message without copying.
+//! are made or decoded, and backed by [`Bytes`] of their own: decoding a
+//! frame copies an id out of the received message (at most
+//! [`RequestId::MAX_LEN`] bytes), so an id kept in a map (a delegation's
+//! view, a store key, a session's state) never keeps the whole received
+//! frame (up to the payload limit) alive.
 //!
 //! Never: holds a value that failed its check: every way to make an id (`new`,
 //! `from_bytes`, `FromStr`, `Deserialize`) validates it.
@@ -105,16 +108,22 @@ macro_rules! string_id {
         pub struct $name(Bytes);
 
         impl $name {
-            /// Validates and wraps bytes (no copy).
+            /// Validates bytes and copies them into a buffer of the id's
+            /// own: `raw` is typically a slice of a received frame, which the
+            /// id must not keep alive.
             pub fn from_bytes(raw: Bytes) -> Result<Self, IdError> {
-                let check: fn(&[u8]) -> Result<(), IdError> = $check;
-                check(&raw)?;
-                Ok($name(raw))
+                Self::from_slice(&raw)
             }
 
             /// Validates and copies a string.
             pub fn new(s: &str) -> Result<Self, IdError> {
-                Self::from_bytes(Bytes::copy_from_slice(s.as_bytes()))
+                Self::from_slice(s.as_bytes())
+            }
+
+            fn from_slice(raw: &[u8]) -> Result<Self, IdError> {
+                let check: fn(&[u8]) -> Result<(), IdError> = $check;
+                check(raw)?;
+                Ok($name(Bytes::copy_from_slice(raw)))
             }
 
             /// The id as a string slice.
@@ -162,7 +171,7 @@ macro_rules! string_id {
         impl<'de> Deserialize<'de> for $name {
             fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 let s = String::deserialize(d)?;
-                Self::from_bytes(Bytes::from(s)).map_err(serde::de::Error::custom)
+                Self::new(&s).map_err(serde::de::Error::custom)
             }
         }
     };
@@ -320,6 +329,37 @@ mod tests {
         assert_eq!(p.as_str(), "acme/x");
         assert!(serde_json::from_str::<PeerId>("\"ACME/x\"").is_err());
         assert_eq!(serde_json::to_string(&p).unwrap(), "\"acme/x\"");
+    }
+
+    /// An id decoded from a frame owns its bytes: keeping it (a map key,
+    /// a store key) does not keep the received message alive.
+    #[test]
+    fn ids_decoded_from_a_frame_do_not_share_its_buffer() {
+        let frame = crate::Frame::Data(crate::Data {
+            key: DelegationKey::new(
+                PeerId::new("acme/caller").unwrap(),
+                RequestId::new("r-1").unwrap(),
+            ),
+            direction: crate::Direction::Up,
+            seq: 1,
+            terminal: None,
+            flags: 0,
+            payload: Bytes::from(vec![7u8; 64 * 1024]),
+        });
+        let msg = crate::encode(&frame).unwrap();
+        let limits = crate::Limits::default();
+        let crate::Frame::Data(d) = crate::decode_message(msg.clone(), &limits).unwrap() else {
+            panic!("not data");
+        };
+        let received = msg.as_ptr_range();
+        for id in [d.key.caller.as_bytes(), d.key.request_id.as_bytes()] {
+            assert!(
+                !received.contains(&id.as_ptr()),
+                "the id points into the received message"
+            );
+        }
+        assert_eq!(d.key.caller.as_str(), "acme/caller");
+        assert_eq!(d.key.request_id.as_str(), "r-1");
     }
 
     #[test]
