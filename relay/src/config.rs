@@ -160,6 +160,19 @@ pub struct RateSection {
     /// Burst of new connections per source address.
     #[serde(default = "default_ip_burst")]
     pub connects_burst_per_ip: u32,
+    /// Requests per second one peer may make besides log frames
+    /// (sustained), in cost units: a `Resume` costs 1 (a meta read and a
+    /// replay), a `PeersQuery` or a `Publish` costs 10 (a read or write per
+    /// reachable peer and a `Peers` snapshot to each receiver). A request
+    /// over the limit is refused with `rate_limited`; the peer asks again
+    /// later.
+    #[serde(default = "default_peer_requests_per_second")]
+    pub peer_requests_per_second: u32,
+    /// Burst of requests above the sustained rate, in cost units. The
+    /// default lets a reconnecting peer resume `limits.max_open_per_peer`
+    /// delegations at once.
+    #[serde(default = "default_peer_requests_burst")]
+    pub peer_requests_burst: u32,
 }
 
 /// `[store]`. `Debug` shows `url` with its password replaced by `***`.
@@ -339,6 +352,12 @@ fn default_ip_cps() -> u32 {
 fn default_ip_burst() -> u32 {
     200
 }
+fn default_peer_requests_per_second() -> u32 {
+    1_000
+}
+fn default_peer_requests_burst() -> u32 {
+    10_000
+}
 fn default_store_url() -> String {
     "memory".to_string()
 }
@@ -397,6 +416,8 @@ section_default!(RateSection {
     peer_frames_burst: default_peer_burst,
     connects_per_second_per_ip: default_ip_cps,
     connects_burst_per_ip: default_ip_burst,
+    peer_requests_per_second: default_peer_requests_per_second,
+    peer_requests_burst: default_peer_requests_burst,
 });
 section_default!(StoreSection {
     url: default_store_url,
@@ -639,6 +660,11 @@ impl Config {
                 "rate.connects_burst_per_ip",
                 self.rate.connects_burst_per_ip,
             ),
+            (
+                "rate.peer_requests_per_second",
+                self.rate.peer_requests_per_second,
+            ),
+            ("rate.peer_requests_burst", self.rate.peer_requests_burst),
         ] {
             if v == 0 {
                 err(name.into(), "must be greater than 0".into());

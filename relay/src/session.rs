@@ -544,10 +544,7 @@ impl<S: EventStore> Session<S> {
             }
             Frame::Ping(p) => self.push(&Frame::Pong(p)),
             Frame::Pong(_) => {}
-            Frame::PeersQuery => {
-                let payload = Box::pin(self.hub.peers_payload(&self.me.peer)).await;
-                self.push(&Frame::Peers(payload));
-            }
+            Frame::PeersQuery => self.peers_query(),
             Frame::Publish(descriptor) => Box::pin(self.publish(descriptor)).await,
             other => self.refuse(
                 Refusal::NotForTheRelay {
@@ -887,6 +884,11 @@ impl<S: EventStore> Session<S> {
 
     async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
         let hub = self.hub.clone();
+        if !hub.meter_request(&self.me.peer, crate::hub::RESUME_COST) {
+            // The peer asks again later (its resume is refused, not lost).
+            self.refuse(Refusal::RateLimited, Some(&key), dir, after);
+            return;
+        }
         loop {
             let view = match hub.view(&key).await {
                 Ok(Some(l)) => l,
@@ -929,8 +931,26 @@ impl<S: EventStore> Session<S> {
         }
     }
 
+    /// Answers a `PeersQuery` with a `Peers` snapshot, metered and
+    /// coalesced with any snapshot still waiting in this session's queue
+    /// ([`Hub::send_peers`]).
+    fn peers_query(&self) {
+        if !self
+            .hub
+            .meter_request(&self.me.peer, crate::hub::PEERS_REQUEST_COST)
+        {
+            self.refuse(Refusal::RateLimited, None, Direction::Down, 0);
+            return;
+        }
+        self.hub.send_peers(&self.me.peer);
+    }
+
     async fn publish(&mut self, descriptor: Bytes) {
         let hub = self.hub.clone();
+        if !hub.meter_request(&self.me.peer, crate::hub::PEERS_REQUEST_COST) {
+            self.refuse(Refusal::RateLimited, None, Direction::Down, 0);
+            return;
+        }
         if descriptor.len() > hub.config.limits.max_descriptor {
             self.refuse(Refusal::DescriptorTooLarge, None, Direction::Down, 0);
             return;
@@ -939,6 +959,8 @@ impl<S: EventStore> Session<S> {
             self.refuse(Refusal::DescriptorNotJson, None, Direction::Down, 0);
             return;
         }
+        // Kept by the store: its own copy, not a slice of the received frame.
+        let descriptor = Bytes::copy_from_slice(&descriptor);
         match hub.store.put_descriptor(&self.me.peer, descriptor).await {
             Ok(()) => hub.announce_presence(&self.me.peer),
             Err(_) => self.refuse(Refusal::StoreUnavailableOnPublish, None, Direction::Down, 0),

@@ -90,8 +90,9 @@ impl<S: EventStore> Hub<S> {
             return;
         };
         warn!(%key, dir = dir.name(), tail, delivered = sub.delivered, "the store lost acknowledged entries; the receiver is told with a gap");
-        let (outbox, after) = (sub.outbox.clone(), sub.delivered);
+        let (outbox, after, session) = (sub.outbox.clone(), sub.delivered, sub.session);
         *slot = None;
+        self.forget_subscription(session, key, dir);
         self.gap(
             &outbox,
             key,
@@ -139,7 +140,9 @@ impl<S: EventStore> Hub<S> {
                     return true;
                 }
                 Pushed::Closed => {
+                    let session = sub.session;
                     *slot = None;
+                    self.forget_subscription(session, key, dir);
                     return false;
                 }
                 // The receiver's queue is full: it is fed from the log

@@ -36,6 +36,7 @@ impl<S: EventStore> Hub<S> {
             for (_, l) in self.views.lock().drain() {
                 l.lock().evicted = true;
             }
+            self.gauges.count_views(0);
             let sessions: Vec<SessionRef> = self.sessions.lock().values().cloned().collect();
             for s in sessions {
                 s.outbox.close(

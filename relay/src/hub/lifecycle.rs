@@ -53,6 +53,7 @@ impl<S: EventStore> Hub<S> {
                         }
                         let fresh = Arc::new(Mutex::new(self.view_from_meta(meta)));
                         map.insert(meta.key.clone(), fresh.clone());
+                        self.gauges.count_views(map.len());
                         fresh
                     }
                 }

@@ -29,8 +29,10 @@
 //! before the session table, the subscription index or the counts; the
 //! offline times before the session table.
 
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -58,8 +60,16 @@ mod wakeups;
 
 use caps::OpenCounts;
 pub use delivery::Subscribed;
+pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
 pub use views::{DelegationView, ViewRef};
 pub use wakeups::ResyncCause;
+
+/// The quota of each peer's request meter.
+fn request_quota(config: &Config) -> Quota {
+    let rate = NonZeroU32::new(config.rate.peer_requests_per_second).unwrap_or(NonZeroU32::MIN);
+    let burst = NonZeroU32::new(config.rate.peer_requests_burst).unwrap_or(rate);
+    Quota::per_second(rate).allow_burst(burst)
+}
 
 /// A live session as the hub sees it.
 #[derive(Debug, Clone)]
@@ -95,8 +105,9 @@ pub struct Hub<S> {
     /// peer); an entry is removed when that session unregisters.
     sessions: Mutex<HashMap<PeerId, SessionRef>>,
     /// The cached view of each delegation looked up here; pruned by the
-    /// sweep (views nobody here reads) and emptied when the store epoch
-    /// changes.
+    /// sweep (views nobody here reads, and finished ones
+    /// `views::FINISHED_VIEW_GRACE` after their terminal, subscribed or
+    /// not) and emptied when the store epoch changes.
     views: Mutex<HashMap<DelegationKey, ViewRef>>,
     /// Open-delegation counts, keyed by configured callers and routes; a
     /// caller's entries are reset at each of its handshakes.
@@ -107,8 +118,9 @@ pub struct Hub<S> {
     /// it online.
     offline_since: Mutex<HashMap<PeerId, u64>>,
     /// The logs each session subscribed to, so its subscriptions can be
-    /// dropped when it ends; an entry is removed when the session
-    /// unregisters.
+    /// dropped when it ends; a log is removed when its subscription leaves
+    /// the view (gap, closed queue, the finished view evicted), and the
+    /// session's entry when it has none left or the session unregisters.
     session_subscriptions: Mutex<HashMap<SessionId, HashSet<(DelegationKey, Direction)>>>,
     /// The next subscription generation.
     generations: std::sync::atomic::AtomicU64,
@@ -116,6 +128,56 @@ pub struct Hub<S> {
     epoch: std::sync::atomic::AtomicU64,
     /// The store epoch changed since start: missing delegations were lost.
     epoch_changed: AtomicBool,
+    /// The sizes of the hub's per-delegation state, updated at each sweep.
+    gauges: HubGauges,
+    /// Each peer's meter of requests besides log frames (`Resume`,
+    /// `PeersQuery`, `Publish`; `rate.peer_requests_per_second`). Keyed by
+    /// authenticated peers only, so it holds at most one cell per
+    /// configured peer.
+    requests: DefaultKeyedRateLimiter<PeerId>,
+    /// The `Peers` snapshots owed to each peer's session here (at most one
+    /// waiting in its queue); one entry per configured peer that ever got
+    /// one, so bounded by the directory.
+    peers_pushes: Mutex<HashMap<PeerId, peers::PeersPush>>,
+}
+
+/// Gauges of what the hub keeps per delegation (`/metrics`), kept up to
+/// date as it changes, so an operator (and a test) can see it return to its
+/// baseline when delegations finish.
+#[derive(Debug)]
+struct HubGauges {
+    /// `oab_hub_views`: delegation views cached here (set from the view
+    /// map's size whenever it changes).
+    views: prometheus::IntGauge,
+    /// `oab_hub_subscriptions`: the logs in the subscription index
+    /// (`session_subscriptions`), counted as they enter and leave it.
+    subscriptions: prometheus::IntGauge,
+}
+
+impl HubGauges {
+    fn count_views(&self, cached: usize) {
+        self.views.set(i64::try_from(cached).unwrap_or(i64::MAX));
+    }
+
+    // Metric names are compile-time constants, so creation can only fail on
+    // a programming error (as in `metrics.rs`).
+    #[allow(clippy::expect_used)]
+    fn new(metrics: &Metrics) -> Self {
+        let gauge = |name: &str, help: &str| {
+            let g = prometheus::IntGauge::new(name, help).expect("valid metric");
+            // A registry that already has the name (a second hub over one
+            // `Metrics`) keeps the first.
+            let _ = metrics.registry.register(Box::new(g.clone()));
+            g
+        };
+        HubGauges {
+            views: gauge("oab_hub_views", "Delegation views cached by the hub."),
+            subscriptions: gauge(
+                "oab_hub_subscriptions",
+                "Receiver subscriptions of the sessions on this instance.",
+            ),
+        }
+    }
 }
 
 impl<S: EventStore> Hub<S> {
@@ -134,6 +196,9 @@ impl<S: EventStore> Hub<S> {
         let offline = directory.peers.iter().map(|p| (p.clone(), now)).collect();
         let fleet = Arc::new(Fleet::new(&config, store.wake_urls()));
         Arc::new(Hub {
+            gauges: HubGauges::new(&metrics),
+            requests: RateLimiter::keyed(request_quota(&config)),
+            peers_pushes: Mutex::new(HashMap::new()),
             fleet,
             store,
             config,
@@ -150,6 +215,21 @@ impl<S: EventStore> Hub<S> {
             epoch: std::sync::atomic::AtomicU64::new(epoch),
             epoch_changed: AtomicBool::new(false),
         })
+    }
+
+    /// Charges `cost` units of `peer`'s request meter. `false`: the peer is
+    /// over `rate.peer_requests_per_second` and the request is refused with
+    /// `rate_limited` (counted in `oab_rate_limited_total{scope="request"}`).
+    pub fn meter_request(&self, peer: &PeerId, cost: u32) -> bool {
+        let allowed = NonZeroU32::new(cost)
+            .is_none_or(|n| matches!(self.requests.check_key_n(peer, n), Ok(Ok(()))));
+        if !allowed {
+            self.metrics
+                .rate_limited
+                .with_label_values(&["request"])
+                .inc();
+        }
+        allowed
     }
 
     /// Records a store operation's latency and result.

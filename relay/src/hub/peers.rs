@@ -2,17 +2,96 @@
 //! (here or on a live instance) and its published descriptor, and a fresh
 //! frame pushed to the callers of a peer whose presence changed.
 //!
+//! **Coalescing.** A session has at most one `Peers` snapshot waiting in
+//! its queue. A change (a publish, a session coming or going) or a
+//! `PeersQuery` while one waits is remembered, and once the session's writer
+//! took the waiting snapshot one newer snapshot is sent for all of them: a
+//! burst of publishes, or a peer that queries and never reads, costs one
+//! snapshot in the queue, not one per event.
+//!
 //! Never touches delegations. A presence or descriptor the store cannot
 //! give degrades to offline or no descriptor, never to an error.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use oab_wire::{Frame, PeerEntry, PeerId, encode};
+use tokio::sync::Notify;
 use tracing::warn;
 
 use super::Hub;
 use crate::store::EventStore;
+
+/// Cost of a `PeersQuery` or a `Publish` on the peer's request meter
+/// (`rate.peer_requests_per_second`): each reads (or writes) the store once
+/// per reachable peer and sends a `Peers` snapshot of up to
+/// `limits.max_descriptor` bytes per reachable peer to each receiver.
+pub const PEERS_REQUEST_COST: u32 = 10;
+
+/// Cost of a `Resume` on the peer's request meter: one meta read and a
+/// replay from the store.
+pub const RESUME_COST: u32 = 1;
+
+/// The `Peers` snapshots owed to one peer's session here. One per
+/// configured peer that ever got a snapshot (bounded by the directory),
+/// kept for the life of the relay.
+#[derive(Debug, Default)]
+pub(super) struct PeersPush {
+    /// A task sends this peer's snapshots now.
+    running: bool,
+    /// Something changed, or the peer asked, after the running task read
+    /// the snapshot: it sends one more.
+    again: bool,
+    /// The snapshot waiting in the session's queue, if any.
+    waiting: Arc<WaitingSnapshot>,
+}
+
+/// Whether a peer's `Peers` snapshot waits in its session's queue.
+#[derive(Debug, Default)]
+pub(super) struct WaitingSnapshot {
+    waiting: AtomicBool,
+    taken: Notify,
+}
+
+/// The bytes of a queued snapshot. Dropped when the session's writer took
+/// the frame, or with the queue when the session ends: either way the
+/// snapshot no longer waits.
+struct SnapshotBytes {
+    frame: Bytes,
+    waiting: Arc<WaitingSnapshot>,
+}
+
+impl AsRef<[u8]> for SnapshotBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.frame
+    }
+}
+
+impl Drop for SnapshotBytes {
+    fn drop(&mut self) {
+        self.waiting.waiting.store(false, Ordering::Release);
+        self.waiting.taken.notify_waiters();
+    }
+}
+
+impl WaitingSnapshot {
+    /// Returns once no snapshot waits (or at shutdown: `false`).
+    async fn taken(&self, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+        loop {
+            let taken = self.taken.notified();
+            tokio::pin!(taken);
+            taken.as_mut().enable();
+            if !self.waiting.load(Ordering::Acquire) {
+                return true;
+            }
+            tokio::select! {
+                () = taken => {}
+                () = shutdown.cancelled() => return false,
+            }
+        }
+    }
+}
 
 impl<S: EventStore> Hub<S> {
     /// The `Peers` payload for `peer`: every peer it may reach, its online
@@ -54,35 +133,78 @@ impl<S: EventStore> Hub<S> {
     /// Pushes a fresh `Peers` frame to every online peer that may reach
     /// `peer` (fleet-wide: through their wake channels).
     pub fn announce_presence(self: &Arc<Self>, peer: &PeerId) {
+        if !self.fleet.enabled {
+            for caller in self.directory.callers_of(peer) {
+                self.send_peers(&caller);
+            }
+            return;
+        }
         let hub = self.clone();
         let peer = peer.clone();
         self.tasks.spawn(async move {
-            if hub.fleet.enabled {
-                let msg = Bytes::from(format!("P{peer}"));
-                let messages = hub
-                    .directory
-                    .callers_of(&peer)
-                    .into_iter()
-                    .map(|c| (c, msg.clone()))
-                    .collect::<Vec<_>>();
-                if let Err(e) = hub.store.publish(messages).await {
-                    warn!(error = %e, %peer, "could not announce presence");
-                }
-                return;
-            }
-            for caller in hub.directory.callers_of(&peer) {
-                hub.push_peers(&caller).await;
+            let msg = Bytes::from(format!("P{peer}"));
+            let messages = hub
+                .directory
+                .callers_of(&peer)
+                .into_iter()
+                .map(|c| (c, msg.clone()))
+                .collect::<Vec<_>>();
+            if let Err(e) = hub.store.publish(messages).await {
+                warn!(error = %e, %peer, "could not announce presence");
             }
         });
     }
 
-    /// Sends `peer` a fresh `Peers` frame if its session is here.
-    pub(super) async fn push_peers(&self, peer: &PeerId) {
-        let session = self.sessions.lock().get(peer).cloned();
-        if let Some(s) = session {
-            let payload = self.peers_payload(peer).await;
-            if let Ok(bytes) = encode(&Frame::Peers(payload)) {
-                s.outbox.push(bytes);
+    /// Sends `peer` a fresh `Peers` frame if its session is here: at once
+    /// when none of its snapshots waits in its queue, otherwise once the
+    /// waiting one is taken, as one snapshot for every change and query
+    /// that came meanwhile (see the module comment).
+    pub fn send_peers(self: &Arc<Self>, peer: &PeerId) {
+        let waiting = {
+            let mut pushes = self.peers_pushes.lock();
+            let push = pushes.entry(peer.clone()).or_default();
+            if push.running {
+                push.again = true;
+                return;
+            }
+            push.running = true;
+            push.waiting.clone()
+        };
+        let hub = self.clone();
+        let peer = peer.clone();
+        self.tasks
+            .spawn(async move { hub.push_peers(peer, waiting).await });
+    }
+
+    /// The task behind [`Self::send_peers`]: one snapshot at a time, each
+    /// after the previous one left the session's queue.
+    async fn push_peers(self: Arc<Self>, peer: PeerId, waiting: Arc<WaitingSnapshot>) {
+        loop {
+            let live = waiting.taken(&self.shutdown).await;
+            if let Some(push) = self.peers_pushes.lock().get_mut(&peer) {
+                push.again = false;
+            }
+            let session = self.sessions.lock().get(&peer).cloned();
+            if let Some(s) = session.filter(|_| live) {
+                let payload = self.peers_payload(&peer).await;
+                if let Ok(frame) = encode(&Frame::Peers(payload)) {
+                    waiting.waiting.store(true, Ordering::Release);
+                    let frame = Bytes::from_owner(SnapshotBytes {
+                        frame,
+                        waiting: waiting.clone(),
+                    });
+                    // A full control lane closes the session (its policy);
+                    // the dropped frame then no longer waits.
+                    s.outbox.push(frame);
+                }
+            }
+            let mut pushes = self.peers_pushes.lock();
+            let Some(push) = pushes.get_mut(&peer) else {
+                return;
+            };
+            if !push.again || !live {
+                push.running = false;
+                return;
             }
         }
     }

@@ -93,6 +93,9 @@ impl<S: EventStore> Hub<S> {
             .lock()
             .remove(&session.id)
             .unwrap_or_default();
+        self.gauges
+            .subscriptions
+            .sub(i64::try_from(subscribed.len()).unwrap_or(i64::MAX));
         self.metrics.sessions.dec();
         let went_offline = {
             let mut sessions = self.sessions.lock();

@@ -1,7 +1,10 @@
 //! The in-memory view of a delegation ([`DelegationView`]): a cache of the
 //! store's meta (log tails, terminal) plus at most one receiver subscription
 //! per direction, loaded from the store on first use and evicted by the
-//! sweep when nobody here reads it.
+//! sweep when nobody here reads it, or when it is finished: a finished
+//! delegation's view and its subscriptions go [`FINISHED_VIEW_GRACE`] after
+//! the sweep first saw its terminal, even while its sessions live (late
+//! frames, acks and resumes then look it up in the store again).
 //!
 //! Never decides what the store decides (appends are checked there; a view
 //! may be stale when another instance appended). Never awaits while holding
@@ -11,7 +14,7 @@
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId, SessionId};
 
@@ -19,9 +22,20 @@ use super::{Hub, SessionRef};
 use crate::outbox::Outbox;
 use crate::store::{DelegationMeta, EventStore};
 
+/// How long a finished delegation's view stays cached with its
+/// subscriptions after the sweep first saw its terminal. Everything after a
+/// terminal (a resent terminal, its ack, a `Resume`, the relay's cancel
+/// after expiry) is answered from the store once the view is gone; the
+/// grace only spares a reload for the frames that follow a terminal at
+/// once. A view whose receiver is still being replayed to stays until the
+/// replay caught up (the replay ends with the session at the latest: a
+/// receiver that takes nothing is closed as a slow consumer).
+pub(crate) const FINISHED_VIEW_GRACE: Duration = Duration::from_secs(1);
+
 /// A receiver's subscription to one log of a delegation: the session it
 /// feeds and its cursor. Removed when the session ends or its queue closes,
-/// when a newer subscription replaces it, or when a gap ends the log for it.
+/// when a newer subscription replaces it, when a gap ends the log for it, or
+/// with its view [`FINISHED_VIEW_GRACE`] after the delegation finished.
 #[derive(Debug)]
 pub(super) struct Subscription {
     pub(super) session: SessionId,
@@ -52,6 +66,9 @@ pub struct DelegationView {
     pub(super) subs: [Option<Subscription>; 2],
     /// Dropped from the hub's cache: holders must look it up again.
     pub(super) evicted: bool,
+    /// When the sweep first saw the terminal (the view is evicted
+    /// [`FINISHED_VIEW_GRACE`] later).
+    pub(super) finished_seen: Option<Instant>,
 }
 
 impl DelegationView {
@@ -112,13 +129,10 @@ impl<S: EventStore> Hub<S> {
             return Ok(None);
         };
         let fresh = Arc::new(Mutex::new(self.view_from_meta(&meta)));
-        Ok(Some(
-            self.views
-                .lock()
-                .entry(key.clone())
-                .or_insert(fresh)
-                .clone(),
-        ))
+        let mut views = self.views.lock();
+        let live = views.entry(key.clone()).or_insert(fresh).clone();
+        self.gauges.count_views(views.len());
+        Ok(Some(live))
     }
 
     pub(super) fn view_from_meta(&self, meta: &DelegationMeta) -> DelegationView {
@@ -135,6 +149,7 @@ impl<S: EventStore> Hub<S> {
             terminal: meta.terminal,
             subs: [None, None],
             evicted: false,
+            finished_seen: None,
         }
     }
 
@@ -146,11 +161,15 @@ impl<S: EventStore> Hub<S> {
         delivered: u64,
         replaying: bool,
     ) -> Subscription {
-        self.session_subscriptions
+        let added = self
+            .session_subscriptions
             .lock()
             .entry(session.id)
             .or_default()
             .insert((key.clone(), dir));
+        if added {
+            self.gauges.subscriptions.inc();
+        }
         Subscription {
             session: session.id,
             generation: self.generations.fetch_add(1, Ordering::Relaxed),
@@ -166,26 +185,69 @@ impl<S: EventStore> Hub<S> {
         if let Some(live) = live {
             let mut l = live.lock();
             let slot = l.sub_mut(dir);
-            if slot.as_ref().is_some_and(|s| s.generation == generation) {
-                *slot = None;
+            if let Some(sub) = slot.take_if(|s| s.generation == generation) {
+                self.forget_subscription(sub.session, key, dir);
             }
         }
     }
 
-    /// Evicts the views of delegations nobody here reads: finished ones, and
-    /// with a shared store any (their receivers may have moved to another
-    /// instance; the store has them). Each is marked under its own lock: a
-    /// session holding an evicted view sees the mark and looks the delegation
-    /// up again, and nothing subscribes to a marked view.
+    /// Removes a subscription that left its view from the session's index.
+    pub(super) fn forget_subscription(
+        &self,
+        session: SessionId,
+        key: &DelegationKey,
+        dir: Direction,
+    ) {
+        let mut index = self.session_subscriptions.lock();
+        if let Some(logs) = index.get_mut(&session) {
+            if logs.remove(&(key.clone(), dir)) {
+                self.gauges.subscriptions.dec();
+            }
+            if logs.is_empty() {
+                index.remove(&session);
+            }
+        }
+    }
+
+    /// Evicts the views of delegations nobody here reads: finished ones
+    /// without a subscription, finished ones [`FINISHED_VIEW_GRACE`] after
+    /// the sweep first saw the terminal (with their subscriptions, unless a
+    /// replay still feeds one), and with a shared store any unsubscribed one
+    /// (their receivers may have moved to another instance; the store has
+    /// them). Each is marked under its own lock: a session holding an
+    /// evicted view sees the mark and looks the delegation up again, and
+    /// nothing subscribes to a marked view.
     pub(super) fn evict_unread(&self) {
         let shared = self.fleet.enabled;
-        self.views.lock().retain(|_, l| {
-            let mut l = l.lock();
-            let keep = l.subs.iter().any(Option::is_some) || (l.terminal.is_none() && !shared);
-            if !keep {
-                l.evicted = true;
-            }
-            keep
-        });
+        let now = Instant::now();
+        let mut dropped: Vec<(SessionId, DelegationKey, Direction)> = Vec::new();
+        let cached = {
+            let mut views = self.views.lock();
+            views.retain(|key, l| {
+                let mut l = l.lock();
+                let subscribed = l.subs.iter().any(Option::is_some);
+                let keep = if l.terminal.is_some() {
+                    let seen = *l.finished_seen.get_or_insert(now);
+                    let replaying = l.subs.iter().flatten().any(|s| s.replaying);
+                    replaying || (subscribed && now.duration_since(seen) < FINISHED_VIEW_GRACE)
+                } else {
+                    subscribed || !shared
+                };
+                if !keep {
+                    l.evicted = true;
+                    for dir in [Direction::Down, Direction::Up] {
+                        if let Some(sub) = l.sub_mut(dir).take() {
+                            dropped.push((sub.session, key.clone(), dir));
+                        }
+                    }
+                }
+                keep
+            });
+            views.len()
+        };
+        self.gauges.count_views(cached);
+        for (session, key, dir) in dropped {
+            self.forget_subscription(session, &key, dir);
+        }
     }
 }

@@ -104,8 +104,7 @@ impl<S: EventStore> Hub<S> {
             }
             b'P' => {
                 self.metrics.wakes.with_label_values(&["presence"]).inc();
-                let hub = self.clone();
-                self.tasks.spawn(async move { hub.push_peers(&peer).await });
+                self.send_peers(&peer);
             }
             _ => warn!(%peer, kind, "unknown wake-up message dropped"),
         }
