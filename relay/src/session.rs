@@ -250,7 +250,7 @@ where
         close_ws(ws, CloseCode::StoreUnavailable, "store unavailable; retry").await;
         return None;
     }
-    let listed = match hub.store.delegations_of(&me.peer).await {
+    let listed = match hub.store.open_delegations_of(&me.peer).await {
         Ok(list) => list,
         Err(e) => {
             warn!(error = %e, "store unavailable at welcome");
@@ -262,11 +262,16 @@ where
     };
     hub.end_lost_work(&me.peer, Some(me.instance), &listed)
         .await;
-    let listed = hub.store.delegations_of(&me.peer).await.unwrap_or(listed);
+    let listed = hub
+        .store
+        .open_delegations_of(&me.peer)
+        .await
+        .unwrap_or(listed);
     hub.seed_counts(&me.peer, &listed);
-    // Only unfinished delegations: finished ones need nothing from a new
-    // session (a receiver that still wants their events resumes them), and
-    // this keeps the welcome bounded by the open-delegation caps.
+    // Only unfinished delegations (the store's index of open ones, so the
+    // cost does not grow with the finished ones retention keeps): finished
+    // ones need nothing from a new session (a receiver that still wants
+    // their events resumes them).
     let mut cursors: Vec<DelegationCursor> = listed
         .iter()
         .filter(|d| d.terminal.is_none())
@@ -287,14 +292,16 @@ where
         })
         .collect();
     let mut payload = serde_json::to_vec(&cursors).unwrap_or_default();
+    let mut left_out = Vec::new();
     while payload.len() > MAX_WELCOME_BYTES && !cursors.is_empty() {
-        // Bounded: the oldest part is announced on the next welcome.
+        // Bounded: what does not fit is delivered on the session after the
+        // welcome (below).
         let keep = cursors.len() * MAX_WELCOME_BYTES / payload.len();
         warn!(
             listed = cursors.len(),
-            keep, "welcome list over its size bound; truncated"
+            keep, "welcome list over its size bound; the rest follows on the session"
         );
-        cursors.truncate(keep);
+        left_out.extend(cursors.drain(keep..));
         payload = serde_json::to_vec(&cursors).unwrap_or_default();
     }
     let welcome = Frame::Welcome(Welcome {
@@ -315,6 +322,7 @@ where
         hub.unregister(&me);
         return None;
     }
+    hub.deliver_left_out(&me, left_out);
     m.handshakes.with_label_values(&["ok"]).inc();
     info!(peer = %me.peer, session = %me.id, instance = %me.instance, delegations = cursors.len(), "session authenticated");
     Some(Session {

@@ -209,7 +209,9 @@ pub fn peek_prefix(msg: &[u8], limits: &Limits) -> Result<Prefix, FrameError> {
 
 /// Decodes one whole message (one WebSocket binary message) as one frame.
 ///
-/// String fields and the payload are slices of `msg`: nothing is copied.
+/// Ids (peer, request, key and relay ids, at most 128 bytes each) are
+/// copied, so an id kept after the frame never keeps `msg` alive; other
+/// string fields and the payload are slices of `msg`.
 pub fn decode_message(msg: Bytes, limits: &Limits) -> Result<Frame, FrameError> {
     let prefix = peek_prefix(&msg, limits)?;
     if prefix.frame_len() != msg.len() {

@@ -15,7 +15,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
 use oab_wire::{
-    Cancel, Data, DelegationKey, Direction, Frame, InstanceId, Outcome, PeerId, encode,
+    Cancel, Data, DelegationCursor, DelegationKey, Direction, Frame, InstanceId, Outcome, PeerId,
+    encode,
 };
 use tracing::{info, warn};
 
@@ -118,6 +119,46 @@ impl<S: EventStore> Hub<S> {
             self.subscribe(&live, key, Direction::Down, &callee, 0);
         }
         Ok(())
+    }
+
+    /// Delivers the delegations a `Welcome` had no room for on the new
+    /// session: those the peer receives work on (the callee) get their down
+    /// log from its start, the `Open` first, as if just created. A caller
+    /// needs nothing: it resumes every delegation it holds on every new
+    /// session. Runs in a task, after the welcome went out.
+    pub fn deliver_left_out(
+        self: &Arc<Self>,
+        session: &SessionRef,
+        left_out: Vec<DelegationCursor>,
+    ) {
+        let work: Vec<DelegationKey> = left_out
+            .into_iter()
+            .filter(|c| !c.is_caller)
+            .map(|c| c.key)
+            .collect();
+        if work.is_empty() {
+            return;
+        }
+        let hub = self.clone();
+        let session = session.clone();
+        self.tasks.spawn(async move {
+            for key in work {
+                if session.outbox.is_closed() {
+                    return;
+                }
+                // Looked up again if the sweep evicted the view meanwhile.
+                for _ in 0..4 {
+                    let Ok(Some(live)) = hub.view(&key).await else {
+                        break;
+                    };
+                    if hub.subscribe(&live, &key, Direction::Down, &session, 0)
+                        != super::Subscribed::Evicted
+                    {
+                        break;
+                    }
+                }
+            }
+        });
     }
 
     pub(super) fn note_terminal(&self, l: &mut DelegationView, outcome: Option<Outcome>) {
@@ -325,7 +366,7 @@ impl<S: EventStore> Hub<S> {
                 }
                 continue;
             }
-            if let Ok(metas) = self.store.delegations_of(&peer).await {
+            if let Ok(metas) = self.store.open_delegations_of(&peer).await {
                 self.end_lost_work(&peer, None, &metas).await;
                 // Forget the peer only if it did not come back meanwhile.
                 let mut off = self.offline_since.lock();
@@ -344,9 +385,31 @@ impl<S: EventStore> Hub<S> {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::super::test_support::{
-        CALLER, STEP, callee_completes, next_data, open_in_store, redis_hub, session,
+        CALLEE, CALLER, STEP, callee_completes, next_data, open_in_store, peer, redis_hub, session,
     };
     use oab_testkit::redis::{Persistence, RedisServer};
+    use oab_wire::DelegationCursor;
+
+    /// A delegation a truncated `Welcome` had no room for reaches its
+    /// callee on the new session anyway: its `Open` first, from the start of
+    /// the down log, as if it had just been created.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_delegation_left_out_of_the_welcome_reaches_its_callee() {
+        let redis = RedisServer::start(Persistence::None).unwrap();
+        let hub = redis_hub(&redis).await;
+        let (callee, mut inbox) = session(CALLEE);
+        let (meta, open_frame) = open_in_store(&hub, "r-left-out").await;
+        let left_out = DelegationCursor {
+            key: meta.key.clone(),
+            counterpart: peer(CALLER),
+            is_caller: false,
+            down: 1,
+            up: 0,
+            terminal: None,
+        };
+        hub.deliver_left_out(&callee, vec![left_out]);
+        assert_eq!(next_data(&mut inbox).await, open_frame);
+    }
 
     /// The sweep evicts a just-created view (it has no subscription yet)
     /// while `created` is between caching it and subscribing the caller:

@@ -320,6 +320,22 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
         peer: &PeerId,
     ) -> impl Future<Output = Result<Vec<DelegationMeta>, StoreError>> + Send;
 
+    /// Delegations where `peer` is caller or callee that have no terminal
+    /// yet: what a handshake reads. The Redis store keeps an index of them
+    /// (a finished delegation leaves it when its terminal is indexed), so
+    /// this costs one read per open delegation however many finished ones
+    /// retention keeps; the default filters [`Self::delegations_of`].
+    fn open_delegations_of(
+        &self,
+        peer: &PeerId,
+    ) -> impl Future<Output = Result<Vec<DelegationMeta>, StoreError>> + Send {
+        async move {
+            let mut all = self.delegations_of(peer).await?;
+            all.retain(|m| m.terminal.is_none());
+            Ok(all)
+        }
+    }
+
     /// Open delegations whose deadline is at or before `now_ms` (at most `limit`).
     fn due(
         &self,

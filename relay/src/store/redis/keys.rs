@@ -16,6 +16,7 @@
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
 //! | `oab:p:{<peer>}:dlg` | set | delegation keys (`<caller>#<rid>`) where the peer is caller or callee |
+//! | `oab:p:{<peer>}:open` | set | the same for delegations without a terminal: added at open, removed when the terminal is indexed (readers remove finished or gone members they find) |
 //! | `oab:deadlines` | zset (all scores 0) | `<deadline, 20 digits>\|<caller>#<rid>` of open delegations |
 //! | `oab:finished` | zset (all scores 0) | `<terminal ms, 20 digits>\|<caller>#<rid>\|<callee>` |
 //! | `oab:desc:{<peer>}` | string | the peer's descriptor |
@@ -91,6 +92,12 @@ impl DelegationKeys {
 
 pub(super) fn peer_set_key(peer: &PeerId) -> String {
     format!("oab:p:{{{peer}}}:dlg")
+}
+
+/// The set of `peer`'s delegations without a terminal: what a handshake
+/// reads, so its cost does not grow with the finished ones.
+pub(super) fn peer_open_key(peer: &PeerId) -> String {
+    format!("oab:p:{{{peer}}}:open")
 }
 
 pub(super) fn descriptor_key(peer: &PeerId) -> String {

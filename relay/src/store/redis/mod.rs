@@ -117,7 +117,7 @@ use self::cluster::pipeline;
 use self::keys::{
     DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key,
     finished_member, lex_upper_bound, meta_field, parse_deadline_member, parse_finished_member,
-    parse_key, peer_set_key,
+    parse_key, peer_open_key, peer_set_key,
 };
 use self::replies::{
     Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
@@ -366,6 +366,8 @@ impl RedisStore {
             .sadd(peer_set_key(&meta.callee), &member);
         match (meta.terminal, meta.terminal_ms) {
             (Some(_), Some(at)) => {
+                pipe.srem(peer_open_key(&meta.key.caller), &member)
+                    .srem(peer_open_key(&meta.callee), &member);
                 pipe.zrem(DEADLINES_KEY, deadline_member(meta.deadline_ms, &meta.key))
                     .zadd(
                         FINISHED_KEY,
@@ -374,6 +376,8 @@ impl RedisStore {
                     );
             }
             _ => {
+                pipe.sadd(peer_open_key(&meta.key.caller), &member)
+                    .sadd(peer_open_key(&meta.callee), &member);
                 pipe.zadd(
                     DEADLINES_KEY,
                     deadline_member(meta.deadline_ms, &meta.key),
@@ -391,6 +395,9 @@ impl RedisStore {
     async fn index_finished(&self, finished: &[Finished]) {
         let mut pipe = pipeline();
         for f in finished {
+            let member = f.key.to_string();
+            pipe.srem(peer_open_key(&f.key.caller), &member)
+                .srem(peer_open_key(&f.callee), &member);
             pipe.zrem(DEADLINES_KEY, deadline_member(f.deadline_ms, &f.key))
                 .zadd(
                     FINISHED_KEY,
@@ -405,6 +412,61 @@ impl RedisStore {
         if let Err(e) = result {
             tracing::warn!(error = %e, count = finished.len(), "finished-delegation index update failed");
         }
+    }
+
+    /// The metas of the delegations in the peer index `set` that still
+    /// involve `peer` (only those without a terminal when `open_only`);
+    /// members that are gone, or finished in an index of open ones, are
+    /// removed from the set.
+    async fn delegations_in(
+        &self,
+        set: &str,
+        peer: &PeerId,
+        open_only: bool,
+    ) -> Result<Vec<DelegationMeta>, StoreError> {
+        let mut cmd = redis::cmd("SMEMBERS");
+        cmd.arg(set);
+        let members = match self.query(&cmd, true, "SMEMBERS").await? {
+            Value::Array(items) | Value::Set(items) => items,
+            other => {
+                return Err(corrupt(format!(
+                    "SMEMBERS: unexpected reply {}",
+                    excerpt(&other)
+                )));
+            }
+        };
+        let mut stale: Vec<Value> = Vec::new();
+        let mut keys = Vec::with_capacity(members.len());
+        for m in members {
+            match str_of(&m).and_then(parse_key) {
+                Some(k) => keys.push(k),
+                None => stale.push(m),
+            }
+        }
+        let metas = self.metas(&keys).await?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (key, meta) in keys.into_iter().zip(metas) {
+            match meta {
+                Some(meta) if meta.involves(peer) && !(open_only && meta.terminal.is_some()) => {
+                    out.push(meta);
+                }
+                // Expired (by Redis or `expire_finished`), or a newer
+                // delegation with the same key and another callee.
+                _ => stale.push(Value::BulkString(key.to_string().into_bytes())),
+            }
+        }
+        if !stale.is_empty() {
+            let mut cmd = redis::cmd("SREM");
+            cmd.arg(set);
+            for m in &stale {
+                if let Some(b) = bytes_of(m) {
+                    cmd.arg(b);
+                }
+            }
+            self.query(&cmd, true, "SREM").await?;
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
     }
 
     /// Metas of `keys` (None where gone), one round trip.
@@ -561,48 +623,11 @@ impl EventStore for RedisStore {
     }
 
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
-        let set = peer_set_key(peer);
-        let mut cmd = redis::cmd("SMEMBERS");
-        cmd.arg(&set);
-        let members = match self.query(&cmd, true, "SMEMBERS").await? {
-            Value::Array(items) | Value::Set(items) => items,
-            other => {
-                return Err(corrupt(format!(
-                    "SMEMBERS: unexpected reply {}",
-                    excerpt(&other)
-                )));
-            }
-        };
-        let mut stale: Vec<Value> = Vec::new();
-        let mut keys = Vec::with_capacity(members.len());
-        for m in members {
-            match str_of(&m).and_then(parse_key) {
-                Some(k) => keys.push(k),
-                None => stale.push(m),
-            }
-        }
-        let metas = self.metas(&keys).await?;
-        let mut out = Vec::with_capacity(keys.len());
-        for (key, meta) in keys.into_iter().zip(metas) {
-            match meta {
-                Some(meta) if meta.involves(peer) => out.push(meta),
-                // Expired (by Redis or `expire_finished`), or a newer
-                // delegation with the same key and another callee.
-                _ => stale.push(Value::BulkString(key.to_string().into_bytes())),
-            }
-        }
-        if !stale.is_empty() {
-            let mut cmd = redis::cmd("SREM");
-            cmd.arg(&set);
-            for m in &stale {
-                if let Some(b) = bytes_of(m) {
-                    cmd.arg(b);
-                }
-            }
-            self.query(&cmd, true, "SREM").await?;
-        }
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        self.delegations_in(&peer_set_key(peer), peer, false).await
+    }
+
+    async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
+        self.delegations_in(&peer_open_key(peer), peer, true).await
     }
 
     async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {
