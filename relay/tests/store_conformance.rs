@@ -210,6 +210,7 @@ conformance! {
     read_lost_and_unknown => retention(100);
     due_lists_only_open_delegations_past_deadline => retention(100);
     delegations_of_lists_caller_and_callee_side => retention(100);
+    open_delegations_of_lists_only_those_without_a_terminal => retention(100);
     finished_delegations_expire => retention(100);
     descriptors => retention(100);
     epoch_is_stable => retention(100);
@@ -743,6 +744,37 @@ async fn delegations_of_lists_caller_and_callee_side<S: EventStore>(s: &S) {
     let of_a = s.delegations_of(&peer("acme/a")).await.unwrap();
     assert_eq!(of_a[1].key, m_ab.key);
     assert_eq!(of_a[1].terminal, Some(Outcome::Completed));
+}
+
+async fn open_delegations_of_lists_only_those_without_a_terminal<S: EventStore>(s: &S) {
+    let ab = key("acme/a", "r1");
+    let ab2 = key("acme/a", "r2");
+    let ca = key("acme/c", "r9");
+    created(s, open_req(&ab, "acme/b", 5_000, 1)).await;
+    created(s, open_req(&ab2, "acme/b", 5_000, 1)).await;
+    created(s, open_req(&ca, "acme/a", 5_000, 1)).await;
+    append1(s, terminal_entry(&ab, 1, Outcome::Completed, 20)).await;
+    append1(s, terminal_entry(&ca, 1, Outcome::Failed, 20)).await;
+    let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
+    // Caller side and callee side; the finished ones are left out.
+    assert_eq!(
+        keys(s.open_delegations_of(&peer("acme/a")).await.unwrap()),
+        vec![ab2.clone()]
+    );
+    assert_eq!(
+        keys(s.open_delegations_of(&peer("acme/b")).await.unwrap()),
+        vec![ab2.clone()]
+    );
+    assert_eq!(
+        s.open_delegations_of(&peer("acme/c")).await.unwrap(),
+        vec![]
+    );
+    // Current metas; the finished ones are still listed by `delegations_of`.
+    assert_eq!(
+        s.open_delegations_of(&peer("acme/b")).await.unwrap()[0],
+        s.meta(&ab2).await.unwrap().unwrap()
+    );
+    assert_eq!(s.delegations_of(&peer("acme/a")).await.unwrap().len(), 3);
 }
 
 async fn finished_delegations_expire<S: EventStore>(s: &S) {
