@@ -64,6 +64,9 @@ impl Delegation {
 struct Inner {
     delegations: HashMap<DelegationKey, Delegation>,
     by_peer: HashMap<PeerId, HashSet<DelegationKey>>,
+    /// The same for delegations without a terminal: a key is removed when
+    /// its terminal is appended (and a peer's entry when it is empty).
+    open_by_peer: HashMap<PeerId, HashSet<DelegationKey>>,
     deadlines: BTreeSet<(u64, DelegationKey)>,
     finished: BTreeSet<(u64, DelegationKey)>,
     descriptors: HashMap<PeerId, Bytes>,
@@ -160,11 +163,19 @@ impl Inner {
         {
             m.terminal = Some(outcome);
             m.terminal_ms = Some(req.now_ms);
-            finished = Some((m.deadline_ms, req.now_ms));
+            finished = Some((m.deadline_ms, req.now_ms, m.callee.clone()));
         }
         d.log_mut(req.dir)
             .push(req.seq, req.frame, retention.max_log_entries);
-        if let Some((deadline, at)) = finished {
+        if let Some((deadline, at, callee)) = finished {
+            for peer in [&req.key.caller, &callee] {
+                if let Some(open) = self.open_by_peer.get_mut(peer) {
+                    open.remove(&req.key);
+                    if open.is_empty() {
+                        self.open_by_peer.remove(peer);
+                    }
+                }
+            }
             self.deadlines.remove(&(deadline, req.key.clone()));
             self.finished.insert((at, req.key));
         }
@@ -199,6 +210,11 @@ impl EventStore for MemoryStore {
         for peer in [&req.key.caller, &req.callee] {
             inner
                 .by_peer
+                .entry(peer.clone())
+                .or_default()
+                .insert(req.key.clone());
+            inner
+                .open_by_peer
                 .entry(peer.clone())
                 .or_default()
                 .insert(req.key.clone());
@@ -262,6 +278,19 @@ impl EventStore for MemoryStore {
         let inner = self.lock();
         let mut out: Vec<DelegationMeta> = inner
             .by_peer
+            .get(peer)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| inner.delegations.get(k).map(|d| d.meta.clone()))
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
+        let inner = self.lock();
+        let mut out: Vec<DelegationMeta> = inner
+            .open_by_peer
             .get(peer)
             .into_iter()
             .flatten()

@@ -321,10 +321,11 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<DelegationMeta>, StoreError>> + Send;
 
     /// Delegations where `peer` is caller or callee that have no terminal
-    /// yet: what a handshake reads. The Redis store keeps an index of them
-    /// (a finished delegation leaves it when its terminal is indexed), so
-    /// this costs one read per open delegation however many finished ones
-    /// retention keeps; the default filters [`Self::delegations_of`].
+    /// yet: what a handshake reads. Both backends keep an index of them (a
+    /// finished delegation leaves it with its terminal), so this costs one
+    /// read per open delegation however many finished ones retention keeps;
+    /// the default (for other implementations) filters
+    /// [`Self::delegations_of`].
     fn open_delegations_of(
         &self,
         peer: &PeerId,
