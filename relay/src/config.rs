@@ -661,10 +661,7 @@ impl Config {
             }
         }
         if r.source_prefix_v4 > 32 {
-            err(
-                "relay.source_prefix_v4".into(),
-                "must be at most 32".into(),
-            );
+            err("relay.source_prefix_v4".into(), "must be at most 32".into());
         }
         if r.source_prefix_v6 > 128 {
             err(

@@ -38,7 +38,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::admission::{HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source};
+use crate::admission::{
+    HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source,
+};
 use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;

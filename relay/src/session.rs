@@ -156,9 +156,8 @@ where
             Ok(Some(Err(_))) if ws.get_ref().exhausted() => {
                 forget(env);
                 m.handshakes.with_label_values(&["oversized"]).inc();
-                let reason = format!(
-                    "more than {PRE_AUTH_READ_BYTES} bytes before the hello was verified"
-                );
+                let reason =
+                    format!("more than {PRE_AUTH_READ_BYTES} bytes before the hello was verified");
                 close_ws(ws, CloseCode::FrameTooLarge, &reason).await;
                 return None;
             }

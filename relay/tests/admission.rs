@@ -74,23 +74,33 @@ async fn one_source_cannot_hold_every_handshake_slot() {
             silent.push(connect_from(source, relay.addr).await);
         }
     }
-    // Each source got its share; the rest were closed at accept.
+    // Logins from a third source still get a slot (the relay accepts in
+    // order, so the silent connections are all admitted or refused first),
+    // and route.
+    let target = relay.target();
+    let login = |id| {
+        let target = target.clone();
+        async move {
+            RawClient::connect(&target, id, InstanceId::random())
+                .await
+                .expect("a login from another source gets a handshake slot")
+        }
+    };
+    for _ in 0..3 {
+        login(&env.other).await.close().await;
+    }
+    let mut b = login(&env.callee).await;
+    let mut a = login(&env.caller).await;
+    a.send(&open_frame("s1", b"{}")).await.unwrap();
+    await_ack(&mut a, "s1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    // Each silent source got its share; the rest were closed at accept.
     await_metric(
         &relay,
         "oab_connections_refused_total{reason=\"max_handshakes_per_source\"}",
         2 * (64 - 8),
     )
     .await;
-
-    // Logins from a third source still get through, and route.
-    for _ in 0..3 {
-        relay.client(&env.other).await.close().await;
-    }
-    let mut b = relay.client(&env.callee).await;
-    let mut a = relay.client(&env.caller).await;
-    a.send(&open_frame("s1", b"{}")).await.unwrap();
-    await_ack(&mut a, "s1", Direction::Down, 1).await;
-    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
     drop(silent);
     relay.stop().await;
 }

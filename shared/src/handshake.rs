@@ -578,9 +578,15 @@ mod tests {
         let mut ledger = NonceLedger::new(4, 10_000);
         let (hs, challenge) = ServerHandshake::start(relay, NOW, &mut ledger).unwrap();
         let binding = ChannelBinding::TlsExporter([9; 32]);
-        let hello =
-            answer_challenge(signer, &challenge, None, InstanceId::random(), NOW, &binding)
-                .unwrap();
+        let hello = answer_challenge(
+            signer,
+            &challenge,
+            None,
+            InstanceId::random(),
+            NOW,
+            &binding,
+        )
+        .unwrap();
         let before = VERIFICATIONS.with(std::cell::Cell::get);
         let started = Instant::now();
         let err = hs
