@@ -6,6 +6,7 @@
 //! Different source addresses are loopback addresses (127.0.0.2, 127.0.0.3,
 //! ...): the relay listens on 127.0.0.1 and Linux routes all of 127.0.0.0/8
 //! to the loopback interface.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
