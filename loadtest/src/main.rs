@@ -600,8 +600,9 @@ struct SessionsArgs {
     store: StoreArg,
     /// After the last session closed, seconds to sample the relay's RSS
     /// (with --check, it must have given back all but 25% of what the
-    /// sessions added by then).
-    #[arg(long, default_value_t = 5.0)]
+    /// sessions added by then; the relay's allocator returns freed pages
+    /// over about 10 s).
+    #[arg(long, default_value_t = 15.0)]
     settle_seconds: f64,
 }
 
