@@ -598,6 +598,12 @@ struct SessionsArgs {
     /// The relay's store.
     #[arg(long, value_enum, default_value_t = StoreArg::Memory)]
     store: StoreArg,
+    /// After the last session closed, seconds to sample the relay's RSS
+    /// (with --check, it must have given back all but 25% of what the
+    /// sessions added by then; the relay's allocator returns freed pages
+    /// over about 10 s).
+    #[arg(long, default_value_t = 15.0)]
+    settle_seconds: f64,
 }
 
 /// `64`, `16k`, `16KiB`, `1m`: bytes.
@@ -717,6 +723,7 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 sessions: a.sessions.max(1),
                 concurrency: a.concurrency.max(1),
                 store,
+                settle_seconds: a.settle_seconds,
             };
             scenario::sessions::run(&opts, common).await
         }

@@ -181,6 +181,7 @@ impl Setup {
              tls_key = \"{key}\"\n\
              idle_timeout_ms = {idle_timeout}\n\
              handshake_timeout_ms = {handshake_timeout}\n\
+             max_handshakes_per_source = 512\n\
              {heartbeat}\n\
              [limits]\n\
              max_payload = {max_payload}\n\

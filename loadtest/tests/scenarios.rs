@@ -91,6 +91,7 @@ async fn sessions_opens_each_peer_once_and_all_stay_alive() {
         sessions: 40,
         concurrency: 8,
         store: StoreKind::Memory,
+        settle_seconds: 0.0,
     };
     let report = sessions::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);

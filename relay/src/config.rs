@@ -102,9 +102,39 @@ pub struct RelaySection {
     /// connections are closed at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// Cap on connections in the handshake phase at once.
+    /// Cap on connections in the handshake phase at once (from accept until
+    /// the `Welcome` is written); beyond it new connections are closed at once.
     #[serde(default = "default_max_handshakes")]
     pub max_handshakes: usize,
+    /// Of `max_handshakes`, how many one source (`source_prefix_v4` /
+    /// `source_prefix_v6`) may hold at once; beyond it that source's new
+    /// connections are closed at once, so it takes
+    /// `max_handshakes / max_handshakes_per_source` sources to hold every
+    /// slot. Raise it for many connectors behind one NAT address that all
+    /// reconnect at once (they retry with backoff meanwhile).
+    #[serde(default = "default_max_handshakes_per_source")]
+    pub max_handshakes_per_source: usize,
+    /// Prefix length an IPv4 client address is cut to for
+    /// `max_handshakes_per_source` and `rate.connects_*_per_ip` (32: each
+    /// address is its own source).
+    #[serde(default = "default_source_prefix_v4")]
+    pub source_prefix_v4: u8,
+    /// Prefix length an IPv6 client address is cut to (64: one host usually
+    /// holds a whole /64, so its addresses count as one source).
+    #[serde(default = "default_source_prefix_v6")]
+    pub source_prefix_v6: u8,
+    /// Idle time before the kernel sends TCP keepalive probes on an accepted
+    /// connection (then one every third of it, 3 probes), ms; 0 leaves
+    /// keepalive off. Detects a peer gone behind a half-open link while the
+    /// session writes nothing.
+    #[serde(default = "default_tcp_keepalive_ms")]
+    pub tcp_keepalive_ms: u64,
+    /// `TCP_USER_TIMEOUT` on accepted connections: how long written data
+    /// (or keepalive probes) may stay unacknowledged before the kernel
+    /// closes the connection, ms; 0 leaves the kernel default (about 15 min
+    /// of retransmissions).
+    #[serde(default = "default_tcp_user_timeout_ms")]
+    pub tcp_user_timeout_ms: u64,
     /// On shutdown, how long sessions get to drain before being cut, ms.
     #[serde(default = "default_drain_timeout_ms")]
     pub drain_timeout_ms: u64,
@@ -154,10 +184,11 @@ pub struct RateSection {
     /// Burst above the sustained rate.
     #[serde(default = "default_peer_burst")]
     pub peer_frames_burst: u32,
-    /// New connections per second from one source address, before auth.
+    /// New connections per second from one source (the address cut to
+    /// `relay.source_prefix_v4` / `source_prefix_v6`), before auth.
     #[serde(default = "default_ip_cps")]
     pub connects_per_second_per_ip: u32,
-    /// Burst of new connections per source address.
+    /// Burst of new connections per source.
     #[serde(default = "default_ip_burst")]
     pub connects_burst_per_ip: u32,
     /// Requests per second one peer may make besides log frames
@@ -311,6 +342,26 @@ fn default_max_connections() -> usize {
 }
 fn default_max_handshakes() -> usize {
     512
+}
+/// One source may hold 1/16 of the default 512 handshake slots.
+fn default_max_handshakes_per_source() -> usize {
+    32
+}
+fn default_source_prefix_v4() -> u8 {
+    32
+}
+fn default_source_prefix_v6() -> u8 {
+    64
+}
+/// Half the idle timeout: a silent dead peer is found by the kernel in
+/// about 30 s + 3 probes 10 s apart.
+fn default_tcp_keepalive_ms() -> u64 {
+    30_000
+}
+/// A minute of unacknowledged writes: well above any round trip, below the
+/// kernel's default of about 15 minutes of retransmissions.
+fn default_tcp_user_timeout_ms() -> u64 {
+    60_000
 }
 fn default_drain_timeout_ms() -> u64 {
     10_000
@@ -620,11 +671,24 @@ impl Config {
         for (name, v) in [
             ("relay.max_connections", r.max_connections),
             ("relay.max_handshakes", r.max_handshakes),
+            (
+                "relay.max_handshakes_per_source",
+                r.max_handshakes_per_source,
+            ),
             ("limits.session_queue", self.limits.session_queue),
         ] {
             if v == 0 {
                 err(name.into(), "must be greater than 0".into());
             }
+        }
+        if r.source_prefix_v4 > 32 {
+            err("relay.source_prefix_v4".into(), "must be at most 32".into());
+        }
+        if r.source_prefix_v6 > 128 {
+            err(
+                "relay.source_prefix_v6".into(),
+                "must be at most 128".into(),
+            );
         }
         if let Err(m) = self.wire_limits().validate() {
             let field = if m.starts_with("max_header") {

@@ -9,6 +9,7 @@
 //! | [`config`] | the TOML configuration, validation, peer and route lookup |
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
+//! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
@@ -23,6 +24,7 @@
 //! hashes an `Open`'s payload to check its digest, and stamps the route's
 //! capability ceiling into the `Open`'s header.
 
+pub mod admission;
 pub mod config;
 pub mod dev;
 pub mod fleet;

@@ -1,7 +1,8 @@
 //! The listener: accepts TCP, runs TLS and the WebSocket upgrade under one
 //! deadline in a task per connection (a slow client never blocks `accept`),
-//! caps connections and handshakes, rate-limits source addresses, and hands
-//! authenticated sessions to [`crate::session`]. Also the admin listener and
+//! caps connections and handshakes (in total and per source, see
+//! [`crate::admission`]), rate-limits sources, and hands authenticated
+//! sessions to [`crate::session`]. Also the admin listener and
 //! the lifecycle sweeper.
 //!
 //! It owns the tasks that live as long as the relay: the wake subscriber loops
@@ -11,8 +12,8 @@
 //!
 //! Never: waits in the accept loop for anything a client controls: TLS, the
 //! upgrade and the session handshake run in the connection's own task under one
-//! deadline, and a connection over the per-address rate, the connection cap or
-//! the handshake cap is dropped at once (`try_acquire_owned`, never a queue).
+//! deadline, and a connection over the per-source rate, the connection cap or
+//! the handshake caps is dropped at once (`try_acquire_owned`, never a queue).
 //! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
@@ -37,6 +38,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
+use crate::admission::{
+    HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source,
+};
 use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
@@ -59,7 +63,9 @@ pub enum RunError {
 /// 20 KiB each; measured cost: about +5% relay CPU per 16-64 KiB frame),
 /// a 32 KiB write buffer (frames fed in one batch leave in few TLS records
 /// and one `writev` instead of one each: +31% frames/s at 256 B measured),
-/// and a bounded write buffer cap.
+/// and a bounded write buffer cap. Before the session is authenticated,
+/// reads are capped far lower by [`PreAuthLimit`] (tokio-tungstenite 0.29
+/// cannot change these caps on a live stream, so the budget sits under it).
 pub fn ws_config(config: &Config) -> WebSocketConfig {
     let max = config.wire_limits().max_frame();
     WebSocketConfig::default()
@@ -200,7 +206,10 @@ pub async fn run<S: EventStore>(
         });
     }
     let connections = Arc::new(Semaphore::new(config.relay.max_connections));
-    let handshakes = Arc::new(Semaphore::new(config.relay.max_handshakes));
+    let handshakes = HandshakeSlots::new(
+        config.relay.max_handshakes,
+        config.relay.max_handshakes_per_source,
+    );
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let ws_cfg = ws_config(&config);
     let conn_tasks = TaskTracker::new();
@@ -219,7 +228,12 @@ pub async fn run<S: EventStore>(
                 }
             },
         };
-        if ip_limiter.check_key(&addr.ip()).is_err() {
+        let source = Source::of(
+            addr.ip(),
+            config.relay.source_prefix_v4,
+            config.relay.source_prefix_v6,
+        );
+        if ip_limiter.check_key(&source.addr()).is_err() {
             hub.metrics
                 .refused
                 .with_label_values(&["rate_limited"])
@@ -233,14 +247,19 @@ pub async fn run<S: EventStore>(
                 .inc();
             continue;
         };
-        let Ok(hs_permit) = handshakes.clone().try_acquire_owned() else {
-            hub.metrics
-                .refused
-                .with_label_values(&["max_handshakes"])
-                .inc();
-            continue;
+        let hs_permit = match handshakes.try_admit(source) {
+            Ok(p) => p,
+            Err(why) => {
+                hub.metrics
+                    .refused
+                    .with_label_values(&[why.metric_label()])
+                    .inc();
+                continue;
+            }
         };
-        let _ = tcp.set_nodelay(true);
+        if let Err(e) = crate::admission::tune_accepted(&tcp, &config.relay) {
+            debug!(error = %e, "socket options not set");
+        }
         let (hub, env, acceptor) = (hub.clone(), env.clone(), acceptor.clone());
         let span = tracing::debug_span!("conn", %addr);
         let fut = async move {
@@ -351,7 +370,7 @@ async fn connection<S: EventStore>(
     tcp: TcpStream,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     ws_cfg: WebSocketConfig,
-    hs_permit: tokio::sync::OwnedSemaphorePermit,
+    hs_permit: HandshakePermit,
 ) {
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(hub.config.relay.handshake_timeout_ms);
@@ -374,7 +393,8 @@ async fn connection<S: EventStore>(
                 hub.metrics.handshakes.with_label_values(&["tls"]).inc();
                 return;
             };
-            let Some(ws) = Box::pin(upgrade(&hub, tls, ws_cfg, deadline)).await else {
+            let io = PreAuthLimit::new(tls, PRE_AUTH_READ_BYTES);
+            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline)).await else {
                 return;
             };
             session::serve(
@@ -388,7 +408,8 @@ async fn connection<S: EventStore>(
             .await;
         }
         None => {
-            let Some(ws) = Box::pin(upgrade(&hub, tcp, ws_cfg, deadline)).await else {
+            let io = PreAuthLimit::new(tcp, PRE_AUTH_READ_BYTES);
+            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline)).await else {
                 return;
             };
             session::serve(

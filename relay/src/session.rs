@@ -42,6 +42,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tracing::{Instrument as _, debug, info, warn};
 
+use crate::admission::{HandshakePermit, PRE_AUTH_READ_BYTES, PreAuthLimit};
 use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
 use crate::outbox::{Inbox, outbox};
 use crate::refusal::Refusal;
@@ -79,14 +80,17 @@ where
 }
 
 /// Runs the session handshake and, once authenticated, the frame loop.
-/// `deadline` bounds the whole handshake (TLS and upgrade included).
+/// `deadline` bounds the whole handshake (TLS, upgrade and the `Welcome`
+/// write included); `handshake_permit` is held until the `Welcome` is
+/// written. The stream's pre-authentication read budget is lifted once the
+/// `Hello` verifies.
 pub async fn serve<S, IO>(
     hub: Arc<Hub<S>>,
     env: SessionEnv,
-    mut ws: WebSocketStream<IO>,
+    mut ws: WebSocketStream<PreAuthLimit<IO>>,
     binding: ChannelBinding,
     deadline: tokio::time::Instant,
-    handshake_permit: tokio::sync::OwnedSemaphorePermit,
+    handshake_permit: HandshakePermit,
 ) where
     S: EventStore,
     IO: AsyncRead + AsyncWrite + Unpin + Send,
@@ -106,7 +110,7 @@ pub async fn serve<S, IO>(
 async fn handshake<S, IO>(
     hub: &Arc<Hub<S>>,
     env: &SessionEnv,
-    ws: &mut WebSocketStream<IO>,
+    ws: &mut WebSocketStream<PreAuthLimit<IO>>,
     binding: &ChannelBinding,
     deadline: tokio::time::Instant,
     limits: &Limits,
@@ -147,6 +151,14 @@ where
                     "no hello before the handshake deadline",
                 )
                 .await;
+                return None;
+            }
+            Ok(Some(Err(_))) if ws.get_ref().exhausted() => {
+                forget(env);
+                m.handshakes.with_label_values(&["oversized"]).inc();
+                let reason =
+                    format!("more than {PRE_AUTH_READ_BYTES} bytes before the hello was verified");
+                close_ws(ws, CloseCode::FrameTooLarge, &reason).await;
                 return None;
             }
             Ok(None) | Ok(Some(Err(_))) => {
@@ -200,7 +212,12 @@ where
         binding,
     );
     let auth = match verified {
-        Ok(a) => a,
+        Ok(a) => {
+            // Authenticated: from here on the session's limits are the
+            // WebSocket caps of `server::ws_config`.
+            ws.get_mut().lift();
+            a
+        }
         Err(e) => {
             forget(env);
             let result = match e.close_code() {
@@ -313,14 +330,25 @@ where
         max_in_flight: hub.config.limits.max_in_flight,
         payload: Bytes::from(payload),
     });
-    let sent = match encode(&welcome) {
-        Ok(bytes) => ws.send(Message::Binary(bytes)).await.is_ok(),
-        Err(_) => false,
-    };
-    if !sent {
+    // Under the handshake deadline: a client that authenticated and then
+    // stopped reading must not keep its handshake slot.
+    let Ok(bytes) = encode(&welcome) else {
         m.handshakes.with_label_values(&["transport"]).inc();
         hub.unregister(&me);
         return None;
+    };
+    match tokio::time::timeout_at(deadline, ws.send(Message::Binary(bytes))).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => {
+            m.handshakes.with_label_values(&["transport"]).inc();
+            hub.unregister(&me);
+            return None;
+        }
+        Err(_) => {
+            m.handshakes.with_label_values(&["timeout"]).inc();
+            hub.unregister(&me);
+            return None;
+        }
     }
     hub.deliver_left_out(&me, left_out);
     m.handshakes.with_label_values(&["ok"]).inc();

@@ -361,6 +361,8 @@ async fn silent_connections_are_closed_while_a_pair_keeps_routing() {
     let mut env = env;
     env.config.relay.handshake_timeout_ms = 1_000;
     env.config.relay.max_handshakes = 2_000;
+    // All 1,000 come from one address.
+    env.config.relay.max_handshakes_per_source = 2_000;
     let relay = TestRelay::start(&env, memory()).await;
     let mut b = relay.client(&env.callee).await;
     let mut a = relay.client(&env.caller).await;

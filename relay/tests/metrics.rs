@@ -74,6 +74,7 @@ async fn metrics_parse_move_and_resist_label_inflation() {
         "[rate]\nconnects_per_second_per_ip = 1000000\nconnects_burst_per_ip = 1000000\n",
     );
     env.config.relay.max_handshakes = 4096;
+    env.config.relay.max_handshakes_per_source = 4096;
     let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let before = relay.metrics().await;
     let series_before = parse_exposition(&before);

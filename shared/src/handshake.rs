@@ -18,7 +18,9 @@
 //!
 //! Never: accepts a challenge nonce twice (the ledger consumes it, and holds at
 //! most `capacity` outstanding), a hello without TLS binding when the policy
-//! requires one, or a key outside its validity window.
+//! requires one, or a key outside its validity window. Never refuses an
+//! unknown peer or key id without the signature verification a known one
+//! gets (against a decoy key), so refusal times do not reveal which exist.
 
 use std::collections::HashMap;
 
@@ -26,7 +28,7 @@ use bytes::{BufMut, BytesMut};
 
 use crate::code::CloseCode;
 use crate::frame::{Binding, Challenge, Hello, PROTOCOL_VERSION};
-use crate::identity::{Identity, KeyWindow, TrustStore};
+use crate::identity::{Identity, KeyWindow, PublicKey, TrustStore};
 use crate::ids::{InstanceId, KeyId, PeerId, RelayId};
 
 /// Domain-separation context at the start of every handshake transcript.
@@ -402,23 +404,37 @@ impl ServerHandshake {
             Binding::TlsExporter => *binding,
             Binding::ChallengeOnly => ChannelBinding::ChallengeOnly,
         };
-        let keys = trust
-            .peer_keys(&hello.peer)
-            .ok_or_else(|| HandshakeError::UnknownPeer(hello.peer.to_string()))?;
-        let key = keys
-            .iter()
-            .find(|k| k.key_id == hello.key_id)
-            .ok_or_else(|| HandshakeError::UnknownKey {
-                peer: hello.peer.to_string(),
-                key_id: hello.key_id.to_string(),
-            })?;
-        match key.window(now_ms) {
-            KeyWindow::Valid => {}
-            KeyWindow::NotYetValid => {
-                return Err(HandshakeError::KeyNotYetValid(hello.key_id.to_string()));
-            }
-            KeyWindow::Expired => return Err(HandshakeError::KeyExpired(hello.key_id.to_string())),
-        }
+        // Every identity refusal (unknown peer, unknown key, key outside its
+        // window, bad signature) gets the same public answer, so each also
+        // takes the same work: a signature verification, against the fixed
+        // decoy key when there is no configured key to verify against.
+        // Otherwise the refusal time would tell which peers and key ids exist.
+        let (public_key, refusal) = match trust.peer_keys(&hello.peer) {
+            None => (
+                decoy_key(),
+                Some(HandshakeError::UnknownPeer(hello.peer.to_string())),
+            ),
+            Some(keys) => match keys.iter().find(|k| k.key_id == hello.key_id) {
+                None => (
+                    decoy_key(),
+                    Some(HandshakeError::UnknownKey {
+                        peer: hello.peer.to_string(),
+                        key_id: hello.key_id.to_string(),
+                    }),
+                ),
+                Some(key) => match key.window(now_ms) {
+                    KeyWindow::Valid => (&key.public_key, None),
+                    KeyWindow::NotYetValid => (
+                        &key.public_key,
+                        Some(HandshakeError::KeyNotYetValid(hello.key_id.to_string())),
+                    ),
+                    KeyWindow::Expired => (
+                        &key.public_key,
+                        Some(HandshakeError::KeyExpired(hello.key_id.to_string())),
+                    ),
+                },
+            },
+        };
         let message = transcript(&TranscriptFields {
             version: hello.version,
             nonce: &hello.nonce,
@@ -429,7 +445,11 @@ impl ServerHandshake {
             time_ms: hello.time_ms,
             binding: &signed_binding,
         });
-        if !key.public_key.verify_strict(&message, &hello.signature) {
+        let signature_ok = verify_signature(public_key, &message, &hello.signature);
+        if let Some(refusal) = refusal {
+            return Err(refusal);
+        }
+        if !signature_ok {
             return Err(HandshakeError::BadSignature);
         }
         Ok(Authenticated {
@@ -439,6 +459,30 @@ impl ServerHandshake {
             version: hello.version,
         })
     }
+}
+
+/// The key a `Hello` from an unknown peer or key id is verified against, so
+/// that refusal costs the same as a bad signature under a configured key. Its
+/// private half is a fixed public constant: nothing is ever signed with it,
+/// and its result is discarded.
+fn decoy_key() -> &'static PublicKey {
+    static DECOY: std::sync::OnceLock<PublicKey> = std::sync::OnceLock::new();
+    DECOY.get_or_init(|| {
+        PublicKey(ed25519_dalek::SigningKey::from_bytes(&[0x5a; 32]).verifying_key())
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Signature verifications run on this thread (tests count them).
+    static VERIFICATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Strict Ed25519 verification of a handshake transcript.
+fn verify_signature(key: &PublicKey, message: &[u8], signature: &[u8; 64]) -> bool {
+    #[cfg(test)]
+    VERIFICATIONS.with(|n| n.set(n.get() + 1));
+    key.verify_strict(message, signature)
 }
 
 /// The connector side: answers a challenge.
@@ -489,4 +533,113 @@ pub fn answer_challenge(
         binding: binding.mode(),
         signature: identity.sign(&message),
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::identity::PeerKey;
+    use std::time::Instant;
+
+    const NOW: u64 = 1_800_000_000_000;
+
+    fn id(peer: &str, secret: u8) -> Identity {
+        Identity::from_secret(
+            PeerId::new(peer).unwrap(),
+            KeyId::new("k1").unwrap(),
+            [secret; 32],
+        )
+    }
+
+    /// The relay trusts `acme/known` (key `k1`, valid) and `acme/retired`
+    /// (key `k1`, expired).
+    fn trust() -> HashMap<PeerId, Vec<PeerKey>> {
+        let key = |i: &Identity, not_after_ms| PeerKey {
+            key_id: i.key_id.clone(),
+            public_key: i.public_key(),
+            not_before_ms: None,
+            not_after_ms,
+        };
+        let (known, retired) = (id("acme/known", 1), id("acme/retired", 3));
+        HashMap::from([
+            (known.peer.clone(), vec![key(&known, None)]),
+            (retired.peer.clone(), vec![key(&retired, Some(NOW - 1))]),
+        ])
+    }
+
+    /// Verifies a hello signed by `signer` and returns the refusal, the
+    /// signature verifications it ran and how long `verify` took (ns).
+    fn refuse(
+        signer: &Identity,
+        trust: &HashMap<PeerId, Vec<PeerKey>>,
+    ) -> (HandshakeError, u64, u128) {
+        let relay = RelayId::new("relay.example").unwrap();
+        let mut ledger = NonceLedger::new(4, 10_000);
+        let (hs, challenge) = ServerHandshake::start(relay, NOW, &mut ledger).unwrap();
+        let binding = ChannelBinding::TlsExporter([9; 32]);
+        let hello = answer_challenge(
+            signer,
+            &challenge,
+            None,
+            InstanceId::random(),
+            NOW,
+            &binding,
+        )
+        .unwrap();
+        let before = VERIFICATIONS.with(std::cell::Cell::get);
+        let started = Instant::now();
+        let err = hs
+            .verify(
+                &hello,
+                trust,
+                &mut ledger,
+                &HandshakePolicy::default(),
+                NOW,
+                &binding,
+            )
+            .unwrap_err();
+        let took = started.elapsed().as_nanos();
+        (err, VERIFICATIONS.with(std::cell::Cell::get) - before, took)
+    }
+
+    #[test]
+    fn every_identity_refusal_runs_one_signature_verification() {
+        let trust = trust();
+        let wrong_key_id = Identity::from_secret(
+            PeerId::new("acme/known").unwrap(),
+            KeyId::new("k9").unwrap(),
+            [1; 32],
+        );
+        let cases = [
+            ("bad signature", id("acme/known", 2)),
+            ("unknown peer", id("acme/stranger", 1)),
+            ("unknown key id", wrong_key_id),
+            ("expired key", id("acme/retired", 3)),
+        ];
+        for (name, signer) in cases {
+            let (err, verifications, _) = refuse(&signer, &trust);
+            assert_eq!(err.close_code(), CloseCode::AuthFailed, "{name}: {err}");
+            assert_eq!(verifications, 1, "{name}: {err}");
+        }
+    }
+
+    /// Prints the median time to refuse each kind of identity failure
+    /// (`cargo test --release -p oab-wire --lib refusal_times -- --ignored
+    /// --nocapture`). A measurement, not a pass/fail check.
+    #[test]
+    #[ignore = "a timing measurement; run on demand"]
+    fn refusal_times() {
+        let trust = trust();
+        let cases = [
+            ("bad signature", id("acme/known", 2)),
+            ("unknown peer", id("acme/stranger", 1)),
+            ("expired key", id("acme/retired", 3)),
+        ];
+        for (name, signer) in cases {
+            let mut times: Vec<u128> = (0..2_000).map(|_| refuse(&signer, &trust).2).collect();
+            times.sort_unstable();
+            println!("{name}: median {} ns", times[times.len() / 2]);
+        }
+    }
 }

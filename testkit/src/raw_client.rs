@@ -90,10 +90,16 @@ pub fn client_ws_config(limits: &Limits) -> WebSocketConfig {
 
 /// TCP + TLS + WebSocket upgrade with the `oab-relay.v1` subprotocol.
 pub async fn connect(target: &Target) -> Result<Connection, ClientError> {
-    let err = |e: &dyn std::fmt::Display| ClientError::Connect(e.to_string());
     let tcp = TcpStream::connect(&target.addr)
         .await
-        .map_err(|e| err(&e))?;
+        .map_err(|e| ClientError::Connect(e.to_string()))?;
+    connect_over(tcp, target).await
+}
+
+/// TLS + WebSocket upgrade over a TCP connection the caller opened (to
+/// choose its source address or socket options).
+pub async fn connect_over(tcp: TcpStream, target: &Target) -> Result<Connection, ClientError> {
+    let err = |e: &dyn std::fmt::Display| ClientError::Connect(e.to_string());
     tcp.set_nodelay(true).map_err(|e| err(&e))?;
     let (io, binding, scheme, host) = match &target.server_name {
         Some(name) => {

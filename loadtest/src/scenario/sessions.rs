@@ -9,7 +9,9 @@
 //! them all, `concurrency` at a time (TCP, TLS 1.3, WebSocket upgrade,
 //! challenge, signed hello, welcome). Then every session must answer a
 //! `Ping` (a lost session is a correctness failure), they are closed, and
-//! the memory is read once more.
+//! the memory is read once more, then sampled for `settle_seconds`: a relay
+//! that survived the storm must give most of its memory back
+//! ([`MAX_KEPT_FRACTION`]), not keep the peak for ever.
 
 use std::time::Duration;
 
@@ -29,6 +31,14 @@ use crate::setup::Setup;
 /// How long all sessions together may take to answer their pings.
 const PING_BOUND: Duration = Duration::from_secs(60);
 
+/// Of the memory the open sessions added, the share the relay may still hold
+/// `settle_seconds` after they all closed (a `--check` bound, process mode
+/// only): 25%, where an allocator that keeps freed memory keeps about all.
+pub const MAX_KEPT_FRACTION: f64 = 0.25;
+
+/// How often the relay's RSS is sampled while it settles.
+const SETTLE_SAMPLE: Duration = Duration::from_millis(250);
+
 /// Options of the sessions scenario.
 #[derive(Debug, Clone, Serialize)]
 pub struct SessionsOptions {
@@ -38,6 +48,8 @@ pub struct SessionsOptions {
     pub concurrency: usize,
     /// The relay's store.
     pub store: StoreKind,
+    /// After the last close, seconds the relay's RSS is sampled for.
+    pub settle_seconds: f64,
 }
 
 /// The scenario's figures.
@@ -66,6 +78,11 @@ pub struct SessionsResult {
     pub rss_per_session: Option<f64>,
     /// Relay RSS after every session closed, bytes.
     pub rss_after_close: Option<u64>,
+    /// Relay RSS at the end of the settle time, bytes.
+    pub rss_settled: Option<u64>,
+    /// (rss_settled - rss_before) / (rss_open - rss_before): the share of
+    /// the sessions' memory the relay still holds.
+    pub kept_fraction: Option<f64>,
     /// Whether the RSS is the relay's own process (else this whole process).
     pub rss_relay_only: bool,
     /// Sessions that answered a ping after all were open.
@@ -173,7 +190,17 @@ pub async fn run(opts: &SessionsOptions, common: &Common) -> anyhow::Result<Repo
         .await;
     let rss_after_close = relay.rss_bytes();
     let rss_relay_only = relay.rss_is_relay_only();
+    let mut rss_settled = rss_after_close;
+    let settle_until = Instant::now() + Duration::from_secs_f64(opts.settle_seconds.max(0.0));
+    while Instant::now() < settle_until {
+        tokio::time::sleep(SETTLE_SAMPLE).await;
+        rss_settled = relay.rss_bytes();
+    }
     relay.stop().await;
+    let kept_fraction = match (rss_before, rss_open, rss_settled) {
+        (Some(b), Some(o), Some(s)) if o > b => Some((s as f64 - b as f64) / (o - b) as f64),
+        _ => None,
+    };
 
     let result = SessionsResult {
         opened,
@@ -194,6 +221,8 @@ pub async fn run(opts: &SessionsOptions, common: &Common) -> anyhow::Result<Repo
             .filter(|_| opened > 0)
             .map(|(b, a)| (a as f64 - b as f64) / opened as f64),
         rss_after_close,
+        rss_settled,
+        kept_fraction,
         rss_relay_only,
         alive,
     };
@@ -209,6 +238,17 @@ pub async fn run(opts: &SessionsOptions, common: &Common) -> anyhow::Result<Repo
         violations.push(format!(
             "{} of {opened} open sessions did not answer a ping (sessions lost)",
             opened - alive
+        ));
+    }
+    if let Some(kept) = kept_fraction.filter(|_| rss_relay_only && opened > 0)
+        && kept > MAX_KEPT_FRACTION
+    {
+        violations.push(format!(
+            "the relay still holds {:.0}% of the memory its {opened} sessions added, {:.1} s \
+             after they closed (at most {:.0}%)",
+            kept * 100.0,
+            opts.settle_seconds,
+            MAX_KEPT_FRACTION * 100.0
         ));
     }
     let mut table = Table::new(
@@ -227,6 +267,7 @@ pub async fn run(opts: &SessionsOptions, common: &Common) -> anyhow::Result<Repo
             "RSS open",
             "per session",
             "RSS after close",
+            "RSS settled",
             "alive",
         ],
     );
@@ -243,12 +284,20 @@ pub async fn run(opts: &SessionsOptions, common: &Common) -> anyhow::Result<Repo
             .rss_per_session
             .map_or("-".into(), |b| fmt_bytes(b.max(0.0) as u64)),
         opt_bytes(rss_after_close),
+        opt_bytes(rss_settled),
         alive.to_string(),
     ]);
     let mut notes = vec![
         "per session: (relay VmRSS with all sessions open - before) / sessions. connect: TCP + \
          TLS 1.3 + WebSocket upgrade + challenge/hello/welcome, from this client."
             .to_string(),
+        format!(
+            "RSS settled: {:.1} s after the last close; the relay holds {} of what the sessions \
+             added (--check: at most {:.0}%).",
+            opts.settle_seconds,
+            kept_fraction.map_or("-".into(), |k| format!("{:.0}%", k * 100.0)),
+            MAX_KEPT_FRACTION * 100.0
+        ),
     ];
     if !rss_relay_only {
         notes.push(

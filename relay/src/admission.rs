@@ -1,0 +1,402 @@
+//! What a connection may take from the relay before it is authenticated:
+//! a handshake slot (a share of them per source), a few KiB of reads, and
+//! the kernel's TCP settings that detect a dead peer.
+//!
+//! - [`Source`]: the unit the relay counts an unauthenticated client by: its
+//!   address cut to a prefix (`relay.source_prefix_v4`, `source_prefix_v6`),
+//!   so a host holding a whole IPv6 /64 counts once.
+//! - [`HandshakeSlots`]: `relay.max_handshakes` slots, of which one source
+//!   holds at most `relay.max_handshakes_per_source`. A connection over
+//!   either cap is dropped at accept, before TLS; nothing waits in a queue.
+//! - [`PreAuthLimit`]: wraps the connection's plaintext stream and fails its
+//!   reads once more than [`PRE_AUTH_READ_BYTES`] arrived before the `Hello`
+//!   was verified; lifted when the session is authenticated.
+//! - [`tune_accepted`]: `TCP_NODELAY`, keepalive and `TCP_USER_TIMEOUT` on
+//!   every accepted socket.
+//!
+//! Never: keeps anything for a source that holds no slot: its counter is
+//! removed when its last [`HandshakePermit`] is dropped, so the map holds at
+//! most `max_handshakes` entries.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::RelaySection;
+
+/// Bytes a connection may send the relay after TLS and before its `Hello`
+/// is verified: the HTTP upgrade request (a connector's is under 512 B) and
+/// the `Hello` frame (under 600 B: its ids are bounded by `oab_wire::ids`
+/// and it has no payload), with room for proxies' extra headers and a few
+/// pings. Overflow policy: the read fails and the connection is closed with
+/// `4501 frame_too_large` (or dropped, during the upgrade), so an
+/// unauthenticated client can make the relay buffer at most this much plus
+/// one read chunk, instead of a whole `max_payload` message.
+pub const PRE_AUTH_READ_BYTES: usize = 8 * 1024;
+
+/// Keepalive probes sent before the kernel declares the peer dead (with
+/// `TCP_USER_TIMEOUT` set, the kernel gives up at that timeout instead).
+pub const TCP_KEEPALIVE_PROBES: u32 = 3;
+
+/// A client's source for admission: its address with the host bits beyond
+/// the configured prefix cleared (IPv4-mapped IPv6 addresses count as IPv4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Source(IpAddr);
+
+impl Source {
+    /// The source of `ip` with prefixes of `v4_bits` (IPv4) and `v6_bits`
+    /// (IPv6) bits; larger values are taken as the full length.
+    pub fn of(ip: IpAddr, v4_bits: u8, v6_bits: u8) -> Source {
+        match ip.to_canonical() {
+            IpAddr::V4(a) => {
+                let bits = u32::from(v4_bits.min(32));
+                let mask = u32::MAX.checked_shl(32 - bits).unwrap_or(0);
+                Source(IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask)))
+            }
+            IpAddr::V6(a) => {
+                let bits = u32::from(v6_bits.min(128));
+                let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+                Source(IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask)))
+            }
+        }
+    }
+
+    /// The (masked) address.
+    pub fn addr(&self) -> IpAddr {
+        self.0
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Why a connection got no handshake slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotRefusal {
+    /// All `max_handshakes` slots are held.
+    Full,
+    /// Its source holds `max_handshakes_per_source` slots already.
+    SourceShare,
+}
+
+impl SlotRefusal {
+    /// The `reason` label of `oab_connections_refused_total`.
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            SlotRefusal::Full => "max_handshakes",
+            SlotRefusal::SourceShare => "max_handshakes_per_source",
+        }
+    }
+}
+
+/// The relay's handshake slots: a total cap and a cap per source.
+#[derive(Debug)]
+pub struct HandshakeSlots {
+    total: Arc<Semaphore>,
+    per_source: usize,
+    /// Slots held per source. An entry exists only while its count is above
+    /// zero: the last [`HandshakePermit`] of a source removes it (at most
+    /// `max_handshakes` entries).
+    held: Mutex<HashMap<Source, usize>>,
+}
+
+impl HandshakeSlots {
+    /// `total` slots, at most `per_source` of them for one source.
+    pub fn new(total: usize, per_source: usize) -> Arc<HandshakeSlots> {
+        Arc::new(HandshakeSlots {
+            total: Arc::new(Semaphore::new(total)),
+            per_source,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Takes a slot for `source` now, or says why not (never waits).
+    pub fn try_admit(self: &Arc<Self>, source: Source) -> Result<HandshakePermit, SlotRefusal> {
+        let total = self
+            .total
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| SlotRefusal::Full)?;
+        {
+            let mut held = self.held.lock();
+            let n = held.entry(source).or_insert(0);
+            if *n >= self.per_source {
+                return Err(SlotRefusal::SourceShare);
+            }
+            *n += 1;
+        }
+        Ok(HandshakePermit {
+            slots: self.clone(),
+            source,
+            _total: total,
+        })
+    }
+
+    /// Slots `source` holds now.
+    pub fn held_by(&self, source: Source) -> usize {
+        self.held.lock().get(&source).copied().unwrap_or(0)
+    }
+
+    /// Sources holding at least one slot.
+    pub fn sources(&self) -> usize {
+        self.held.lock().len()
+    }
+}
+
+/// One handshake slot, held from accept until the session is authenticated
+/// (its `Welcome` written) or the connection ends; dropping it frees the slot.
+#[derive(Debug)]
+pub struct HandshakePermit {
+    slots: Arc<HandshakeSlots>,
+    source: Source,
+    _total: OwnedSemaphorePermit,
+}
+
+impl Drop for HandshakePermit {
+    fn drop(&mut self) {
+        let mut held = self.slots.held.lock();
+        if let Some(n) = held.get_mut(&self.source) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.source);
+            }
+        }
+    }
+}
+
+/// The connection's stream with a read budget while it is unauthenticated.
+///
+/// Reads count against [`PRE_AUTH_READ_BYTES`]; the read that goes over it
+/// fails (`InvalidData`, its bytes discarded) and so does every later one,
+/// until [`PreAuthLimit::lift`]. Writes pass through.
+#[derive(Debug)]
+pub struct PreAuthLimit<IO> {
+    io: IO,
+    /// Bytes still allowed; `None` once lifted.
+    left: Option<usize>,
+}
+
+impl<IO> PreAuthLimit<IO> {
+    /// `io` with a budget of `budget` bytes read.
+    pub fn new(io: IO, budget: usize) -> PreAuthLimit<IO> {
+        PreAuthLimit {
+            io,
+            left: Some(budget),
+        }
+    }
+
+    /// Removes the budget (the peer is authenticated).
+    pub fn lift(&mut self) {
+        self.left = None;
+    }
+
+    /// Whether the budget was used up (reads fail).
+    pub fn exhausted(&self) -> bool {
+        self.left == Some(0)
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &IO {
+        &self.io
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for PreAuthLimit<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        let Some(left) = this.left else {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        };
+        let over = || {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("more than {PRE_AUTH_READ_BYTES} bytes before authentication"),
+            )
+        };
+        if left == 0 {
+            return Poll::Ready(Err(over()));
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let n = buf.filled().len() - before;
+                if n > left {
+                    buf.set_filled(before);
+                    this.left = Some(0);
+                    return Poll::Ready(Err(over()));
+                }
+                this.left = Some(left - n);
+                Poll::Ready(Ok(()))
+            }
+            other => other,
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for PreAuthLimit<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Sets `TCP_NODELAY`, keepalive (`relay.tcp_keepalive_ms` idle before the
+/// first probe, then a probe every third of it, [`TCP_KEEPALIVE_PROBES`]
+/// probes) and `TCP_USER_TIMEOUT` (`relay.tcp_user_timeout_ms`: how long
+/// written data may stay unacknowledged) on an accepted socket. A value of
+/// 0 leaves that option at the kernel's default.
+pub fn tune_accepted(tcp: &TcpStream, relay: &RelaySection) -> io::Result<()> {
+    tcp.set_nodelay(true)?;
+    let sock = socket2::SockRef::from(tcp);
+    if relay.tcp_keepalive_ms > 0 {
+        let idle = Duration::from_millis(relay.tcp_keepalive_ms);
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval((idle / 3).max(Duration::from_secs(1)))
+            .with_retries(TCP_KEEPALIVE_PROBES);
+        sock.set_tcp_keepalive(&keepalive)?;
+    }
+    if relay.tcp_user_timeout_ms > 0 {
+        sock.set_tcp_user_timeout(Some(Duration::from_millis(relay.tcp_user_timeout_ms)))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt as _;
+
+    #[test]
+    fn sources_are_cut_to_their_prefix() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let cases = [
+            ("192.0.2.77", 32, 64, "192.0.2.77"),
+            ("192.0.2.77", 24, 64, "192.0.2.0"),
+            ("192.0.2.77", 0, 64, "0.0.0.0"),
+            ("::ffff:192.0.2.77", 24, 64, "192.0.2.0"),
+            ("2001:db8:1:2:3:4:5:6", 32, 64, "2001:db8:1:2::"),
+            ("2001:db8:1:2:3:4:5:6", 32, 128, "2001:db8:1:2:3:4:5:6"),
+            ("2001:db8:1:2:3:4:5:6", 32, 200, "2001:db8:1:2:3:4:5:6"),
+        ];
+        for (addr, v4, v6, want) in cases {
+            assert_eq!(Source::of(ip(addr), v4, v6).addr(), ip(want), "{addr}");
+        }
+    }
+
+    #[test]
+    fn one_source_holds_at_most_its_share_and_frees_it() {
+        let slots = HandshakeSlots::new(10, 3);
+        let a = Source::of("10.0.0.1".parse().unwrap(), 32, 64);
+        let b = Source::of("10.0.0.2".parse().unwrap(), 32, 64);
+        let held: Vec<_> = (0..3).map(|_| slots.try_admit(a).unwrap()).collect();
+        assert_eq!(slots.try_admit(a).err(), Some(SlotRefusal::SourceShare));
+        assert_eq!(slots.held_by(a), 3);
+        // Another source still gets in, and the refused one took nothing.
+        let other = slots.try_admit(b).unwrap();
+        assert_eq!(slots.total.available_permits(), 6);
+        drop(held);
+        assert_eq!(slots.held_by(a), 0);
+        assert_eq!(slots.sources(), 1, "a source with no slot is forgotten");
+        drop(other);
+        assert_eq!(slots.sources(), 0);
+        assert_eq!(slots.total.available_permits(), 10);
+    }
+
+    #[test]
+    fn the_total_cap_applies_across_sources() {
+        let slots = HandshakeSlots::new(2, 2);
+        let s = |i: u8| Source::of(IpAddr::from([10, 0, 0, i]), 32, 64);
+        let _a = slots.try_admit(s(1)).unwrap();
+        let _b = slots.try_admit(s(2)).unwrap();
+        assert_eq!(slots.try_admit(s(3)).err(), Some(SlotRefusal::Full));
+        assert_eq!(slots.sources(), 2);
+    }
+
+    #[tokio::test]
+    async fn reads_fail_past_the_budget_until_lifted() {
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut limited = PreAuthLimit::new(server, 10);
+        tokio::io::AsyncWriteExt::write_all(&mut client, b"0123456789abcdef")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 4];
+        limited.read_exact(&mut buf).await.unwrap();
+        let mut rest = [0u8; 16];
+        let err = limited.read(&mut rest).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(limited.exhausted());
+        assert!(limited.read(&mut rest).await.is_err(), "stays failed");
+        limited.lift();
+        tokio::io::AsyncWriteExt::write_all(&mut client, &[7u8; 40])
+            .await
+            .unwrap();
+        let mut big = [0u8; 40];
+        limited.read_exact(&mut big).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn accepted_sockets_get_keepalive_and_a_user_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut relay: RelaySection = toml::from_str("id = \"r\"").unwrap();
+        relay.tcp_keepalive_ms = 30_000;
+        relay.tcp_user_timeout_ms = 45_000;
+        tune_accepted(&tcp, &relay).unwrap();
+        let sock = socket2::SockRef::from(&tcp);
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(30));
+        assert_eq!(
+            sock.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(10)
+        );
+        assert_eq!(sock.tcp_keepalive_retries().unwrap(), TCP_KEEPALIVE_PROBES);
+        assert_eq!(
+            sock.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(45))
+        );
+        assert!(tcp.nodelay().unwrap());
+    }
+}

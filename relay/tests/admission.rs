@@ -1,0 +1,225 @@
+//! Admission before authentication, against a real relay over TLS on
+//! loopback: one source cannot hold every handshake slot, an unauthenticated
+//! client cannot make the relay buffer more than a few KiB, and a client that
+//! authenticates and then stops reading loses its slot at the deadline.
+//!
+//! Different source addresses are loopback addresses (127.0.0.2, 127.0.0.3,
+//! ...): the relay listens on 127.0.0.1 and Linux routes all of 127.0.0.0/8
+//! to the loopback interface.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use futures_util::SinkExt as _;
+use oab_relay::store::{MemoryStore, Retention};
+use oab_testkit::raw_client::{ClientError, RawClient, connect_over};
+use oab_wire::handshake::answer_challenge;
+use oab_wire::identity::now_ms;
+use oab_wire::{Direction, Frame, InstanceId, encode};
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_tungstenite::tungstenite::Message;
+
+fn memory() -> Arc<MemoryStore> {
+    Arc::new(MemoryStore::new(Retention::default()))
+}
+
+/// A TCP connection to `relay` from the loopback address `source`.
+async fn connect_from(source: [u8; 4], relay: SocketAddr) -> TcpStream {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((source, 0))).unwrap();
+    socket.connect(relay).await.unwrap()
+}
+
+/// Polls the relay's metrics until `series` reaches `want` (bounded).
+async fn await_metric(relay: &TestRelay, series: &str, want: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = relay.metrics().await;
+        let value = text
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0u64);
+        if value >= want {
+            assert_eq!(value, want, "{series}");
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{series} stayed at {value}, want {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_cannot_hold_every_handshake_slot() {
+    let mut env = TestEnv::new(
+        "[rate]\nconnects_per_second_per_ip = 100000\nconnects_burst_per_ip = 100000\n",
+    );
+    env.config.relay.max_handshakes = 64;
+    env.config.relay.max_handshakes_per_source = 8;
+    // Silent connections hold their slots for the whole test.
+    env.config.relay.handshake_timeout_ms = 60_000;
+    let relay = TestRelay::start(&env, memory()).await;
+
+    // Two sources each open as many silent connections as there are slots.
+    let mut silent = Vec::new();
+    for source in [[127, 0, 0, 2], [127, 0, 0, 3]] {
+        for _ in 0..64 {
+            silent.push(connect_from(source, relay.addr).await);
+        }
+    }
+    // Logins from a third source still get a slot (the relay accepts in
+    // order, so the silent connections are all admitted or refused first),
+    // and route.
+    let target = relay.target();
+    let login = |id| {
+        let target = target.clone();
+        async move {
+            RawClient::connect(&target, id, InstanceId::random())
+                .await
+                .expect("a login from another source gets a handshake slot")
+        }
+    };
+    for _ in 0..3 {
+        login(&env.other).await.close().await;
+    }
+    let mut b = login(&env.callee).await;
+    let mut a = login(&env.caller).await;
+    a.send(&open_frame("s1", b"{}")).await.unwrap();
+    await_ack(&mut a, "s1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    // Each silent source got its share; the rest were closed at accept.
+    await_metric(
+        &relay,
+        "oab_connections_refused_total{reason=\"max_handshakes_per_source\"}",
+        2 * (64 - 8),
+    )
+    .await;
+    drop(silent);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_message_before_the_hello_is_refused_at_a_few_kib() {
+    let mut env = TestEnv::new("");
+    // Without the pre-authentication cap the relay would wait this long
+    // for the rest of the frame and then close with `handshake_timeout`.
+    env.config.relay.handshake_timeout_ms = 5_000;
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut conn = oab_testkit::raw_client::connect(&relay.target())
+        .await
+        .unwrap();
+    assert!(matches!(conn.recv().await.unwrap(), Frame::Challenge(_)));
+    // A binary WebSocket frame announcing 512 KiB (under the relay's
+    // authenticated frame cap), of which 16 KiB follow.
+    let len: u64 = 512 * 1024;
+    let mut bytes = vec![0x82, 0x80 | 127];
+    bytes.extend_from_slice(&len.to_be_bytes());
+    bytes.extend_from_slice(&[0, 0, 0, 0]); // mask key (zeros: payload as is)
+    bytes.extend_from_slice(&[0u8; 16 * 1024]);
+    let io = conn.ws.get_mut();
+    io.write_all(&bytes).await.unwrap();
+    io.flush().await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(30), conn.recv())
+        .await
+        .expect("the relay answers");
+    match closed {
+        Err(ClientError::Closed { code, reason }) => {
+            assert_eq!(code, 4501, "{reason}");
+            assert!(reason.contains("before the hello"), "{reason}");
+        }
+        other => panic!("expected a close, got {other:?}"),
+    }
+    // A well-behaved client is unaffected.
+    let _ok = relay.client(&env.caller).await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_the_welcome_loses_its_handshake_slot() {
+    let mut env = TestEnv::new(
+        "[rate]\nconnects_per_second_per_ip = 100000\nconnects_burst_per_ip = 100000\n\
+         [limits]\nmax_open_per_peer = 100000\n",
+    );
+    for route in &mut env.config.routes {
+        route.max_open = 100_000;
+    }
+    env.config.relay.max_handshakes = 1;
+    env.config.relay.max_handshakes_per_source = 1;
+    env.config.relay.handshake_timeout_ms = 3_000;
+    let relay = TestRelay::start(&env, memory()).await;
+
+    // The caller opens enough delegations (the callee is offline) that its
+    // next `Welcome` lists a few hundred KiB of cursors.
+    const OPEN: usize = 900;
+    let id = |i: usize| format!("{i:0>120}");
+    let mut a = relay.client(&env.caller).await;
+    for i in 0..OPEN {
+        a.feed(&open_frame(&id(i), b"{}")).await.unwrap();
+    }
+    a.flush().await.unwrap();
+    let mut acked = 0;
+    while acked < OPEN {
+        match recv(&mut a).await {
+            Frame::Ack(k) if k.direction == Direction::Down => acked += 1,
+            Frame::Error(e) => panic!("error frame: {e:?}"),
+            _ => {}
+        }
+    }
+    a.close().await;
+
+    // It logs in again with a tiny receive window and never reads the
+    // `Welcome`.
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket2::SockRef::from(&socket).set_tcp_mss(536).unwrap();
+    let tcp = socket.connect(relay.addr).await.unwrap();
+    let mut stalled = connect_over(tcp, &relay.target()).await.unwrap();
+    let Frame::Challenge(challenge) = stalled.recv().await.unwrap() else {
+        panic!("expected a challenge");
+    };
+    let hello = answer_challenge(
+        &env.caller,
+        &challenge,
+        None,
+        InstanceId::random(),
+        now_ms(),
+        &stalled.binding,
+    )
+    .unwrap();
+    stalled
+        .ws
+        .send(Message::Binary(encode(&Frame::Hello(hello)).unwrap()))
+        .await
+        .unwrap();
+
+    // The only handshake slot comes free at the deadline: another peer gets
+    // in while the stalled connection is still open.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let _b = loop {
+        match RawClient::connect(&relay.target(), &env.callee, InstanceId::random()).await {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no login within 30 s: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let m = relay.metrics().await;
+    assert!(
+        m.contains("oab_handshakes_total{result=\"timeout\"} 1"),
+        "{m}"
+    );
+    drop(stalled);
+    relay.stop().await;
+}
