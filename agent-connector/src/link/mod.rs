@@ -18,7 +18,10 @@
 //!   `max_events_per_delegation`, oldest dropped (a subscriber asking for a
 //!   dropped event gets [`EventError::Gap`]);
 //! - subscriber channels: bounded; a subscriber that does not keep up is
-//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor.
+//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor;
+//! - finished delegations kept for replay after their end: at most
+//!   `max_finished`, weighing at most `max_finished_bytes`; the oldest are
+//!   forgotten (a subscriber then gets [`EventError::Gap`]).
 //!
 //! **Layout.** This module owns the public types, the handle, [`spawn`] and
 //! the state of the link task; each part adds its own `impl Link` block:
@@ -90,9 +93,23 @@ pub struct LinkSettings {
     /// Capacity of the command channel and of each subscriber channel.
     pub queue: usize,
     /// Finished delegations kept (for `events`/`get` after the end); older
-    /// ones are forgotten.
+    /// ones are forgotten. The caller side keeps its records and state files
+    /// of finished delegations within the same bound
+    /// ([`crate::caller::FinishedRetention`]).
     pub max_finished: usize,
+    /// Bytes the finished delegations kept may weigh together (the link
+    /// counts the payloads of their kept events; the caller counts its
+    /// state files); past this the oldest are forgotten.
+    pub max_finished_bytes: u64,
 }
+
+/// Default of [`LinkSettings::max_finished`].
+pub const DEFAULT_MAX_FINISHED: usize = 10_000;
+
+/// Default of [`LinkSettings::max_finished_bytes`]: 16 MiB, about 4,000
+/// finished delegations of 4 KiB each; beyond, only the newest are
+/// replayable after their end.
+pub const DEFAULT_MAX_FINISHED_BYTES: u64 = 16 * 1024 * 1024;
 
 impl LinkSettings {
     /// Settings with the defaults for everything but where and who.
@@ -111,7 +128,8 @@ impl LinkSettings {
             max_buffered_frames: 65_536,
             max_events_per_delegation: 10_000,
             queue: 1_024,
-            max_finished: 10_000,
+            max_finished: DEFAULT_MAX_FINISHED,
+            max_finished_bytes: DEFAULT_MAX_FINISHED_BYTES,
         }
     }
 }
@@ -302,6 +320,9 @@ pub(crate) enum Command {
     Publish {
         descriptor: Bytes,
     },
+    Held {
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// What a sending peer appends.
@@ -361,6 +382,15 @@ impl LinkHandle {
         }
     }
 
+    /// How many delegations the link holds: open ones, and finished ones
+    /// within `max_finished` and `max_finished_bytes`.
+    pub async fn delegations_held(&self) -> Result<usize, LinkError> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Held { reply }).await?;
+        rx.await
+            .map_err(|_| LinkError::Stopped(self.stopped_reason()))
+    }
+
     /// A snapshot of a delegation.
     pub async fn snapshot(&self, key: &DelegationKey) -> Result<Option<Snapshot>, LinkError> {
         let (reply, rx) = oneshot::channel();
@@ -412,6 +442,7 @@ pub fn spawn(
         online: false,
         ready_to_send: std::collections::HashSet::new(),
         finished: VecDeque::new(),
+        finished_bytes: 0,
     };
     let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
     let task = tokio::spawn(tracing::Instrument::instrument(link.run(shutdown), span));
@@ -450,6 +481,10 @@ struct Link {
     online: bool,
     /// Delegations with frames to send.
     ready_to_send: std::collections::HashSet<DelegationKey>,
-    /// Finished delegations, oldest first (bounded by `max_finished`).
-    finished: VecDeque<DelegationKey>,
+    /// Finished delegations, oldest first, with the bytes of their kept
+    /// events (bounded by `max_finished` and `max_finished_bytes`; overflow
+    /// forgets the oldest, `Link::record_finished`).
+    finished: VecDeque<(DelegationKey, u64)>,
+    /// Sum of the bytes in `finished`.
+    finished_bytes: u64,
 }
