@@ -49,14 +49,18 @@ async fn relay_on_redis(env: &Env) -> (RedisServer, Relay) {
 /// Connector A (caller, state folder `dir`, keeping `max_finished` finished
 /// delegations) and connector B (callee: one status event, then done).
 async fn pair(env: &Env, relay: &Relay, dir: &std::path::Path, max_finished: usize) -> Connector {
-    let a = caller_at(env, relay, dir, max_finished);
+    let mut link = settings(&env.caller, relay.addr, &env.cert_der);
+    link.max_finished = max_finished;
+    let a = caller_with(env, link, dir);
     a.connected().await.unwrap();
     a
 }
 
-fn caller_at(env: &Env, relay: &Relay, dir: &std::path::Path, max_finished: usize) -> Connector {
-    let mut link = settings(&env.caller, relay.addr, &env.cert_der);
-    link.max_finished = max_finished;
+fn caller_with(
+    env: &Env,
+    link: oab_connector::link::LinkSettings,
+    dir: &std::path::Path,
+) -> Connector {
     connector_state(
         env,
         link,
@@ -134,6 +138,39 @@ async fn finished_delegations_leave_bounded_records_links_and_files() {
     for s in state.load_all().unwrap() {
         assert!(s.finished, "{} is kept finished", s.key);
     }
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_delegations_are_bounded_in_bytes_when_the_count_is_not() {
+    const N: usize = 300;
+    // Each finished delegation weighs more than a kilobyte (its state file;
+    // the link's kept events carry the signed result).
+    const BYTES: u64 = 32 * 1024;
+    const MOST: usize = 32;
+    let env = Env::new("");
+    let (_redis, relay) = relay_on_redis(&env).await;
+    let dir = tempfile::tempdir().unwrap();
+    let b = callee(&env, &relay);
+    b.connected().await.unwrap();
+    let mut link = settings(&env.caller, relay.addr, &env.cert_der);
+    link.max_finished = 100_000;
+    link.max_finished_bytes = BYTES;
+    let a = caller_with(&env, link, dir.path());
+    a.connected().await.unwrap();
+    let state = FileState::open(dir.path()).unwrap();
+
+    run_many(a.caller(), N).await;
+
+    let records = a.caller().records_held();
+    let held = a.caller().link_delegations_held().await.unwrap();
+    let files = state.count().unwrap();
+    assert!(
+        records <= MOST && held <= MOST && files <= MOST,
+        "after {N} delegations within {BYTES} bytes: {records} records, {held} link delegations, {files} files"
+    );
     a.shutdown().await;
     b.shutdown().await;
     relay.stop().await;

@@ -891,3 +891,150 @@ impl TaskTable {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use super::*;
+    use oab_wire::RequestId;
+
+    fn bounds() -> TaskBounds {
+        TaskBounds {
+            max_tasks: 1_000,
+            max_finished_bytes: u64::MAX,
+            max_events: 1_000,
+            max_history: 1_000,
+            max_task_bytes: u64::MAX,
+        }
+    }
+
+    fn peer() -> PeerId {
+        PeerId::new("acme/callee").unwrap()
+    }
+
+    fn add(table: &TaskTable, i: usize) -> Arc<TaskCell> {
+        let key = DelegationKey::new(
+            PeerId::new("acme/caller").unwrap(),
+            RequestId::new(&format!("req-{i}")).unwrap(),
+        );
+        table
+            .insert(NewTask {
+                peer: peer(),
+                handle: DelegationHandle { key, callee: peer() },
+                context_id: "ctx".into(),
+                first_message: agent_text_message("the request"),
+                deadline_ms: 0,
+                created_ms: 0,
+            })
+            .0
+    }
+
+    fn finish(table: &TaskTable, cell: &Arc<TaskCell>, text: &str) {
+        cell.lock()
+            .observed_end(TaskState::Failed, "gap", text.to_string());
+        table.finished(cell);
+    }
+
+    #[test]
+    fn finished_tasks_are_forgotten_oldest_first_past_the_byte_budget() {
+        let big = "x".repeat(10_000);
+        let table = TaskTable::new(TaskBounds {
+            max_finished_bytes: 100_000,
+            ..bounds()
+        });
+        let cells: Vec<_> = (0..50).map(|i| add(&table, i)).collect();
+        for c in &cells {
+            finish(&table, c, &big);
+        }
+        let held = table.len();
+        assert!(
+            (1..10).contains(&held),
+            "50 finished tasks of over 20 kB each within 100 kB: {held} kept"
+        );
+        let newest = cells.last().unwrap();
+        assert!(table.find(&peer(), &newest.minted_id).is_some());
+        assert!(table.find(&peer(), &cells[0].minted_id).is_none());
+    }
+
+    #[test]
+    fn unfinished_tasks_are_never_forgotten_for_bytes() {
+        let table = TaskTable::new(TaskBounds {
+            max_finished_bytes: 1,
+            max_tasks: 2,
+            ..bounds()
+        });
+        let cells: Vec<_> = (0..5).map(|i| add(&table, i)).collect();
+        assert_eq!(table.len(), 5, "open tasks stay past max_tasks");
+        finish(&table, &cells[2], "done");
+        assert_eq!(table.len(), 4);
+        assert!(table.find(&peer(), &cells[2].minted_id).is_none());
+    }
+
+    #[test]
+    fn history_keeps_the_request_and_the_newest_messages() {
+        let table = TaskTable::new(TaskBounds {
+            max_history: 4,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        for i in 0..10 {
+            rec.status(i, "TASK_STATE_WORKING", Some(&agent_text_message(&format!("m{i}"))), None);
+        }
+        assert_eq!(rec.history.len(), 4);
+        let text = |m: &Value| m["parts"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(text(&rec.history[0]), "the request");
+        assert_eq!(text(&rec.history[3]), "m9");
+        assert_eq!(text(&rec.history[1]), "m7");
+    }
+
+    #[test]
+    fn history_and_events_stay_within_the_task_byte_budget() {
+        let table = TaskTable::new(TaskBounds {
+            max_task_bytes: 50_000,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        let big = agent_text_message(&"y".repeat(10_000));
+        for i in 0..100 {
+            rec.status(i, "TASK_STATE_WORKING", Some(&big), None);
+        }
+        assert!(rec.history.len() < 10, "{} messages kept", rec.history.len());
+        assert!(rec.events.len() < 10, "{} events kept", rec.events.len());
+        assert_eq!(rec.last_seq, 100, "numbering goes on");
+        assert!(rec.first_kept() > 90, "the oldest events were dropped");
+    }
+
+    #[test]
+    fn artifacts_past_the_task_byte_budget_are_streamed_but_not_kept() {
+        let table = TaskTable::new(TaskBounds {
+            max_task_bytes: 50_000,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        let chunk = Artifact {
+            artifact_id: "a1".into(),
+            name: "out".into(),
+            media_type: "text/plain".into(),
+            text: Some("z".repeat(10_000)),
+            data: None,
+            url: None,
+        };
+        for i in 0..20 {
+            rec.artifact(i, &chunk, i > 0, false);
+        }
+        let kept = json_len(&Value::Array(rec.artifacts.clone()));
+        assert!(kept <= 50_000, "{kept} bytes of artifacts kept");
+        assert!(rec.artifacts_truncated);
+        assert_eq!(rec.last_seq, 20, "every update was still an event");
+        let task = rec.render_task(&cell, "t", None, true, true);
+        assert_eq!(
+            task["metadata"][profile::PROFILE_URI]["artifactsTruncated"],
+            json!(true),
+            "{task}"
+        );
+    }
+}
