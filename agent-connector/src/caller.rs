@@ -254,7 +254,7 @@ pub struct FinishedRetention {
 }
 
 impl Default for FinishedRetention {
-    /// The link's defaults: 10,000 delegations, 16 MiB.
+    /// The link's defaults: 1,000 delegations, 8 MiB.
     fn default() -> Self {
         FinishedRetention {
             max_finished: crate::link::DEFAULT_MAX_FINISHED,

@@ -103,13 +103,14 @@ pub struct LinkSettings {
     pub max_finished_bytes: u64,
 }
 
-/// Default of [`LinkSettings::max_finished`].
-pub const DEFAULT_MAX_FINISHED: usize = 10_000;
+/// Default of [`LinkSettings::max_finished`]: a finished delegation is kept
+/// for a late `events`/`wait`/`get` and an idempotent re-send; the A2A
+/// facade keeps its own copy of a finished task, so a thousand is plenty.
+pub const DEFAULT_MAX_FINISHED: usize = 1_000;
 
-/// Default of [`LinkSettings::max_finished_bytes`]: 16 MiB, about 4,000
-/// finished delegations of 4 KiB each; beyond, only the newest are
-/// replayable after their end.
-pub const DEFAULT_MAX_FINISHED_BYTES: u64 = 16 * 1024 * 1024;
+/// Default of [`LinkSettings::max_finished_bytes`]: 8 MiB, a thousand
+/// finished delegations of 8 KiB each.
+pub const DEFAULT_MAX_FINISHED_BYTES: u64 = 8 * 1024 * 1024;
 
 impl LinkSettings {
     /// Settings with the defaults for everything but where and who.

@@ -160,7 +160,7 @@ impl Default for FacadeOptions {
             peer_lookup_timeout: Duration::from_secs(2),
             deadline_grace: Duration::from_secs(30),
             max_tasks: 10_000,
-            max_finished_task_bytes: 64 * 1024 * 1024,
+            max_finished_task_bytes: 32 * 1024 * 1024,
             max_events_per_task: 10_000,
             max_history_per_task: 100,
             max_task_bytes: 8 * 1024 * 1024,
