@@ -297,8 +297,7 @@ impl Records {
         self.finished_bytes = self.finished_bytes.saturating_add(bytes);
         let mut gone = Vec::new();
         while self.finished.len() > self.retention.max_finished
-            || (self.finished_bytes > self.retention.max_finished_bytes
-                && self.finished.len() > 1)
+            || (self.finished_bytes > self.retention.max_finished_bytes && self.finished.len() > 1)
         {
             let Some((old, b)) = self.finished.pop_front() else {
                 break;
@@ -455,7 +454,6 @@ impl Caller {
         policy: Policy,
         state: Option<FileState>,
         audit: Arc<dyn AuditSink>,
-        retention: FinishedRetention,
     ) -> Self {
         Caller {
             link,
@@ -463,13 +461,17 @@ impl Caller {
             trust,
             grant: Arc::new(grant),
             policy: Arc::new(policy),
-            records: Arc::new(Mutex::new(Records {
-                retention,
-                ..Records::default()
-            })),
+            records: Arc::new(Mutex::new(Records::default())),
             state,
             audit,
         }
+    }
+
+    /// Keeps finished delegations within `retention` (the default is
+    /// [`FinishedRetention::default`]).
+    pub(crate) fn with_retention(self, retention: FinishedRetention) -> Self {
+        self.records.lock().retention = retention;
+        self
     }
 
     /// The signed request of a delegation this connector started (or
@@ -498,9 +500,8 @@ impl Caller {
         let state_err = |e: crate::state::StateError| CallerError::State(e.to_string());
         state.remove_temporaries().map_err(state_err)?;
         let saved = state.load_all().map_err(state_err)?;
-        let stale_before = now_ms().saturating_sub(
-            u64::try_from(STALE_AFTER_DEADLINE.as_millis()).unwrap_or(u64::MAX),
-        );
+        let stale_before = now_ms()
+            .saturating_sub(u64::try_from(STALE_AFTER_DEADLINE.as_millis()).unwrap_or(u64::MAX));
         let (mut finished, open): (Vec<_>, Vec<_>) = saved.into_iter().partition(|s| s.finished);
         finished.sort_by_key(|s| s.request.issued_ms);
         for s in &finished {

@@ -90,8 +90,8 @@ impl Connector {
             options.caller_policy,
             options.state,
             audit,
-            retention,
-        );
+        )
+        .with_retention(retention);
         Ok(Connector {
             caller,
             link,

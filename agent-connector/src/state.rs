@@ -185,7 +185,13 @@ impl FileState {
         };
         let mut n = 0;
         for entry in std::fs::read_dir(&self.dir).map_err(io)? {
-            if entry.map_err(io)?.path().extension().and_then(|e| e.to_str()) == Some("json") {
+            if entry
+                .map_err(io)?
+                .path()
+                .extension()
+                .and_then(|e| e.to_str())
+                == Some("json")
+            {
                 n += 1;
             }
         }

@@ -72,7 +72,12 @@ fn caller_with(
 }
 
 fn callee(env: &Env, relay: &Relay) -> Connector {
-    connector(env, &env.callee, relay.addr, Some(Paced::new(1, Duration::ZERO)))
+    connector(
+        env,
+        &env.callee,
+        relay.addr,
+        Some(Paced::new(1, Duration::ZERO)),
+    )
 }
 
 /// One delegation through the library API, as an application runs it:
@@ -191,7 +196,11 @@ async fn restart_cleans_finished_stale_and_temporary_state_files() {
     a.shutdown().await;
 
     let state = FileState::open(dir.path()).unwrap();
-    assert_eq!(state.count().unwrap(), N, "every finished delegation is kept");
+    assert_eq!(
+        state.count().unwrap(),
+        N,
+        "every finished delegation is kept"
+    );
     // An unfinished delegation whose deadline passed two days ago (the
     // relay no longer holds it), and a temporary file a crash left.
     let mut stale = state.load_all().unwrap().remove(0);

@@ -921,7 +921,10 @@ mod tests {
         table
             .insert(NewTask {
                 peer: peer(),
-                handle: DelegationHandle { key, callee: peer() },
+                handle: DelegationHandle {
+                    key,
+                    callee: peer(),
+                },
                 context_id: "ctx".into(),
                 first_message: agent_text_message("the request"),
                 deadline_ms: 0,
@@ -980,7 +983,12 @@ mod tests {
         let cell = add(&table, 0);
         let mut rec = cell.lock();
         for i in 0..10 {
-            rec.status(i, "TASK_STATE_WORKING", Some(&agent_text_message(&format!("m{i}"))), None);
+            rec.status(
+                i,
+                "TASK_STATE_WORKING",
+                Some(&agent_text_message(&format!("m{i}"))),
+                None,
+            );
         }
         assert_eq!(rec.history.len(), 4);
         let text = |m: &Value| m["parts"][0]["text"].as_str().unwrap().to_string();
@@ -1001,7 +1009,11 @@ mod tests {
         for i in 0..100 {
             rec.status(i, "TASK_STATE_WORKING", Some(&big), None);
         }
-        assert!(rec.history.len() < 10, "{} messages kept", rec.history.len());
+        assert!(
+            rec.history.len() < 10,
+            "{} messages kept",
+            rec.history.len()
+        );
         assert!(rec.events.len() < 10, "{} events kept", rec.events.len());
         assert_eq!(rec.last_seq, 100, "numbering goes on");
         assert!(rec.first_kept() > 90, "the oldest events were dropped");

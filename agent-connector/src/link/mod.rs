@@ -59,8 +59,9 @@ use tokio_util::sync::CancellationToken;
 use self::delegation::Delegation;
 use crate::trust::RelayTrust;
 
-/// Where the relay is and how to reach it.
-#[derive(Debug, Clone)]
+/// Where the relay is and how to reach it. `Debug` shows the URL without
+/// its user info (`***`).
+#[derive(Clone)]
 pub struct LinkSettings {
     /// `wss://host:port/` (or `ws://` only for a relay behind a TLS-terminating
     /// load balancer reached over a private network, and tests). The port
@@ -101,6 +102,28 @@ pub struct LinkSettings {
     /// counts the payloads of their kept events; the caller counts its
     /// state files); past this the oldest are forgotten.
     pub max_finished_bytes: u64,
+}
+
+impl std::fmt::Debug for LinkSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkSettings")
+            .field("url", &relay_url::redacted(&self.url))
+            .field("trust", &self.trust)
+            .field("relay_id", &self.relay_id)
+            .field("challenge_only", &self.challenge_only)
+            .field("identity", &self.identity)
+            .field("instance", &self.instance)
+            .field("backoff_initial", &self.backoff_initial)
+            .field("backoff_max", &self.backoff_max)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("dead_after_heartbeats", &self.dead_after_heartbeats)
+            .field("max_buffered_frames", &self.max_buffered_frames)
+            .field("max_events_per_delegation", &self.max_events_per_delegation)
+            .field("queue", &self.queue)
+            .field("max_finished", &self.max_finished)
+            .field("max_finished_bytes", &self.max_finished_bytes)
+            .finish()
+    }
 }
 
 /// Default of [`LinkSettings::max_finished`]: a finished delegation is kept

@@ -134,7 +134,9 @@ pub struct FacadeOptions {
     pub max_tasks: usize,
     /// Bytes the finished tasks may weigh together (their kept events,
     /// history and artifacts as JSON, plus a fixed overhead each); past
-    /// this the oldest finished task is forgotten.
+    /// this the oldest finished task is forgotten. The heap a task holds is
+    /// a few times its JSON length (about 10 KB per small finished task
+    /// was measured), so `max_tasks` is usually the bound that acts.
     pub max_finished_task_bytes: u64,
     /// A2A events kept per task for streams and cursor replay; past this
     /// the oldest is dropped (a cursor before it gets a gap).
@@ -159,8 +161,8 @@ impl Default for FacadeOptions {
             cancel_wait: Duration::from_secs(10),
             peer_lookup_timeout: Duration::from_secs(2),
             deadline_grace: Duration::from_secs(30),
-            max_tasks: 10_000,
-            max_finished_task_bytes: 32 * 1024 * 1024,
+            max_tasks: 2_000,
+            max_finished_task_bytes: 16 * 1024 * 1024,
             max_events_per_task: 10_000,
             max_history_per_task: 100,
             max_task_bytes: 8 * 1024 * 1024,
