@@ -16,7 +16,7 @@
 //! which has no result, fails it.
 
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -179,6 +179,9 @@ pub struct VerifiedResult {
 
 #[derive(Debug, Clone)]
 struct CallerRecord {
+    /// Its end was handed to the application (it sits in
+    /// [`Records::finished`]).
+    finished: bool,
     callee: PeerId,
     /// `None` for a delegation restored from state after a restart.
     spec: Option<NewDelegation>,
@@ -209,12 +212,20 @@ impl CallerRecord {
     /// The record of a delegation saved by an earlier process.
     fn from_saved(s: SavedDelegation) -> Self {
         CallerRecord {
+            finished: false,
             callee: s.callee,
             spec: None,
             request: s.request,
             request_digest: s.request_digest,
             envelope: s.envelope,
         }
+    }
+
+    /// What a finished record weighs against the retention's byte budget:
+    /// the length of its state file's JSON (the record in memory holds the
+    /// same request and envelope).
+    fn weight(&self, key: &DelegationKey) -> u64 {
+        saved_weight(&self.saved(key, 0, true))
     }
 
     fn saved(&self, key: &DelegationKey, cursor: u64, finished: bool) -> SavedDelegation {
@@ -230,6 +241,94 @@ impl CallerRecord {
     }
 }
 
+/// How many finished delegations the caller keeps, and how many bytes they
+/// may weigh together (see [`Records`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinishedRetention {
+    /// Finished delegations kept; past this the oldest is forgotten.
+    pub max_finished: usize,
+    /// Bytes the kept finished delegations may weigh together (each weighs
+    /// the length of its state file's JSON); past this the oldest is
+    /// forgotten.
+    pub max_finished_bytes: u64,
+}
+
+impl Default for FinishedRetention {
+    /// The link's defaults: 1,000 delegations, 8 MiB.
+    fn default() -> Self {
+        FinishedRetention {
+            max_finished: crate::link::DEFAULT_MAX_FINISHED,
+            max_finished_bytes: crate::link::DEFAULT_MAX_FINISHED_BYTES,
+        }
+    }
+}
+
+/// The caller's per-delegation records and the retention of finished ones.
+///
+/// A record is added by `delegate` (or `reattach` after a restart) and
+/// stays while the delegation is open. When its end (the terminal, or a
+/// refusal or gap that ends its event stream) is handed to the application
+/// through [`Caller::events`], or the terminal is committed with
+/// [`Caller::commit`], the delegation joins `finished`, newest last. The
+/// oldest finished delegations are forgotten while more than
+/// `max_finished` are kept or they weigh more than `max_finished_bytes`
+/// together: the record is removed and the state file deleted. Finished
+/// delegations restored from the state folder (files only, no record) take
+/// part in the same list.
+#[derive(Debug, Default)]
+struct Records {
+    /// Open delegations, and finished ones still in `finished`. Pruned when
+    /// their key leaves `finished`.
+    map: HashMap<DelegationKey, CallerRecord>,
+    /// Finished delegations, oldest first, with the bytes each weighs.
+    /// Bounded by `retention`; overflow forgets the oldest.
+    finished: VecDeque<(DelegationKey, u64)>,
+    /// Sum of the bytes in `finished`.
+    finished_bytes: u64,
+    retention: FinishedRetention,
+}
+
+impl Records {
+    /// Adds `key` to the finished list; returns the delegations that aged
+    /// out (their records are already removed; their state files are the
+    /// caller's to delete).
+    fn finish(&mut self, key: &DelegationKey, bytes: u64) -> Vec<DelegationKey> {
+        self.finished.push_back((key.clone(), bytes));
+        self.finished_bytes = self.finished_bytes.saturating_add(bytes);
+        let mut gone = Vec::new();
+        while self.finished.len() > self.retention.max_finished
+            || (self.finished_bytes > self.retention.max_finished_bytes && self.finished.len() > 1)
+        {
+            let Some((old, b)) = self.finished.pop_front() else {
+                break;
+            };
+            self.finished_bytes = self.finished_bytes.saturating_sub(b);
+            match self.map.get(&old) {
+                // Taken back by a re-sent request since: it stays, and so
+                // does its state file, until it finishes again.
+                Some(r) if !r.finished => {}
+                Some(_) => {
+                    self.map.remove(&old);
+                    gone.push(old);
+                }
+                None => gone.push(old),
+            }
+        }
+        gone
+    }
+}
+
+/// What a saved delegation weighs: the length of its state file's JSON.
+fn saved_weight(saved: &SavedDelegation) -> u64 {
+    serde_json::to_vec_pretty(saved).map_or(0, |b| u64::try_from(b.len()).unwrap_or(u64::MAX))
+}
+
+/// An unfinished delegation whose deadline passed longer ago than this is
+/// not taken back by [`Caller::restore`]; its state file is deleted. The
+/// relay keeps a finished delegation readable for a day by default
+/// (`finished_ttl_ms`), so after this long it no longer holds the terminal.
+pub const STALE_AFTER_DEADLINE: Duration = Duration::from_secs(24 * 3600);
+
 /// A stream of events.
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<DelegationEvent, EventError>> + Send>>;
 
@@ -241,9 +340,55 @@ pub struct Caller {
     trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
     grant: Arc<Grant>,
     policy: Arc<Policy>,
-    records: Arc<Mutex<HashMap<DelegationKey, CallerRecord>>>,
+    /// Per-delegation records; see [`Records`] for who prunes them.
+    records: Arc<Mutex<Records>>,
     state: Option<FileState>,
     audit: Arc<dyn AuditSink>,
+}
+
+/// Moves a delegation's record to the finished list when the event stream
+/// that handed its end to the application is done with (polled past the end
+/// or dropped).
+struct FinishGuard {
+    records: Arc<Mutex<Records>>,
+    state: Option<FileState>,
+    key: DelegationKey,
+    /// The end was yielded.
+    armed: bool,
+}
+
+impl Drop for FinishGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            finish_record(&self.records, self.state.as_ref(), &self.key);
+        }
+    }
+}
+
+/// Moves `key`'s record to the finished list (once) and forgets the
+/// finished delegations that aged out: their records are dropped and their
+/// state files deleted. A key without a record (forgotten already, or never
+/// this caller's) is left alone.
+fn finish_record(records: &Mutex<Records>, state: Option<&FileState>, key: &DelegationKey) {
+    let gone = {
+        let mut records = records.lock();
+        let Some(rec) = records.map.get_mut(key) else {
+            return;
+        };
+        if rec.finished {
+            return;
+        }
+        rec.finished = true;
+        let bytes = rec.weight(key);
+        records.finish(key, bytes)
+    };
+    if let Some(state) = state {
+        for old in gone {
+            if let Err(e) = state.remove(&old) {
+                tracing::warn!(key = %old, error = %e, "could not delete a finished delegation's state file");
+            }
+        }
+    }
 }
 
 /// Parses an up-log event into what the caller sees.
@@ -316,10 +461,17 @@ impl Caller {
             trust,
             grant: Arc::new(grant),
             policy: Arc::new(policy),
-            records: Arc::new(Mutex::new(HashMap::new())),
+            records: Arc::new(Mutex::new(Records::default())),
             state,
             audit,
         }
+    }
+
+    /// Keeps finished delegations within `retention` (the default is
+    /// [`FinishedRetention::default`]).
+    pub(crate) fn with_retention(self, retention: FinishedRetention) -> Self {
+        self.records.lock().retention = retention;
+        self
     }
 
     /// The signed request of a delegation this connector started (or
@@ -327,6 +479,7 @@ impl Caller {
     pub fn request(&self, handle: &DelegationHandle) -> Option<DelegationRequest> {
         self.records
             .lock()
+            .map
             .get(&handle.key)
             .map(|r| r.request.clone())
     }
@@ -334,15 +487,35 @@ impl Caller {
     /// Resumes every unfinished delegation saved in the state folder (after a
     /// restart): the open is resent (the relay de-duplicates it) and the up
     /// log resumes after the committed cursor. Returns their handles.
+    ///
+    /// Cleans the folder first: finished delegations join the finished list
+    /// (newest kept, within the retention; the files of older ones are
+    /// deleted), an unfinished one whose deadline passed more than
+    /// [`STALE_AFTER_DEADLINE`] ago is deleted (the relay no longer holds
+    /// it), and so are temporary files a crash left behind.
     pub async fn restore(&self) -> Result<Vec<DelegationHandle>, CallerError> {
         let Some(state) = &self.state else {
             return Ok(Vec::new());
         };
-        let saved = state
-            .load_all()
-            .map_err(|e| CallerError::State(e.to_string()))?;
+        let state_err = |e: crate::state::StateError| CallerError::State(e.to_string());
+        state.remove_temporaries().map_err(state_err)?;
+        let saved = state.load_all().map_err(state_err)?;
+        let stale_before = now_ms()
+            .saturating_sub(u64::try_from(STALE_AFTER_DEADLINE.as_millis()).unwrap_or(u64::MAX));
+        let (mut finished, open): (Vec<_>, Vec<_>) = saved.into_iter().partition(|s| s.finished);
+        finished.sort_by_key(|s| s.request.issued_ms);
+        for s in &finished {
+            let gone = self.records.lock().finish(&s.key, saved_weight(s));
+            for old in gone {
+                state.remove(&old).map_err(state_err)?;
+            }
+        }
         let mut handles = Vec::new();
-        for s in saved.into_iter().filter(|s| !s.finished) {
+        for s in open {
+            if s.request.deadline_ms < stale_before {
+                state.remove(&s.key).map_err(state_err)?;
+                continue;
+            }
             handles.push(self.reattach(s).await?);
         }
         Ok(handles)
@@ -370,6 +543,7 @@ impl Caller {
         };
         self.records
             .lock()
+            .map
             .insert(s.key.clone(), CallerRecord::from_saved(s));
         let (reply, _ignored) = oneshot::channel();
         self.link
@@ -396,13 +570,37 @@ impl Caller {
         let rec = self
             .records
             .lock()
+            .map
             .get(&handle.key)
             .cloned()
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
         let finished = matches!(event.kind, EventKind::Terminal(_));
         state
             .save(&rec.saved(&handle.key, event.seq, finished))
-            .map_err(|e| CallerError::State(e.to_string()))
+            .map_err(|e| CallerError::State(e.to_string()))?;
+        if finished {
+            self.finished(&handle.key);
+        }
+        Ok(())
+    }
+
+    /// The end of a delegation was handed to the application: it joins the
+    /// finished list, and the oldest finished delegations beyond the
+    /// retention are forgotten (record removed, state file deleted).
+    fn finished(&self, key: &DelegationKey) {
+        finish_record(&self.records, self.state.as_ref(), key);
+    }
+
+    /// How many delegations the caller holds a record of (open ones, and
+    /// finished ones within the retention).
+    pub fn records_held(&self) -> usize {
+        self.records.lock().map.len()
+    }
+
+    /// How many delegations the link holds (open ones, and finished ones
+    /// within the retention).
+    pub async fn link_delegations_held(&self) -> Result<usize, CallerError> {
+        Ok(self.link.delegations_held().await?)
     }
 
     /// Delegates a task to `peer`. Returns as soon as the open is queued: the
@@ -423,7 +621,7 @@ impl Caller {
                 .map_err(|e| ProfileError::Malformed(e.to_string()))?,
         };
         let key = DelegationKey::new(self.identity.peer.clone(), request_id.clone());
-        if let Some(rec) = self.records.lock().get(&key) {
+        if let Some(rec) = self.records.lock().map.get(&key) {
             return if rec.same(&spec, peer) {
                 Ok(DelegationHandle {
                     key,
@@ -488,7 +686,7 @@ impl Caller {
         };
         {
             let mut records = self.records.lock();
-            if let Some(rec) = records.get(&key) {
+            if let Some(rec) = records.map.get(&key) {
                 // A concurrent call with the same request id won the race.
                 return if rec.same(&spec, peer) {
                     Ok(DelegationHandle {
@@ -500,6 +698,7 @@ impl Caller {
                 };
             }
             let rec = CallerRecord {
+                finished: false,
                 callee: peer.clone(),
                 spec: Some(spec),
                 request,
@@ -512,7 +711,7 @@ impl Caller {
                     .save(&rec.saved(&key, 0, false))
                     .map_err(|e| CallerError::State(e.to_string()))?;
             }
-            records.insert(key.clone(), rec);
+            records.map.insert(key.clone(), rec);
         }
         self.audit.record(
             &AuditRecord::new(now, Side::Caller, &key, AuditEvent::Opened)
@@ -550,21 +749,35 @@ impl Caller {
                 tx,
             })
             .await?;
-        let stream = futures_util::stream::unfold((rx, false), |(mut rx, done)| async move {
-            if done {
-                return None;
-            }
-            let item = rx.recv().await?;
-            let item = item.map(|ev| parse_event(&ev));
-            let end = matches!(
-                &item,
-                Ok(DelegationEvent {
-                    kind: EventKind::Terminal(_),
-                    ..
-                }) | Err(_)
-            );
-            Some((item, (rx, end)))
-        });
+        let guard = FinishGuard {
+            records: self.records.clone(),
+            state: self.state.clone(),
+            key: handle.key.clone(),
+            armed: false,
+        };
+        let stream = futures_util::stream::unfold(
+            (rx, false, guard),
+            |(mut rx, done, mut guard)| async move {
+                if done {
+                    return None;
+                }
+                let item = rx.recv().await?;
+                let item = item.map(|ev| parse_event(&ev));
+                // The end of the delegation (a lagged or stopped stream is
+                // not one): the record moves to the finished list once the
+                // application is done with this item (the stream is polled
+                // again or dropped).
+                guard.armed = matches!(
+                    &item,
+                    Ok(DelegationEvent {
+                        kind: EventKind::Terminal(_),
+                        ..
+                    }) | Err(EventError::Refused { .. } | EventError::Gap { .. })
+                );
+                let end = guard.armed || item.is_err();
+                Some((item, (rx, end, guard)))
+            },
+        );
         Ok(Box::pin(stream))
     }
 
@@ -661,6 +874,7 @@ impl Caller {
         let rec = self
             .records
             .lock()
+            .map
             .get(&handle.key)
             .cloned()
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;

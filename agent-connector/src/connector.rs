@@ -66,6 +66,10 @@ impl Connector {
     pub fn start(options: ConnectorOptions) -> Result<Connector, StartError> {
         let shutdown = CancellationToken::new();
         let identity = Arc::new(options.link.identity.clone());
+        let retention = crate::caller::FinishedRetention {
+            max_finished: options.link.max_finished,
+            max_finished_bytes: options.link.max_finished_bytes,
+        };
         let trust = Arc::new(options.trust);
         let (incoming_tx, incoming_rx) = mpsc::channel(options.link.queue.max(1));
         let (link, task) = crate::link::spawn(options.link, incoming_tx, shutdown.clone())?;
@@ -86,7 +90,8 @@ impl Connector {
             options.caller_policy,
             options.state,
             audit,
-        );
+        )
+        .with_retention(retention);
         Ok(Connector {
             caller,
             link,

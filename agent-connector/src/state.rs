@@ -14,6 +14,17 @@
 //! Files are written to a temporary name and renamed, so a crash leaves the
 //! old or the new version, never a torn one.
 //!
+//! **Retention.** A file lives while its delegation is open. Once the
+//! delegation's end was handed to the application it is marked finished (at
+//! [`crate::caller::Caller::commit`] of the terminal) and deleted when the
+//! delegation ages out of the caller's finished list (at most
+//! `max_finished` delegations weighing `max_finished_bytes` together, see
+//! [`crate::caller::FinishedRetention`]). [`crate::caller::Caller::restore`]
+//! deletes finished files beyond that bound, unfinished files whose
+//! deadline passed more than [`crate::caller::STALE_AFTER_DEADLINE`] ago,
+//! and temporary files left by a crash. So the folder holds the open
+//! delegations plus a bounded number of bytes of finished ones.
+//!
 //! Never: rewrites a file in place, and never stores a follow-up message or a
 //! cancel.
 
@@ -132,6 +143,59 @@ impl FileState {
                 source,
             }),
         }
+    }
+
+    /// Deletes one delegation's file (nothing to do when there is none).
+    pub fn remove(&self, key: &DelegationKey) -> Result<(), StateError> {
+        let path = self.path(key);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(StateError::Io {
+                path: path.display().to_string(),
+                source,
+            }),
+        }
+    }
+
+    /// Deletes the temporary files a crash during [`FileState::save`] left
+    /// behind (the saved version is the `.json` file beside it).
+    pub fn remove_temporaries(&self) -> Result<(), StateError> {
+        let io = |source| StateError::Io {
+            path: self.dir.display().to_string(),
+            source,
+        };
+        for entry in std::fs::read_dir(&self.dir).map_err(io)? {
+            let path = entry.map_err(io)?.path();
+            if path.to_str().is_some_and(|p| p.ends_with(".json.tmp")) {
+                std::fs::remove_file(&path).map_err(|source| StateError::Io {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The number of delegation files in the folder.
+    pub fn count(&self) -> Result<usize, StateError> {
+        let io = |source| StateError::Io {
+            path: self.dir.display().to_string(),
+            source,
+        };
+        let mut n = 0;
+        for entry in std::fs::read_dir(&self.dir).map_err(io)? {
+            if entry
+                .map_err(io)?
+                .path()
+                .extension()
+                .and_then(|e| e.to_str())
+                == Some("json")
+            {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// Every saved delegation.

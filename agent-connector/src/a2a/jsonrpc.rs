@@ -16,6 +16,11 @@ use serde_json::{Map, Value, json};
 use super::PROTOCOL_VERSION;
 use crate::caller::CallerError;
 
+/// The message an [`A2aError::Internal`] is answered with: its detail
+/// (store, link or file errors, which may name hosts and paths) is logged,
+/// never sent.
+pub const INTERNAL_MESSAGE: &str = "internal error (details are in the connector's log)";
+
 /// The `@type` of a `google.rpc.ErrorInfo` detail.
 pub const ERROR_INFO_TYPE: &str = "type.googleapis.com/google.rpc.ErrorInfo";
 
@@ -45,7 +50,8 @@ pub enum A2aError {
     /// -32602: the params are not valid for the method.
     #[error("invalid params: {0}")]
     InvalidParams(String),
-    /// -32603: the facade failed (details are logged, not sent).
+    /// -32603: the facade failed. The detail is for the log only: the
+    /// client gets [`INTERNAL_MESSAGE`].
     #[error("internal error: {0}")]
     Internal(String),
     /// -32001: no such task (or not one of this peer's).
@@ -148,9 +154,13 @@ impl A2aError {
                 Value::String(PROTOCOL_VERSION.into()),
             );
         }
+        let message = match self {
+            A2aError::Internal(_) => INTERNAL_MESSAGE.to_string(),
+            other => other.to_string(),
+        };
         json!({
             "code": self.code(),
-            "message": self.to_string(),
+            "message": message,
             "data": [{
                 "@type": ERROR_INFO_TYPE,
                 "reason": self.reason(),
@@ -337,6 +347,17 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
     use super::*;
+
+    #[test]
+    fn internal_errors_send_no_detail() {
+        let e = A2aError::Internal(
+            "state: /var/lib/oab-connector/acme~x.json: permission denied".into(),
+        );
+        let obj = e.to_error_object();
+        assert_eq!(obj["code"], -32603);
+        assert_eq!(obj["message"], INTERNAL_MESSAGE);
+        assert!(!obj.to_string().contains("/var/lib"), "{obj}");
+    }
 
     #[test]
     fn envelope_errors_have_the_right_codes() {

@@ -7,10 +7,22 @@
 //! function of the delegation's up log, so the same log always gives the
 //! same numbers; `upSeq` names the up-log event it came from.
 //!
-//! **Bounds.** At most `max_tasks` tasks: past that the oldest finished one
-//! is forgotten (an unfinished one never is). At most `max_events` events
-//! per task: past that the oldest is dropped, and a cursor before the first
-//! kept event is reported as a gap, never skipped silently.
+//! **Bounds** ([`TaskBounds`], from the facade's options).
+//! - Tasks: at most `max_tasks`, and the finished ones weigh at most
+//!   `max_finished_bytes` together; past either, the oldest finished task is
+//!   forgotten (an unfinished one never is) and `GetTask` answers
+//!   `TaskNotFound` for it. A task's weight is the JSON length of its kept
+//!   events, history and artifacts, plus [`TASK_OVERHEAD_BYTES`].
+//! - Events per task: at most `max_events`, and at most `max_task_bytes` of
+//!   them; past either the oldest is dropped, and a cursor before the first
+//!   kept event is reported as a gap, never skipped silently.
+//! - History per task: at most `max_history` messages and `max_task_bytes`
+//!   of them; past either the oldest message after the first (the request)
+//!   is dropped.
+//! - Artifacts per task: at most `max_task_bytes`; an artifact update past
+//!   that is still streamed as an event but not merged into the task's
+//!   artifacts, and the task's profile metadata says
+//!   `"artifactsTruncated": true`.
 //!
 //! Never: forgets an unfinished task, skips an event silently, or awaits:
 //! everything here is synchronous.
@@ -190,6 +202,64 @@ impl TerminalView {
     }
 }
 
+/// What a task weighs beyond its events, history and artifacts (ids, state,
+/// the cell and index entries), for the finished tasks' byte budget.
+pub(crate) const TASK_OVERHEAD_BYTES: u64 = 1_024;
+
+/// What an event weighs beyond its JSON values.
+const EVENT_OVERHEAD_BYTES: u64 = 64;
+
+/// The bounds of the task table (see the module's opening comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TaskBounds {
+    pub(crate) max_tasks: usize,
+    pub(crate) max_finished_bytes: u64,
+    pub(crate) max_events: usize,
+    pub(crate) max_history: usize,
+    pub(crate) max_task_bytes: u64,
+}
+
+/// The length of `v` as compact JSON, without building the text.
+pub(crate) fn json_len(v: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 = self
+                .0
+                .saturating_add(u64::try_from(b.len()).unwrap_or(u64::MAX));
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    // Writing a `Value` to a writer that never fails cannot fail.
+    let _ = serde_json::to_writer(&mut c, v);
+    c.0
+}
+
+impl EventBody {
+    /// What the event weighs (its JSON values plus a fixed overhead).
+    fn weight(&self) -> u64 {
+        let values = match self {
+            EventBody::Status {
+                message, data, end, ..
+            } => [
+                message.as_ref(),
+                data.as_ref(),
+                end.as_ref().and_then(|e| e.envelope.as_ref()),
+            ]
+            .into_iter()
+            .flatten()
+            .map(json_len)
+            .fold(0u64, u64::saturating_add),
+            EventBody::Artifact { artifact, .. } => json_len(artifact),
+        };
+        values.saturating_add(EVENT_OVERHEAD_BYTES)
+    }
+}
+
 /// What the facade knows about one task.
 #[derive(Debug)]
 pub(crate) struct TaskRecord {
@@ -211,21 +281,70 @@ pub(crate) struct TaskRecord {
     pub(crate) closed: Option<String>,
     /// The delegation's deadline (Unix ms).
     pub(crate) deadline_ms: u64,
-    max_events: usize,
+    /// Artifact updates were left out of `artifacts` (over `max_task_bytes`).
+    pub(crate) artifacts_truncated: bool,
+    /// Bytes of the kept events, history and artifacts.
+    events_bytes: u64,
+    history_bytes: u64,
+    artifacts_bytes: u64,
+    /// The weight counted in the table's finished bytes, once finished.
+    counted: Option<u64>,
+    bounds: TaskBounds,
 }
 
 impl TaskRecord {
     fn push(&mut self, up_seq: u64, body: EventBody) {
         self.last_seq += 1;
+        self.events_bytes = self.events_bytes.saturating_add(body.weight());
         self.events.push_back(FacadeEvent {
             seq: self.last_seq,
             up_seq,
             at_ms: self.status_ms,
             body,
         });
-        while self.events.len() > self.max_events {
-            self.events.pop_front();
+        while self.events.len() > self.bounds.max_events
+            || (self.events_bytes > self.bounds.max_task_bytes && self.events.len() > 1)
+        {
+            let Some(old) = self.events.pop_front() else {
+                break;
+            };
+            self.events_bytes = self.events_bytes.saturating_sub(old.body.weight());
         }
+    }
+
+    /// Adds a message to the history; past `max_history` messages or
+    /// `max_task_bytes`, the oldest after the first (the request) is
+    /// dropped.
+    pub(crate) fn push_history(&mut self, message: Value) {
+        self.history_bytes = self.history_bytes.saturating_add(json_len(&message));
+        self.history.push(message);
+        while self.history.len() > self.bounds.max_history.max(2)
+            || (self.history_bytes > self.bounds.max_task_bytes && self.history.len() > 2)
+        {
+            let old = self.history.remove(1);
+            self.history_bytes = self.history_bytes.saturating_sub(json_len(&old));
+        }
+    }
+
+    /// Merges an artifact update into the task's artifacts, unless that
+    /// takes them past `max_task_bytes` (then the task is marked
+    /// `artifacts_truncated`; the update still goes out as an event).
+    fn keep_artifact(&mut self, a2a: &Value, append: bool) {
+        let len = json_len(a2a);
+        if self.artifacts_bytes.saturating_add(len) > self.bounds.max_task_bytes {
+            self.artifacts_truncated = true;
+            return;
+        }
+        self.artifacts_bytes = self.artifacts_bytes.saturating_add(len);
+        merge_artifact(&mut self.artifacts, a2a, append);
+    }
+
+    /// What the task weighs against the finished tasks' byte budget.
+    pub(crate) fn weight(&self) -> u64 {
+        self.events_bytes
+            .saturating_add(self.history_bytes)
+            .saturating_add(self.artifacts_bytes)
+            .saturating_add(TASK_OVERHEAD_BYTES)
     }
 
     /// Whether the task reached a terminal state.
@@ -267,7 +386,7 @@ impl TaskRecord {
         self.state = state;
         self.status_ms = now_ms();
         if let Some(m) = &message {
-            self.history.push(m.clone());
+            self.push_history(m.clone());
         }
         self.status_message = message.clone();
         self.push(
@@ -293,7 +412,7 @@ impl TaskRecord {
             return;
         }
         let a2a = artifact_to_a2a(artifact);
-        merge_artifact(&mut self.artifacts, &a2a, append);
+        self.keep_artifact(&a2a, append);
         self.status_ms = self.status_ms.max(now_ms());
         self.push(
             up_seq,
@@ -315,7 +434,7 @@ impl TaskRecord {
         for a in &view.artifacts {
             let id = a.get("artifactId");
             if !self.artifacts.iter().any(|x| x.get("artifactId") == id) {
-                self.artifacts.push(a.clone());
+                self.keep_artifact(a, false);
                 self.push(
                     up_seq,
                     EventBody::Artifact {
@@ -329,7 +448,7 @@ impl TaskRecord {
         self.message_response = view.message_response && self.last_seq == 0;
         self.state = view.state;
         if let Some(m) = &view.message {
-            self.history.push(m.clone());
+            self.push_history(m.clone());
         }
         self.status_message = view.message.clone();
         self.end = Some(view.end.clone());
@@ -379,6 +498,9 @@ impl TaskRecord {
         }
         if let Some(end) = &self.end {
             end_fields(end, &mut f);
+        }
+        if self.artifacts_truncated {
+            f.insert("artifactsTruncated".into(), json!(true));
         }
         profile::metadata(f)
     }
@@ -605,11 +727,17 @@ pub(crate) fn minted_task_id(key: &DelegationKey) -> String {
     format!("task-{}", &oab_wire::digest::hex(&d.0)[..32])
 }
 
+/// The tasks by id and by delegation, in creation order. An entry is added
+/// by [`TaskTable::insert`] (and [`TaskTable::alias`]) and removed when its
+/// task, finished, is the oldest finished one past `max_tasks` or
+/// `max_finished_bytes`.
 #[derive(Debug, Default)]
 struct Index {
     by_id: HashMap<String, Arc<TaskCell>>,
     by_key: HashMap<DelegationKey, Arc<TaskCell>>,
     order: VecDeque<Arc<TaskCell>>,
+    /// Sum of the weights counted by [`TaskTable::finished`].
+    finished_bytes: u64,
 }
 
 /// Every task of the facade, by id (facade-minted and callee) and by
@@ -617,16 +745,68 @@ struct Index {
 #[derive(Debug)]
 pub(crate) struct TaskTable {
     index: Mutex<Index>,
-    max_tasks: usize,
-    max_events: usize,
+    bounds: TaskBounds,
 }
 
 impl TaskTable {
-    pub(crate) fn new(max_tasks: usize, max_events: usize) -> Self {
+    pub(crate) fn new(bounds: TaskBounds) -> Self {
         TaskTable {
             index: Mutex::new(Index::default()),
-            max_tasks: max_tasks.max(1),
-            max_events: max_events.max(1),
+            bounds: TaskBounds {
+                max_tasks: bounds.max_tasks.max(1),
+                max_events: bounds.max_events.max(1),
+                max_history: bounds.max_history.max(2),
+                ..bounds
+            },
+        }
+    }
+
+    /// How many tasks the table holds.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.index.lock().by_key.len()
+    }
+
+    /// Counts a task that reached its end against the finished tasks'
+    /// bytes (once), then forgets the oldest finished tasks past the
+    /// bounds. Called by the tracker after it folded the end.
+    pub(crate) fn finished(&self, cell: &Arc<TaskCell>) {
+        let mut index = self.index.lock();
+        if !index
+            .by_key
+            .get(&cell.handle.key)
+            .is_some_and(|c| Arc::ptr_eq(c, cell))
+        {
+            return;
+        }
+        {
+            let mut rec = cell.lock();
+            if rec.counted.is_some() || !rec.is_terminal() {
+                return;
+            }
+            let w = rec.weight();
+            rec.counted = Some(w);
+            index.finished_bytes = index.finished_bytes.saturating_add(w);
+        }
+        self.evict(&mut index);
+    }
+
+    /// Forgets the oldest finished tasks while more than `max_tasks` are
+    /// held or the finished ones weigh more than `max_finished_bytes`.
+    fn evict(&self, index: &mut Index) {
+        while index.by_key.len() > self.bounds.max_tasks
+            || index.finished_bytes > self.bounds.max_finished_bytes
+        {
+            let Some(pos) = index.order.iter().position(|c| c.lock().is_terminal()) else {
+                break;
+            };
+            let Some(old) = index.order.remove(pos) else {
+                break;
+            };
+            let counted = old.lock().counted.unwrap_or(0);
+            index.finished_bytes = index.finished_bytes.saturating_sub(counted);
+            index.by_key.remove(&old.handle.key);
+            index.by_id.retain(|_, c| !Arc::ptr_eq(c, &old));
         }
     }
 
@@ -657,7 +837,7 @@ impl TaskTable {
             status_message: None,
             status_ms: now,
             created_ms: new.created_ms,
-            history: vec![new.first_message],
+            history: Vec::new(),
             artifacts: Vec::new(),
             events: VecDeque::new(),
             last_seq: 0,
@@ -665,8 +845,15 @@ impl TaskTable {
             message_response: false,
             closed: None,
             deadline_ms: new.deadline_ms,
-            max_events: self.max_events,
+            artifacts_truncated: false,
+            events_bytes: 0,
+            history_bytes: 0,
+            artifacts_bytes: 0,
+            counted: None,
+            bounds: self.bounds,
         };
+        let mut record = record;
+        record.push_history(new.first_message);
         let (version, _) = watch::channel(0);
         let cell = Arc::new(TaskCell {
             peer: new.peer,
@@ -678,15 +865,7 @@ impl TaskTable {
         index.by_id.insert(minted_id, cell.clone());
         index.by_key.insert(cell.handle.key.clone(), cell.clone());
         index.order.push_back(cell.clone());
-        while index.by_key.len() > self.max_tasks {
-            let Some(pos) = index.order.iter().position(|c| c.lock().is_terminal()) else {
-                break;
-            };
-            if let Some(old) = index.order.remove(pos) {
-                index.by_key.remove(&old.handle.key);
-                index.by_id.retain(|_, c| !Arc::ptr_eq(c, &old));
-            }
-        }
+        self.evict(&mut index);
         (cell, true)
     }
 
@@ -710,5 +889,164 @@ impl TaskTable {
             .filter(|c| &c.peer == peer)
             .cloned()
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use super::*;
+    use oab_wire::RequestId;
+
+    fn bounds() -> TaskBounds {
+        TaskBounds {
+            max_tasks: 1_000,
+            max_finished_bytes: u64::MAX,
+            max_events: 1_000,
+            max_history: 1_000,
+            max_task_bytes: u64::MAX,
+        }
+    }
+
+    fn peer() -> PeerId {
+        PeerId::new("acme/callee").unwrap()
+    }
+
+    fn add(table: &TaskTable, i: usize) -> Arc<TaskCell> {
+        let key = DelegationKey::new(
+            PeerId::new("acme/caller").unwrap(),
+            RequestId::new(&format!("req-{i}")).unwrap(),
+        );
+        table
+            .insert(NewTask {
+                peer: peer(),
+                handle: DelegationHandle {
+                    key,
+                    callee: peer(),
+                },
+                context_id: "ctx".into(),
+                first_message: agent_text_message("the request"),
+                deadline_ms: 0,
+                created_ms: 0,
+            })
+            .0
+    }
+
+    fn finish(table: &TaskTable, cell: &Arc<TaskCell>, text: &str) {
+        cell.lock()
+            .observed_end(TaskState::Failed, "gap", text.to_string());
+        table.finished(cell);
+    }
+
+    #[test]
+    fn finished_tasks_are_forgotten_oldest_first_past_the_byte_budget() {
+        let big = "x".repeat(10_000);
+        let table = TaskTable::new(TaskBounds {
+            max_finished_bytes: 100_000,
+            ..bounds()
+        });
+        let cells: Vec<_> = (0..50).map(|i| add(&table, i)).collect();
+        for c in &cells {
+            finish(&table, c, &big);
+        }
+        let held = table.len();
+        assert!(
+            (1..10).contains(&held),
+            "50 finished tasks of over 20 kB each within 100 kB: {held} kept"
+        );
+        let newest = cells.last().unwrap();
+        assert!(table.find(&peer(), &newest.minted_id).is_some());
+        assert!(table.find(&peer(), &cells[0].minted_id).is_none());
+    }
+
+    #[test]
+    fn unfinished_tasks_are_never_forgotten_for_bytes() {
+        let table = TaskTable::new(TaskBounds {
+            max_finished_bytes: 1,
+            max_tasks: 2,
+            ..bounds()
+        });
+        let cells: Vec<_> = (0..5).map(|i| add(&table, i)).collect();
+        assert_eq!(table.len(), 5, "open tasks stay past max_tasks");
+        finish(&table, &cells[2], "done");
+        assert_eq!(table.len(), 4);
+        assert!(table.find(&peer(), &cells[2].minted_id).is_none());
+    }
+
+    #[test]
+    fn history_keeps_the_request_and_the_newest_messages() {
+        let table = TaskTable::new(TaskBounds {
+            max_history: 4,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        for i in 0..10 {
+            rec.status(
+                i,
+                "TASK_STATE_WORKING",
+                Some(&agent_text_message(&format!("m{i}"))),
+                None,
+            );
+        }
+        assert_eq!(rec.history.len(), 4);
+        let text = |m: &Value| m["parts"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(text(&rec.history[0]), "the request");
+        assert_eq!(text(&rec.history[3]), "m9");
+        assert_eq!(text(&rec.history[1]), "m7");
+    }
+
+    #[test]
+    fn history_and_events_stay_within_the_task_byte_budget() {
+        let table = TaskTable::new(TaskBounds {
+            max_task_bytes: 50_000,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        let big = agent_text_message(&"y".repeat(10_000));
+        for i in 0..100 {
+            rec.status(i, "TASK_STATE_WORKING", Some(&big), None);
+        }
+        assert!(
+            rec.history.len() < 10,
+            "{} messages kept",
+            rec.history.len()
+        );
+        assert!(rec.events.len() < 10, "{} events kept", rec.events.len());
+        assert_eq!(rec.last_seq, 100, "numbering goes on");
+        assert!(rec.first_kept() > 90, "the oldest events were dropped");
+    }
+
+    #[test]
+    fn artifacts_past_the_task_byte_budget_are_streamed_but_not_kept() {
+        let table = TaskTable::new(TaskBounds {
+            max_task_bytes: 50_000,
+            ..bounds()
+        });
+        let cell = add(&table, 0);
+        let mut rec = cell.lock();
+        let chunk = Artifact {
+            artifact_id: "a1".into(),
+            name: "out".into(),
+            media_type: "text/plain".into(),
+            text: Some("z".repeat(10_000)),
+            data: None,
+            url: None,
+        };
+        for i in 0..20 {
+            rec.artifact(i, &chunk, i > 0, false);
+        }
+        let kept = json_len(&Value::Array(rec.artifacts.clone()));
+        assert!(kept <= 50_000, "{kept} bytes of artifacts kept");
+        assert!(rec.artifacts_truncated);
+        assert_eq!(rec.last_seq, 20, "every update was still an event");
+        let task = rec.render_task(&cell, "t", None, true, true);
+        assert_eq!(
+            task["metadata"][profile::PROFILE_URI]["artifactsTruncated"],
+            json!(true),
+            "{task}"
+        );
     }
 }

@@ -167,6 +167,9 @@ impl Link {
                 }
                 self.peer_waiters.push(reply);
             }
+            Command::Held { reply } => {
+                let _ = reply.send(self.held());
+            }
             Command::Publish { descriptor } => {
                 // Not sequenced: sent now if connected, and on every connect.
                 if self.online

@@ -91,15 +91,25 @@ impl Delegation {
 }
 
 impl Link {
-    /// Remembers a finished delegation; the oldest beyond
-    /// `max_finished` are forgotten (their events can no longer be replayed
-    /// locally).
+    /// Remembers a finished delegation; the oldest beyond `max_finished`,
+    /// or beyond `max_finished_bytes` of kept event payloads, are forgotten
+    /// (their events can no longer be replayed locally).
     pub(super) fn record_finished(&mut self, key: &DelegationKey) {
-        self.finished.push_back(key.clone());
-        while self.finished.len() > self.settings.max_finished {
-            let Some(old) = self.finished.pop_front() else {
+        let bytes = self.delegations.get(key).map_or(0, |d| {
+            d.events
+                .iter()
+                .map(|e| u64::try_from(e.payload.len()).unwrap_or(u64::MAX))
+                .fold(0u64, u64::saturating_add)
+        });
+        self.finished.push_back((key.clone(), bytes));
+        self.finished_bytes = self.finished_bytes.saturating_add(bytes);
+        while self.finished.len() > self.settings.max_finished
+            || (self.finished_bytes > self.settings.max_finished_bytes && self.finished.len() > 1)
+        {
+            let Some((old, b)) = self.finished.pop_front() else {
                 break;
             };
+            self.finished_bytes = self.finished_bytes.saturating_sub(b);
             if self
                 .delegations
                 .get(&old)
@@ -108,5 +118,11 @@ impl Link {
                 self.delegations.remove(&old);
             }
         }
+    }
+
+    /// How many delegations the link holds (open ones, and finished ones
+    /// within the retention).
+    pub(super) fn held(&self) -> usize {
+        self.delegations.len()
     }
 }

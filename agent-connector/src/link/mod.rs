@@ -18,7 +18,10 @@
 //!   `max_events_per_delegation`, oldest dropped (a subscriber asking for a
 //!   dropped event gets [`EventError::Gap`]);
 //! - subscriber channels: bounded; a subscriber that does not keep up is
-//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor.
+//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor;
+//! - finished delegations kept for replay after their end: at most
+//!   `max_finished`, weighing at most `max_finished_bytes`; the oldest are
+//!   forgotten (a subscriber then gets [`EventError::Gap`]).
 //!
 //! **Layout.** This module owns the public types, the handle, [`spawn`] and
 //! the state of the link task; each part adds its own `impl Link` block:
@@ -56,8 +59,9 @@ use tokio_util::sync::CancellationToken;
 use self::delegation::Delegation;
 use crate::trust::RelayTrust;
 
-/// Where the relay is and how to reach it.
-#[derive(Debug, Clone)]
+/// Where the relay is and how to reach it. `Debug` shows the URL without
+/// its user info (`***`).
+#[derive(Clone)]
 pub struct LinkSettings {
     /// `wss://host:port/` (or `ws://` only for a relay behind a TLS-terminating
     /// load balancer reached over a private network, and tests). The port
@@ -90,9 +94,46 @@ pub struct LinkSettings {
     /// Capacity of the command channel and of each subscriber channel.
     pub queue: usize,
     /// Finished delegations kept (for `events`/`get` after the end); older
-    /// ones are forgotten.
+    /// ones are forgotten. The caller side keeps its records and state files
+    /// of finished delegations within the same bound
+    /// ([`crate::caller::FinishedRetention`]).
     pub max_finished: usize,
+    /// Bytes the finished delegations kept may weigh together (the link
+    /// counts the payloads of their kept events; the caller counts its
+    /// state files); past this the oldest are forgotten.
+    pub max_finished_bytes: u64,
 }
+
+impl std::fmt::Debug for LinkSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkSettings")
+            .field("url", &relay_url::redacted(&self.url))
+            .field("trust", &self.trust)
+            .field("relay_id", &self.relay_id)
+            .field("challenge_only", &self.challenge_only)
+            .field("identity", &self.identity)
+            .field("instance", &self.instance)
+            .field("backoff_initial", &self.backoff_initial)
+            .field("backoff_max", &self.backoff_max)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("dead_after_heartbeats", &self.dead_after_heartbeats)
+            .field("max_buffered_frames", &self.max_buffered_frames)
+            .field("max_events_per_delegation", &self.max_events_per_delegation)
+            .field("queue", &self.queue)
+            .field("max_finished", &self.max_finished)
+            .field("max_finished_bytes", &self.max_finished_bytes)
+            .finish()
+    }
+}
+
+/// Default of [`LinkSettings::max_finished`]: a finished delegation is kept
+/// for a late `events`/`wait`/`get` and an idempotent re-send; the A2A
+/// facade keeps its own copy of a finished task, so a thousand is plenty.
+pub const DEFAULT_MAX_FINISHED: usize = 1_000;
+
+/// Default of [`LinkSettings::max_finished_bytes`]: 8 MiB, a thousand
+/// finished delegations of 8 KiB each.
+pub const DEFAULT_MAX_FINISHED_BYTES: u64 = 8 * 1024 * 1024;
 
 impl LinkSettings {
     /// Settings with the defaults for everything but where and who.
@@ -111,7 +152,8 @@ impl LinkSettings {
             max_buffered_frames: 65_536,
             max_events_per_delegation: 10_000,
             queue: 1_024,
-            max_finished: 10_000,
+            max_finished: DEFAULT_MAX_FINISHED,
+            max_finished_bytes: DEFAULT_MAX_FINISHED_BYTES,
         }
     }
 }
@@ -302,6 +344,9 @@ pub(crate) enum Command {
     Publish {
         descriptor: Bytes,
     },
+    Held {
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// What a sending peer appends.
@@ -361,6 +406,15 @@ impl LinkHandle {
         }
     }
 
+    /// How many delegations the link holds: open ones, and finished ones
+    /// within `max_finished` and `max_finished_bytes`.
+    pub async fn delegations_held(&self) -> Result<usize, LinkError> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Held { reply }).await?;
+        rx.await
+            .map_err(|_| LinkError::Stopped(self.stopped_reason()))
+    }
+
     /// A snapshot of a delegation.
     pub async fn snapshot(&self, key: &DelegationKey) -> Result<Option<Snapshot>, LinkError> {
         let (reply, rx) = oneshot::channel();
@@ -412,6 +466,7 @@ pub fn spawn(
         online: false,
         ready_to_send: std::collections::HashSet::new(),
         finished: VecDeque::new(),
+        finished_bytes: 0,
     };
     let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
     let task = tokio::spawn(tracing::Instrument::instrument(link.run(shutdown), span));
@@ -450,6 +505,10 @@ struct Link {
     online: bool,
     /// Delegations with frames to send.
     ready_to_send: std::collections::HashSet<DelegationKey>,
-    /// Finished delegations, oldest first (bounded by `max_finished`).
-    finished: VecDeque<DelegationKey>,
+    /// Finished delegations, oldest first, with the bytes of their kept
+    /// events (bounded by `max_finished` and `max_finished_bytes`; overflow
+    /// forgets the oldest, `Link::record_finished`).
+    finished: VecDeque<(DelegationKey, u64)>,
+    /// Sum of the bytes in `finished`.
+    finished_bytes: u64,
 }

@@ -9,6 +9,20 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
 use tokio_tungstenite::tungstenite::error::{Error, UrlError};
 use tokio_tungstenite::tungstenite::handshake::client::Request;
 
+/// `url` as logs and errors show it: user info (a user name and password,
+/// or a token, before `@`) replaced by `***`.
+pub(crate) fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{tail}"),
+        None => url.to_string(),
+    }
+}
+
 /// Where to dial the relay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RelayUrl {
@@ -23,7 +37,8 @@ pub(super) struct RelayUrl {
 /// The WebSocket upgrade request for the relay URL, and where to dial it.
 /// Errors name the URL and what is wrong with it.
 pub(super) fn relay_request(url: &str) -> Result<(Request, RelayUrl), String> {
-    let no_host = || format!("relay url {url:?} has no host");
+    let shown = redacted(url);
+    let no_host = || format!("relay url {shown:?} has no host");
     let request = url.into_client_request().map_err(|e| match e {
         Error::Url(UrlError::NoHostName | UrlError::EmptyHostName) => no_host(),
         // The URI parser's errors name no part: an empty authority
@@ -34,7 +49,7 @@ pub(super) fn relay_request(url: &str) -> Result<(Request, RelayUrl), String> {
         {
             no_host()
         }
-        e => format!("relay url {url:?} is not a valid wss:// (or ws://) URL: {e}"),
+        e => format!("relay url {shown:?} is not a valid wss:// (or ws://) URL: {e}"),
     })?;
     let uri = request.uri();
     let tls = match uri.scheme_str() {
@@ -42,7 +57,7 @@ pub(super) fn relay_request(url: &str) -> Result<(Request, RelayUrl), String> {
         Some("ws") => false,
         _ => {
             return Err(format!(
-                "relay url {url:?} must start with wss:// (or ws://)"
+                "relay url {shown:?} must start with wss:// (or ws://)"
             ));
         }
     };
@@ -72,7 +87,7 @@ pub(super) fn relay_request(url: &str) -> Result<(Request, RelayUrl), String> {
         rest => rest
             .strip_prefix(':')
             .and_then(|p| p.parse::<u16>().ok())
-            .ok_or_else(|| format!("relay url {url:?}: bad port"))?,
+            .ok_or_else(|| format!("relay url {shown:?}: bad port"))?,
     };
     let host = host
         .trim_start_matches('[')
@@ -84,6 +99,35 @@ pub(super) fn relay_request(url: &str) -> Result<(Request, RelayUrl), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn user_info_is_never_shown() {
+        for (url, shown) in [
+            (
+                "wss://u:s3cret@relay.example:7443/x",
+                "wss://***@relay.example:7443/x",
+            ),
+            ("wss://t0ken@relay.example/", "wss://***@relay.example/"),
+            ("wss://relay.example/a@b", "wss://relay.example/a@b"),
+            ("wss://relay.example:7443/", "wss://relay.example:7443/"),
+        ] {
+            assert_eq!(redacted(url), shown);
+        }
+        let e = relay_request("wss://u:s3cret@relay.example:99999/").unwrap_err();
+        assert!(!e.contains("s3cret"), "{e}");
+        let settings = super::super::LinkSettings::new(
+            "wss://u:s3cret@relay.example/",
+            crate::trust::RelayTrust::WebPki,
+            oab_wire::identity::Identity::generate(
+                oab_wire::PeerId::new("acme/a").unwrap(),
+                oab_wire::KeyId::new("k1").unwrap(),
+            ),
+        );
+        let debug = format!("{settings:?}");
+        assert!(!debug.contains("s3cret"), "{debug}");
+        assert!(debug.contains("relay.example"), "{debug}");
+    }
 
     #[test]
     fn host_port_and_scheme() {

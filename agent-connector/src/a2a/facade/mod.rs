@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use super::model::{fresh_id, normalise_message};
-use super::tasks::{NewTask, TaskTable};
+use super::tasks::{NewTask, TaskBounds, TaskTable};
 use crate::caller::{Caller, CallerError};
 use crate::profile::{Budgets, RiskLevel};
 use tracker::track_delegation;
@@ -129,10 +129,26 @@ pub struct FacadeOptions {
     /// Extra wait past a delegation's deadline for a blocking `SendMessage`
     /// (the relay appends `expired` after the deadline).
     pub deadline_grace: Duration,
-    /// Tasks remembered; past this the oldest finished task is forgotten.
+    /// Tasks remembered; past this the oldest finished task is forgotten
+    /// (`GetTask` then answers `TaskNotFound`).
     pub max_tasks: usize,
-    /// A2A events kept per task for streams and cursor replay.
+    /// Bytes the finished tasks may weigh together (their kept events,
+    /// history and artifacts as JSON, plus a fixed overhead each); past
+    /// this the oldest finished task is forgotten. The heap a task holds is
+    /// a few times its JSON length (about 10 KB per small finished task
+    /// was measured), so `max_tasks` is usually the bound that acts.
+    pub max_finished_task_bytes: u64,
+    /// A2A events kept per task for streams and cursor replay; past this
+    /// the oldest is dropped (a cursor before it gets a gap).
     pub max_events_per_task: usize,
+    /// Messages kept in a task's history; past this the oldest after the
+    /// first (the request) is dropped.
+    pub max_history_per_task: usize,
+    /// Bytes each of a task's events, history and artifacts may weigh:
+    /// past it the oldest event or message is dropped, and an artifact
+    /// update is streamed but not merged into the task's artifacts
+    /// (`"artifactsTruncated": true` in its profile metadata).
+    pub max_task_bytes: u64,
 }
 
 impl Default for FacadeOptions {
@@ -145,8 +161,11 @@ impl Default for FacadeOptions {
             cancel_wait: Duration::from_secs(10),
             peer_lookup_timeout: Duration::from_secs(2),
             deadline_grace: Duration::from_secs(30),
-            max_tasks: 10_000,
+            max_tasks: 2_000,
+            max_finished_task_bytes: 16 * 1024 * 1024,
             max_events_per_task: 10_000,
+            max_history_per_task: 100,
+            max_task_bytes: 8 * 1024 * 1024,
         }
     }
 }
@@ -156,7 +175,8 @@ impl Default for FacadeOptions {
 struct Inner {
     caller: Caller,
     options: FacadeOptions,
-    /// Bounded by `max_tasks` and `max_events_per_task` (see [`TaskTable`]).
+    /// Bounded by `max_tasks`, `max_finished_task_bytes` and the per-task
+    /// bounds (see [`TaskTable`]).
     tasks: TaskTable,
     /// The relay's last peer list, for card requests when a fresh one cannot
     /// be had in time; replaced whole by each fresh list.
@@ -182,7 +202,13 @@ struct RouterState {
 impl Facade {
     /// A facade over `caller`.
     pub fn new(caller: Caller, options: FacadeOptions) -> Facade {
-        let tasks = TaskTable::new(options.max_tasks, options.max_events_per_task);
+        let tasks = TaskTable::new(TaskBounds {
+            max_tasks: options.max_tasks,
+            max_finished_bytes: options.max_finished_task_bytes,
+            max_events: options.max_events_per_task,
+            max_history: options.max_history_per_task,
+            max_task_bytes: options.max_task_bytes,
+        });
         Facade {
             inner: Arc::new(Inner {
                 caller,

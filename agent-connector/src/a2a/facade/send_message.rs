@@ -218,7 +218,7 @@ impl RpcCall {
             .await
             .map_err(A2aError::from_caller)?;
         if let Some(m) = normalise_message(message, "ROLE_USER") {
-            cell.lock().history.push(m);
+            cell.lock().push_history(m);
         }
         cell.notify();
         Ok((cell, after))

@@ -16,7 +16,7 @@ use axum::response::sse::Event;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
+use tracing::{Instrument as _, warn};
 
 use super::rpc::RpcCall;
 use crate::a2a::jsonrpc::{A2aError, result_response};
@@ -142,6 +142,10 @@ async fn feed_stream(
         };
         if trimmed && after < cursor {
             // Events this stream had not sent yet were dropped: say so.
+            warn!(
+                cursor,
+                "a stream's next events are no longer kept; the client must resubscribe"
+            );
             let e = A2aError::Internal(format!(
                 "events after {cursor} are no longer kept; resubscribe (with the profile, from a cursor)"
             ));
@@ -165,6 +169,7 @@ async fn feed_stream(
             return;
         }
         if let Some(reason) = closed {
+            warn!(%reason, "a stream ends: the connector stopped");
             let e = A2aError::Internal(format!("the connector stopped: {reason}"));
             let _ = tx.send(sse_error(&rpc_id, &e)).await;
             return;

@@ -2,7 +2,8 @@
 //! log (replay, then live) into the delegation's task in the task table,
 //! and wakes the task's readers after each event. On the terminal it
 //! verifies the callee's signed result and records the delegation as
-//! finished, so a restart no longer takes it back.
+//! finished, so a restart no longer takes it back, and counts the task
+//! against the task table's bound on finished tasks.
 //!
 //! It is the only writer of a task's state and events once the task is
 //! created (a follow-up only adds its message to the history). It ends at
@@ -52,14 +53,16 @@ pub(super) async fn track_delegation(inner: Arc<Inner>, cell: Arc<TaskCell>) {
                     cell.notify();
                     if let Some(ev) = terminal {
                         // Finished: a restart no longer takes it back (the
-                        // state file stays, so a re-sent request is still the
-                        // same delegation).
+                        // state file stays while the delegation is within the
+                        // caller's finished retention, so a re-sent request
+                        // is still the same delegation).
                         let (caller, handle) = (inner.caller.clone(), cell.handle.clone());
                         let saved =
                             tokio::task::spawn_blocking(move || caller.commit(&handle, &ev)).await;
                         if let Ok(Err(e)) = saved {
                             warn!(error = %e, "could not record the delegation as finished");
                         }
+                        inner.tasks.finished(&cell);
                     }
                     if end {
                         return;
@@ -77,6 +80,7 @@ pub(super) async fn track_delegation(inner: Arc<Inner>, cell: Arc<TaskCell>) {
                         format!("the relay refused the delegation: {code} ({message})"),
                     );
                     cell.notify();
+                    inner.tasks.finished(&cell);
                     return;
                 }
                 Some(Err(EventError::Gap { after, reason })) => {
@@ -88,6 +92,7 @@ pub(super) async fn track_delegation(inner: Arc<Inner>, cell: Arc<TaskCell>) {
                         ),
                     );
                     cell.notify();
+                    inner.tasks.finished(&cell);
                     return;
                 }
                 Some(Err(EventError::Stopped(reason))) => {
