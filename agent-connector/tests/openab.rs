@@ -50,6 +50,7 @@ fn config(
     relay: std::net::SocketAddr,
     side: &str,
     port: u16,
+    extra: &str,
 ) -> std::path::PathBuf {
     let (me, other) = match side {
         "a" => (&env.caller, &env.callee),
@@ -66,6 +67,7 @@ fn config(
 [openab]
 listen = "127.0.0.1:{port}"
 register_timeout_secs = 2
+{extra}
 
 [[openab.runtimes]]
 namespace = "prod"
@@ -98,6 +100,7 @@ remote = {{ name = "absent" }}
             r#"
 [openab]
 listen = "127.0.0.1:{port}"
+{extra}
 
 [[openab.runtimes]]
 namespace = "prod"
@@ -164,6 +167,11 @@ struct World {
 
 impl World {
     async fn start() -> World {
+        Self::start_with("").await
+    }
+
+    /// With `b_extra` added to host B's `[openab]` section.
+    async fn start_with(b_extra: &str) -> World {
         let env = Env::new("");
         let redis =
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
@@ -175,8 +183,8 @@ impl World {
         let relay = Relay::start(&env, store).await;
         let dir = tempfile::tempdir().unwrap();
         let (pa, pb) = (free_port(), free_port());
-        let a = start_connector(&config(&env, dir.path(), relay.addr, "a", pa));
-        let b = start_connector(&config(&env, dir.path(), relay.addr, "b", pb));
+        let a = start_connector(&config(&env, dir.path(), relay.addr, "a", pa, ""));
+        let b = start_connector(&config(&env, dir.path(), relay.addr, "b", pb, b_extra));
         for port in [pa, pb] {
             let until = tokio::time::Instant::now() + STEP;
             while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
@@ -332,8 +340,11 @@ impl Cp {
     }
 
     async fn delegate(&mut self, id: &str, target: &str, prompt: &str) -> Value {
-        let deadline =
-            oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() + 60_000);
+        self.delegate_within(id, target, prompt, 60_000).await
+    }
+
+    async fn delegate_within(&mut self, id: &str, target: &str, prompt: &str, ms: u64) -> Value {
+        let deadline = oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() + ms);
         self.call(
             "cp/delegate",
             json!({
@@ -548,5 +559,116 @@ async fn a_worker_that_disconnects_mid_task_ends_it_target_disconnected() {
     drop(worker);
     let r = primary.result_for("d-x").await;
     assert_eq!(r["status"], "target_disconnected", "{r}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_that_passes_ends_timeout_and_cancels_the_worker() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary
+        .delegate_within("d-t", "reviewer", "slow", 3_000)
+        .await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    // The worker never answers.
+    let r = primary.result_for("d-t").await;
+    assert_eq!(r["status"], "timeout", "{r}");
+    let cancel = worker.request("cp/cancel").await;
+    assert_eq!(cancel["delegation_id"], fwd["delegation_id"]);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_lease_lapses_is_closed_and_its_task_ends_target_disconnected() {
+    let w = World::start_with("heartbeat_interval_secs = 1\nlease_expiry_secs = 2").await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-l", "reviewer", "work").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let _fwd = worker.request("cp/delegate").await;
+    // No heartbeat: the endpoint closes the connection 1008 "lease expired".
+    let closed = tokio::time::timeout(STEP, worker.ws.next()).await.unwrap();
+    match closed {
+        Some(Ok(Message::Close(Some(f)))) => {
+            assert_eq!(u16::from(f.code), 1008);
+            assert_eq!(f.reason.as_str(), "lease expired");
+        }
+        other => panic!("expected a 1008 close, got {other:?}"),
+    }
+    let r = primary.result_for("d-l").await;
+    assert_eq!(r["status"], "target_disconnected", "{r}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_that_ends_while_the_primary_is_away_reaches_the_same_instance_on_return() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-r", "reviewer", "work").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    // The primary leaves; the endpoint answers the close once it has
+    // dropped the registration.
+    primary.ws.close(None).await.unwrap();
+    while tokio::time::timeout(STEP, primary.ws.next())
+        .await
+        .unwrap()
+        .is_some_and(|m| m.is_ok())
+    {}
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": "done while you were away" }),
+        )
+        .await;
+    // Another instance of the same identity does not get it.
+    let mut other = Cp::connect(w.pa, PRIMARY_KEY).await.unwrap();
+    let reg = other
+        .register("prod", "koudu", "primary", "i-primary-2", 1)
+        .await;
+    assert!(reg.get("result").is_some(), "{reg}");
+    // The same instance does, once it registers again.
+    let mut back = w.primary().await;
+    let r = back.result_for("d-r").await;
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["result"], "done while you were away");
+    let hb = other
+        .call("cp/heartbeat", json!({ "instance_id": "i-primary-2" }))
+        .await;
+    assert!(other.requests.is_empty(), "{:?}", other.requests);
+    assert_eq!(hb["result"]["ok"], true);
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_over_256_kib_is_cut_to_the_cap_with_the_cps_marker() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-big", "reviewer", "say a lot").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    let big = "x".repeat(256 * 1024 + 1);
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": big }),
+        )
+        .await;
+    let r = primary.result_for("d-big").await;
+    assert_eq!(r["status"], "completed");
+    let text = r["result"].as_str().unwrap();
+    assert!(text.len() <= 256 * 1024, "{} bytes", text.len());
+    assert!(text.starts_with("xxxx"));
+    assert!(
+        text.ends_with("[truncated by control plane: 262145 bytes total]"),
+        "{}",
+        &text[text.len() - 80..]
+    );
     w.stop().await;
 }

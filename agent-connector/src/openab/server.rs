@@ -91,6 +91,8 @@ fn ws_config(shared: &Shared) -> WebSocketConfig {
 async fn connection(shared: Arc<Shared>, tcp: TcpStream, stop: CancellationToken) {
     let register_by = Instant::now() + Duration::from_secs(shared.cfg.register_timeout_secs);
     let mut who: Option<usize> = None;
+    // tungstenite's callback signature fixes the error type.
+    #[allow(clippy::result_large_err)]
     let callback = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
         let presented = req
             .headers()
