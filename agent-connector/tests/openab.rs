@@ -625,12 +625,28 @@ async fn a_result_that_ends_while_the_primary_is_away_reaches_the_same_instance_
                     "status": "completed", "result": "done while you were away" }),
         )
         .await;
-    // Another instance of the same identity does not get it.
+    // Another instance of the same identity does not get it. Its probe
+    // (the CP checks duplicates first) shows when host A saw the end:
+    // DUPLICATE_DELEGATION while d-r is in flight, NO_TARGET after.
     let mut other = Cp::connect(w.pa, PRIMARY_KEY).await.unwrap();
     let reg = other
         .register("prod", "koudu", "primary", "i-primary-2", 1)
         .await;
     assert!(reg.get("result").is_some(), "{reg}");
+    let until = tokio::time::Instant::now() + STEP;
+    loop {
+        let probe = other.delegate("d-r", "unmapped", "probe").await;
+        match error_code(&probe) {
+            -32008 => {}
+            -32004 => break,
+            code => panic!("unexpected probe answer {code}: {probe}"),
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "d-r never ended on host A"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The same instance does, once it registers again.
     let mut back = w.primary().await;
     let r = back.result_for("d-r").await;

@@ -50,6 +50,14 @@ pub(crate) fn delegate(
             .ok_or_else(|| RpcError::new(codes::NOT_REGISTERED, "connection is not registered"))?;
         (c.logical.clone(), c.agent_type, c.instance_id.clone())
     };
+    // The duplicate check comes first, as in the CP.
+    let key: FlightKey = (logical.clone(), p.delegation_id.clone());
+    if shared.flights.lock().contains_key(&key) {
+        return Err(RpcError::new(
+            codes::DUPLICATE_DELEGATION,
+            format!("delegation {} is already in flight", p.delegation_id),
+        ));
+    }
     if agent_type == AgentType::Worker {
         return Err(RpcError::new(
             codes::POLICY_DENIED,
@@ -111,7 +119,6 @@ pub(crate) fn delegate(
             "this connector does not delegate to remote peers",
         ));
     };
-    let key: FlightKey = (logical.clone(), p.delegation_id.clone());
     let admission = shared.next_admission();
     {
         let mut flights = shared.flights.lock();
