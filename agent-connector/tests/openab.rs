@@ -154,8 +154,11 @@ fn start_connector(config: &Path) -> tokio::process::Child {
 
 /// A relay on Redis and the two connector processes with their endpoints.
 struct World {
-    _redis: oab_testkit::redis::RedisServer,
-    _relay: Relay,
+    env: Env,
+    redis: oab_testkit::redis::RedisServer,
+    _relay: Option<Relay>,
+    /// The relay, when the test kills it.
+    killable: Option<Killable>,
     _dir: tempfile::TempDir,
     a: tokio::process::Child,
     b: tokio::process::Child,
@@ -181,10 +184,32 @@ impl World {
                 .unwrap(),
         );
         let relay = Relay::start(&env, store).await;
+        let addr = relay.addr;
+        Self::around(env, redis, addr, Some(relay), None, b_extra).await
+    }
+
+    /// With a relay [`World::kill_relay`] drops at once.
+    async fn start_killable() -> World {
+        let env = Env::new("");
+        let redis =
+            oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
+        let relay = Killable::start(&env, &redis.url(), "127.0.0.1:0");
+        let addr = relay.addr;
+        Self::around(env, redis, addr, None, Some(relay), "").await
+    }
+
+    async fn around(
+        env: Env,
+        redis: oab_testkit::redis::RedisServer,
+        relay: std::net::SocketAddr,
+        in_process: Option<Relay>,
+        killable: Option<Killable>,
+        b_extra: &str,
+    ) -> World {
         let dir = tempfile::tempdir().unwrap();
         let (pa, pb) = (free_port(), free_port());
-        let a = start_connector(&config(&env, dir.path(), relay.addr, "a", pa, ""));
-        let b = start_connector(&config(&env, dir.path(), relay.addr, "b", pb, b_extra));
+        let a = start_connector(&config(&env, dir.path(), relay, "a", pa, ""));
+        let b = start_connector(&config(&env, dir.path(), relay, "b", pb, b_extra));
         for port in [pa, pb] {
             let until = tokio::time::Instant::now() + STEP;
             while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
@@ -196,14 +221,29 @@ impl World {
             }
         }
         World {
-            _redis: redis,
-            _relay: relay,
+            env,
+            redis,
+            _relay: in_process,
+            killable,
             _dir: dir,
             a,
             b,
             pa,
             pb,
         }
+    }
+
+    /// Kills the relay (no drain, no goodbye) and starts a new one on the
+    /// same address and the same Redis.
+    fn kill_and_restart_relay(&mut self) {
+        let old = self.killable.as_mut().expect("a killable relay");
+        let addr = old.addr;
+        old.kill();
+        self.killable = Some(Killable::start(
+            &self.env,
+            &self.redis.url(),
+            &addr.to_string(),
+        ));
     }
 
     async fn primary(&self) -> Cp {
@@ -227,6 +267,60 @@ impl World {
     async fn stop(mut self) {
         let _ = self.a.kill().await;
         let _ = self.b.kill().await;
+    }
+}
+
+/// A relay on Redis in a runtime of its own on `addr`, which
+/// [`Killable::kill`] drops at once: every socket closed and every task gone
+/// with no drain, as when the process is killed.
+struct Killable {
+    addr: std::net::SocketAddr,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Killable {
+    fn start(env: &Env, redis_url: &str, addr: &str) -> Killable {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind(addr).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (config, tls, url) = (
+            Arc::new(env.config.clone()),
+            Some(env.tls.clone()),
+            redis_url.to_string(),
+        );
+        rt.spawn(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let store = RedisStore::connect(&url, Retention::default())
+                .await
+                .unwrap();
+            let _ = oab_relay::run(
+                listener,
+                None,
+                config,
+                Arc::new(store),
+                tls,
+                tokio_util::sync::CancellationToken::new(),
+            )
+            .await;
+        });
+        Killable { addr, rt: Some(rt) }
+    }
+
+    fn kill(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Killable {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 
@@ -686,5 +780,49 @@ async fn a_result_over_256_kib_is_cut_to_the_cap_with_the_cps_marker() {
         "{}",
         &text[text.len() - 80..]
     );
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_mid_task_and_restarted_still_gives_exactly_one_result() {
+    let mut w = World::start_killable().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-k", "reviewer", "survive").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+
+    // The relay dies mid-task; the worker finishes while it is down.
+    w.kill_and_restart_relay();
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": "made it" }),
+        )
+        .await;
+    let r = primary.result_for("d-k").await;
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["result"], "made it");
+
+    // A second delegation makes a full round trip after it; no second
+    // result for d-k arrives before (or with) its result.
+    let ack = primary.delegate("d-k2", "reviewer", "after").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": "second" }),
+        )
+        .await;
+    loop {
+        let p = primary.request("cp/delegate_result").await;
+        assert_ne!(p["delegation_id"], "d-k", "a second result for d-k: {p}");
+        if p["delegation_id"] == "d-k2" {
+            break;
+        }
+    }
     w.stop().await;
 }
