@@ -505,14 +505,13 @@ fn refusal_code(error: &str) -> RpcError {
     RpcError::new(cp, format!("the remote side refused: {error}"))
 }
 
-/// The CP error code for the relay's refusal of the delegation.
+/// The CP error code for the relay's refusal of the delegation: the
+/// retryable ones (caps, rate, store) are SATURATED, the rest (route,
+/// deadline, depth, size) POLICY_DENIED.
 fn relay_refusal(code: &str, message: &str) -> RpcError {
-    let cp = if code.contains("route") || code.contains("peer") || code.contains("target") {
-        codes::NO_TARGET
-    } else if code.contains("cap") || code.contains("saturat") || code.contains("limit") {
-        codes::SATURATED
-    } else {
-        codes::POLICY_DENIED
+    let cp = match code {
+        "too_many_delegations" | "rate_limited" | "store_unavailable" => codes::SATURATED,
+        _ => codes::POLICY_DENIED,
     };
     RpcError::new(cp, format!("the relay refused: {code} ({message})"))
 }
@@ -533,8 +532,18 @@ mod tests {
         for (error, want) in table {
             assert_eq!(refusal_code(error).code, want, "{error}");
         }
-        assert_eq!(relay_refusal("no_route", "x").code, codes::NO_TARGET);
-        assert_eq!(relay_refusal("caller_cap", "x").code, codes::SATURATED);
-        assert_eq!(relay_refusal("forbidden", "x").code, codes::POLICY_DENIED);
+        assert_eq!(
+            relay_refusal("route_denied", "x").code,
+            codes::POLICY_DENIED
+        );
+        assert_eq!(
+            relay_refusal("too_many_delegations", "x").code,
+            codes::SATURATED
+        );
+        assert_eq!(relay_refusal("rate_limited", "x").code, codes::SATURATED);
+        assert_eq!(
+            relay_refusal("depth_exceeded", "x").code,
+            codes::POLICY_DENIED
+        );
     }
 }
