@@ -235,15 +235,11 @@ impl World {
 
     /// Kills the relay (no drain, no goodbye) and starts a new one on the
     /// same address and the same Redis.
-    fn kill_and_restart_relay(&mut self) {
+    async fn kill_and_restart_relay(&mut self) {
         let old = self.killable.as_mut().expect("a killable relay");
         let addr = old.addr;
         old.kill();
-        self.killable = Some(Killable::start(
-            &self.env,
-            &self.redis.url(),
-            &addr.to_string(),
-        ));
+        self.killable = Some(Killable::restart(&self.env, &self.redis.url(), addr).await);
     }
 
     async fn primary(&self) -> Cp {
@@ -280,12 +276,32 @@ struct Killable {
 
 impl Killable {
     fn start(env: &Env, redis_url: &str, addr: &str) -> Killable {
+        let listener = std::net::TcpListener::bind(addr).unwrap();
+        Self::serve(env, redis_url, listener)
+    }
+
+    /// A relay on `addr` once the killed one's runtime has let go of it
+    /// (`shutdown_background` drops its sockets on another thread).
+    async fn restart(env: &Env, redis_url: &str, addr: std::net::SocketAddr) -> Killable {
+        let until = tokio::time::Instant::now() + STEP;
+        loop {
+            match std::net::TcpListener::bind(addr) {
+                Ok(l) => return Self::serve(env, redis_url, l),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                    assert!(tokio::time::Instant::now() < until, "{addr} stays in use");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("binding {addr}: {e}"),
+            }
+        }
+    }
+
+    fn serve(env: &Env, redis_url: &str, listener: std::net::TcpListener) -> Killable {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .unwrap();
-        let listener = std::net::TcpListener::bind(addr).unwrap();
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
         let (config, tls, url) = (
@@ -793,7 +809,7 @@ async fn a_relay_killed_mid_task_and_restarted_still_gives_exactly_one_result() 
     let fwd = worker.request("cp/delegate").await;
 
     // The relay dies mid-task; the worker finishes while it is down.
-    w.kill_and_restart_relay();
+    w.kill_and_restart_relay().await;
     worker
         .call(
             "cp/delegate_result",
