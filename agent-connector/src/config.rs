@@ -52,6 +52,9 @@ pub struct ConnectorConfig {
     /// and the driver towards a local A2A server (callee side).
     #[serde(default)]
     pub a2a: A2aSection,
+    /// The OpenAB control-plane endpoint (`docs/openab.md`).
+    #[serde(default)]
+    pub openab: OpenAbSection,
 }
 
 /// `[a2a]`
@@ -83,6 +86,8 @@ pub struct A2aSection {
     #[serde(default)]
     pub driver_url: Option<String>,
 }
+
+pub use crate::openab::config::{OpenAbRuntime, OpenAbSection, OpenAbServe, OpenAbTarget};
 
 /// `[connector]`
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -246,6 +251,13 @@ impl ConnectorConfig {
             && !url.starts_with("http://")
         {
             errors.push("a2a.driver_url: must be an http:// URL of a local A2A server".into());
+        }
+        errors.extend(self.openab.validate());
+        if self.openab.serves() && self.a2a.driver_url.is_some() {
+            errors.push(
+                "openab.serve: a2a.driver_url is set too; delegations are served by one of them"
+                    .into(),
+            );
         }
         if self.policy.max_concurrent == 0 {
             errors.push("policy.max_concurrent: must be greater than 0".into());

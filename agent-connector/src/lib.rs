@@ -16,6 +16,7 @@
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
 //! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
+//! | [`openab`] | an OpenAB control-plane endpoint on loopback: OAB runtimes delegate through it unmodified |
 //!
 //! Never: trusts the relay with authority or results: signed requests and
 //! results are verified against the peers' keys in the local configuration
@@ -33,6 +34,7 @@ pub mod events;
 pub mod keyfile;
 pub mod link;
 pub mod nonce;
+pub mod openab;
 pub mod profile;
 pub mod state;
 pub mod trust;

@@ -22,6 +22,7 @@ use oab_connector::authority::{CapabilitySet, Grant, Policy};
 use oab_connector::callee::CalleeOptions;
 use oab_connector::config::ConnectorConfig;
 use oab_connector::link::LinkSettings;
+use oab_connector::openab::{OpenAbEndpoint, RuntimeKeys};
 use oab_connector::profile::{Budgets, RiskLevel};
 use oab_connector::trust::RelayTrust;
 use oab_connector::{Connector, ConnectorOptions};
@@ -140,8 +141,22 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         Some(url) => Some(A2aDriver::new(DriverOptions::new(url.clone()))?),
         None => None,
     };
-    let callee = driver.as_ref().map(|d| CalleeOptions {
-        executor: Arc::new(d.clone()),
+    // The OpenAB endpoint: local OAB runtimes register there; with
+    // `[[openab.serve]]` its workers serve incoming delegations.
+    let openab = match config.openab.listen {
+        Some(_) => Some(OpenAbEndpoint::new(
+            config.openab.clone(),
+            RuntimeKeys::load(&config.openab)?,
+        )),
+        None => None,
+    };
+    let executor: Option<Arc<dyn oab_connector::TaskExecutor>> = match (&driver, &openab) {
+        (Some(d), _) => Some(Arc::new(d.clone())),
+        (None, Some(o)) if config.openab.serves() => Some(Arc::new(o.executor())),
+        _ => None,
+    };
+    let callee = executor.map(|executor| CalleeOptions {
+        executor,
         policy: Arc::new(policy.clone()),
         max_concurrent: p.max_concurrent,
         max_concurrent_per_peer: p.max_concurrent_per_peer,
@@ -162,6 +177,18 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         },
     })?;
     let shutdown = tokio_util::sync::CancellationToken::new();
+    if let (Some(endpoint), Some(addr)) = (&openab, config.openab.listen) {
+        endpoint.set_caller(connector.caller().clone());
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding openab.listen {addr}"))?;
+        tracing::info!(%addr, runtimes = config.openab.runtimes.len(), "OpenAB control-plane endpoint listening");
+        tokio::spawn(oab_connector::openab::serve(
+            listener,
+            endpoint.clone(),
+            shutdown.child_token(),
+        ));
+    }
     // Caller side: the A2A facade for local A2A clients.
     if let Some(addr) = config.a2a.facade_listen {
         let base = DelegationDefaults::default();

@@ -1,0 +1,258 @@
+//! Callee side: a delegation from a remote peer, already verified,
+//! authorized and accepted by the callee runtime, is forwarded as
+//! `cp/delegate` to a registered local worker that the calling peer may
+//! reach (`[[openab.serve]]`) and that matches the target named in the
+//! request (`task.context.openab.target`). The worker's
+//! `cp/delegate_result` becomes the signed result. Once forwarded, a
+//! `TASK_STATE_WORKING` status with `{"openab": {"assigned_to", "admission"}}`
+//! tells the caller side that a worker took it.
+//!
+//! Ends that are not the worker's: no matching worker, `rejected`
+//! "no_target: ..."; every matching worker at its `max_delegated_sessions`,
+//! `rejected` "saturated: ..." (never queued); the worker's connection
+//! ending or its lease lapsing mid-task, `failed` with an error starting
+//! [`DISCONNECTED`]; the caller's cancel or the deadline, a best-effort
+//! `cp/cancel` to the worker and `cancelled` (the deadline is reported
+//! `expired` by the runtime).
+//!
+//! Never: forwards to a worker the calling peer may not reach, or waits
+//! for a worker's capacity.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+use super::proto::{self, AgentType, DelegateResultParams, DelegationStatus, TargetSelector};
+use super::{ServingFlight, Shared};
+use crate::callee::{Execution, StopReason, TaskExecutor, TaskRun};
+
+/// The error prefix of a delegation whose worker went away mid-task; the
+/// caller side maps it to `target_disconnected`.
+pub const DISCONNECTED: &str = "target_disconnected";
+
+/// Serves remote delegations with the endpoint's registered workers.
+#[derive(Clone)]
+pub struct OpenAbExecutor {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for OpenAbExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpenAbExecutor")
+    }
+}
+
+/// What the calling side put in `task.context.openab`.
+struct Request {
+    target: TargetSelector,
+    from: String,
+    chain: Vec<String>,
+}
+
+fn read_context(run: &TaskRun) -> Option<Request> {
+    let o = run.request.task.context.get("openab")?;
+    let target: TargetSelector = serde_json::from_value(o.get("target")?.clone()).ok()?;
+    if !target.is_valid() {
+        return None;
+    }
+    let peer = run.request.caller.to_string();
+    let from = o.get("from").and_then(Value::as_str).unwrap_or("unknown");
+    let chain = o
+        .get("chain")
+        .and_then(Value::as_array)
+        .map(|c| {
+            c.iter()
+                .filter_map(Value::as_str)
+                .take(8)
+                .map(|e| format!("{peer}:{e}"))
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(Request {
+        target,
+        from: format!("{peer}:{from}"),
+        chain,
+    })
+}
+
+impl TaskExecutor for OpenAbExecutor {
+    fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>> {
+        let shared = self.shared.clone();
+        Box::pin(async move { serve(shared, run).await })
+    }
+}
+
+/// Picks a worker, forwards, and waits for its result or the cancel.
+async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
+    let Some(req) = read_context(&run) else {
+        return Execution::stopped(StopReason::Rejected(
+            "no_target: the request names no OpenAB target".into(),
+        ));
+    };
+    let caller = &run.request.caller;
+    let allowed: Vec<&String> = shared
+        .cfg
+        .serve
+        .iter()
+        .filter(|s| &s.peer == caller)
+        .flat_map(|s| s.workers.iter())
+        .collect();
+    // Select and reserve a slot under one lock.
+    let picked = {
+        let mut conns = shared.conns.lock();
+        let mut matching = conns
+            .iter_mut()
+            .filter(|(_, c)| {
+                c.agent_type == AgentType::Worker
+                    && allowed.contains(&&c.logical)
+                    && req
+                        .target
+                        .matches(c.logical.rsplit('/').next().unwrap_or(""), &c.labels)
+            })
+            .peekable();
+        if matching.peek().is_none() {
+            None
+        } else {
+            match matching
+                .filter(|(_, c)| c.active < c.max_sessions)
+                .min_by_key(|(_, c)| c.active)
+            {
+                Some((h, c)) => {
+                    c.active += 1;
+                    Some(Ok((*h, c.logical.clone())))
+                }
+                None => Some(Err(())),
+            }
+        }
+    };
+    let (worker, logical) = match picked {
+        None => {
+            return Execution::stopped(StopReason::Rejected(format!(
+                "no_target: no registered worker {caller} may reach matches the target"
+            )));
+        }
+        Some(Err(())) => {
+            return Execution::stopped(StopReason::Rejected(
+                "saturated: every matching worker is at capacity".into(),
+            ));
+        }
+        Some(Ok(w)) => w,
+    };
+    let delegation_id = run.key.to_string();
+    let admission = shared.next_admission();
+    let (tx, rx) = oneshot::channel();
+    shared.serving.lock().insert(
+        delegation_id.clone(),
+        ServingFlight {
+            worker,
+            admission,
+            result: tx,
+        },
+    );
+    // Releases the worker's slot and the entry however this ends.
+    let _slot = Slot {
+        shared: shared.clone(),
+        worker,
+        delegation_id: delegation_id.clone(),
+    };
+    let forward = json!({
+        "delegation_id": delegation_id,
+        "admission": admission,
+        "prompt": run.request.task.text,
+        "deadline": crate::a2a::model::iso_from_ms(run.request.deadline_ms),
+        "from": req.from,
+        "chain": req.chain,
+    });
+    let frame = proto::request(shared.next_id(), proto::methods::DELEGATE, forward);
+    if !shared.send_to(worker, frame) {
+        return Execution::stopped(StopReason::Error(format!(
+            "{DISCONNECTED}: worker {logical} disconnected during routing"
+        )));
+    }
+    info!(worker = %logical, delegation = %delegation_id, admission, "forwarded to a local worker");
+    // The caller side answers its primary's `cp/delegate` on this event.
+    let taken = json!({ "openab": { "assigned_to": logical, "admission": admission } });
+    let _ = run
+        .sink
+        .status("TASK_STATE_WORKING", None, Some(taken))
+        .await;
+    tokio::select! {
+        r = rx => match r {
+            Ok(p) => execution_of(&shared, p),
+            Err(_) => Execution::stopped(StopReason::Error(format!(
+                "{DISCONNECTED}: worker {logical} disconnected"
+            ))),
+        },
+        () = run.cancel.cancelled() => {
+            let cancel = json!({
+                "delegation_id": delegation_id,
+                "admission": admission,
+                "reason": "cancelled by the caller or the deadline",
+            });
+            shared.send_to(worker, proto::request(shared.next_id(), proto::methods::CANCEL, cancel));
+            Execution::stopped(StopReason::Cancelled)
+        }
+    }
+}
+
+/// A worker's slot and serving entry, released on drop.
+struct Slot {
+    shared: Arc<Shared>,
+    worker: u64,
+    delegation_id: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.shared.serving.lock().remove(&self.delegation_id);
+        if let Some(c) = self.shared.conns.lock().get_mut(&self.worker) {
+            c.active = c.active.saturating_sub(1);
+        }
+    }
+}
+
+fn execution_of(shared: &Shared, p: DelegateResultParams) -> Execution {
+    let error = p.error.unwrap_or_else(|| "no reason given".into());
+    match p.status {
+        DelegationStatus::Completed => {
+            let text = proto::cap_result(p.result.unwrap_or_default(), shared.cfg.max_result_bytes);
+            Execution {
+                output: Some(Value::String(text)),
+                ..Execution::stopped(StopReason::EndTurn)
+            }
+        }
+        DelegationStatus::Failed => Execution::stopped(StopReason::Error(error)),
+        DelegationStatus::Cancelled => Execution::stopped(StopReason::Cancelled),
+        DelegationStatus::Timeout => Execution::stopped(StopReason::Deadline),
+        DelegationStatus::TargetDisconnected => {
+            Execution::stopped(StopReason::Error(format!("{DISCONNECTED}: {error}")))
+        }
+    }
+}
+
+/// A worker's `cp/delegate_result`: taken when it names a delegation this
+/// worker serves (and its admission, when given); otherwise dropped, as
+/// the CP drops a late or foreign result.
+pub(crate) fn worker_result(shared: &Shared, handle: u64, p: DelegateResultParams) {
+    let flight = {
+        let mut serving = shared.serving.lock();
+        match serving.get(&p.delegation_id) {
+            Some(f) if f.worker == handle && p.admission.is_none_or(|a| a == f.admission) => {
+                serving.remove(&p.delegation_id)
+            }
+            _ => None,
+        }
+    };
+    match flight {
+        Some(f) => {
+            let _ = f.result.send(p);
+        }
+        None => {
+            warn!(delegation = %p.delegation_id, "result for no delegation this worker serves; dropped")
+        }
+    }
+}

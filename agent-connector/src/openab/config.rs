@@ -1,0 +1,455 @@
+//! The `[openab]` section of `connector.toml`: the loopback address of the
+//! CP-compatible endpoint, the runtimes allowed to register, the map from CP
+//! targets to remote peers, and which remote peers may reach which local
+//! workers.
+//!
+//! ```toml
+//! [openab]
+//! listen = "127.0.0.1:9800"
+//!
+//! [[openab.runtimes]]            # an OAB runtime allowed to register
+//! namespace = "prod"
+//! name = "koudu"
+//! type = "primary"
+//! key_file = "/etc/oab/cp-koudu.key"   # or key_env = "OAB_CP_KEY_KOUDU"
+//!
+//! [[openab.targets]]             # caller side: CP target -> remote peer
+//! name = "reviewer"              # or labels = { role = "review" }
+//! peer = "acme/build-bot"
+//! remote = { name = "reviewer" } # the target on the peer's side
+//! capabilities = ["read:repo"]
+//!
+//! [[openab.serve]]               # callee side: who may reach which worker
+//! peer = "acme/caller"
+//! workers = ["prod/reviewer"]
+//! ```
+//!
+//! Never: holds a bearer key. It names the file or the environment
+//! variable; [`crate::openab::RuntimeKeys::load`] reads them at start.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use oab_wire::PeerId;
+use serde::{Deserialize, Serialize};
+
+use super::proto::{AgentType, TargetSelector};
+
+/// `[openab]`. Every bound is a field here with its default and its
+/// overflow policy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAbSection {
+    /// Loopback address of the CP endpoint (`ws://<listen>/`, any path).
+    /// Unset: no endpoint.
+    #[serde(default)]
+    pub listen: Option<SocketAddr>,
+    /// Heartbeat interval told to runtimes at registration, s (OAB CP: 15).
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_interval_secs: u64,
+    /// A registration without a heartbeat for this long is closed (1008
+    /// "lease expired"); its served delegations end target_disconnected.
+    /// s (OAB CP: 45).
+    #[serde(default = "default_lease")]
+    pub lease_expiry_secs: u64,
+    /// Time from the upgrade to `cp/register`; past it the connection is
+    /// closed (1008 "registration timeout"). s (OAB CP: 10).
+    #[serde(default = "default_register_timeout")]
+    pub register_timeout_secs: u64,
+    /// How long `cp/delegate` waits for the remote side to accept or refuse
+    /// before it answers; a refusal within it is a JSON-RPC error (NO_TARGET,
+    /// SATURATED, POLICY_DENIED), past it the delegation is acknowledged and
+    /// its end comes as `cp/delegate_result`. ms.
+    #[serde(default = "default_admission_wait")]
+    pub admission_wait_ms: u64,
+    /// Longest deadline a `cp/delegate` may carry, s (OAB CP: 1800); longer
+    /// is POLICY_DENIED.
+    #[serde(default = "default_max_deadline")]
+    pub max_deadline_secs: u64,
+    /// Result text cap, bytes (OAB CP: 256 KiB): a longer result is cut
+    /// with a marker inside the cap, as the CP does.
+    #[serde(default = "default_max_result")]
+    pub max_result_bytes: usize,
+    /// `cp/delegate.prompt` cap, bytes (OAB CP: 256 KiB); longer is
+    /// INVALID_PARAMS.
+    #[serde(default = "default_max_prompt")]
+    pub max_prompt_bytes: usize,
+    /// Largest WebSocket message read from a runtime, bytes (OAB CP:
+    /// 1 MiB); a larger one closes that connection.
+    #[serde(default = "default_max_frame")]
+    pub max_frame_bytes: usize,
+    /// Connections at once (registered or not); beyond it new TCP
+    /// connections are closed at accept.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Frames queued towards one runtime; a runtime that lets its queue
+    /// fill is disconnected (as the CP does), never buffered further.
+    #[serde(default = "default_outbound_queue")]
+    pub outbound_queue: usize,
+    /// Delegations started by local primaries and not yet ended, all
+    /// runtimes together; beyond it `cp/delegate` is SATURATED.
+    #[serde(default = "default_max_delegations")]
+    pub max_delegations: usize,
+    /// Results whose primary instance was not connected when they ended are
+    /// kept this long for its reconnection (same instance_id), s; at most
+    /// `max_delegations` of them, the oldest dropped first.
+    #[serde(default = "default_result_retention")]
+    pub result_retention_secs: u64,
+    /// The runtimes allowed to register.
+    #[serde(default)]
+    pub runtimes: Vec<OpenAbRuntime>,
+    /// Caller side: CP targets mapped to remote peers.
+    #[serde(default)]
+    pub targets: Vec<OpenAbTarget>,
+    /// Callee side: which remote peers may reach which local workers.
+    #[serde(default)]
+    pub serve: Vec<OpenAbServe>,
+}
+
+fn default_heartbeat() -> u64 {
+    15
+}
+fn default_lease() -> u64 {
+    45
+}
+fn default_register_timeout() -> u64 {
+    10
+}
+fn default_admission_wait() -> u64 {
+    5_000
+}
+fn default_max_deadline() -> u64 {
+    1_800
+}
+fn default_max_result() -> usize {
+    256 * 1024
+}
+fn default_max_prompt() -> usize {
+    256 * 1024
+}
+fn default_max_frame() -> usize {
+    1024 * 1024
+}
+fn default_max_connections() -> usize {
+    64
+}
+fn default_outbound_queue() -> usize {
+    256
+}
+fn default_max_delegations() -> usize {
+    1024
+}
+fn default_result_retention() -> u64 {
+    600
+}
+
+impl Default for OpenAbSection {
+    fn default() -> Self {
+        OpenAbSection {
+            listen: None,
+            heartbeat_interval_secs: default_heartbeat(),
+            lease_expiry_secs: default_lease(),
+            register_timeout_secs: default_register_timeout(),
+            admission_wait_ms: default_admission_wait(),
+            max_deadline_secs: default_max_deadline(),
+            max_result_bytes: default_max_result(),
+            max_prompt_bytes: default_max_prompt(),
+            max_frame_bytes: default_max_frame(),
+            max_connections: default_max_connections(),
+            outbound_queue: default_outbound_queue(),
+            max_delegations: default_max_delegations(),
+            result_retention_secs: default_result_retention(),
+            runtimes: Vec::new(),
+            targets: Vec::new(),
+            serve: Vec::new(),
+        }
+    }
+}
+
+/// `[[openab.runtimes]]`: one identity a bearer key is bound to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAbRuntime {
+    /// Namespace the runtime must claim.
+    pub namespace: String,
+    /// Name the runtime must claim.
+    pub name: String,
+    /// Role the runtime must claim.
+    #[serde(rename = "type")]
+    pub agent_type: AgentType,
+    /// A file (mode 0600) holding the bearer key.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// An environment variable holding the bearer key.
+    #[serde(default)]
+    pub key_env: Option<String>,
+    /// Clamp on the worker's advertised `max_delegated_sessions`.
+    #[serde(default)]
+    pub max_delegated_sessions_cap: Option<u32>,
+}
+
+impl OpenAbRuntime {
+    /// `namespace/name`.
+    pub fn logical_id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// `[[openab.targets]]`: a CP target a primary may name, and where it goes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAbTarget {
+    /// The target name a primary's selector names.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The labels this target has (a label selector matches when all its
+    /// pairs are here).
+    #[serde(default)]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// The remote peer that serves it.
+    pub peer: PeerId,
+    /// The target on the remote peer's endpoint.
+    pub remote: TargetSelector,
+    /// Capabilities requested for these delegations.
+    #[serde(default)]
+    pub capabilities: Vec<String>,
+    /// Whether the remote side must not change anything.
+    #[serde(default = "yes")]
+    pub read_only: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl OpenAbTarget {
+    /// Whether a primary's selector names this target.
+    pub fn matches(&self, selector: &TargetSelector) -> bool {
+        match (&selector.name, &selector.labels) {
+            (Some(n), None) => self.name.as_ref() == Some(n),
+            (None, Some(want)) => self
+                .labels
+                .as_ref()
+                .is_some_and(|have| want.iter().all(|(k, v)| have.get(k) == Some(v))),
+            _ => false,
+        }
+    }
+}
+
+/// `[[openab.serve]]`: a remote peer and the local workers it may reach.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAbServe {
+    /// The calling peer.
+    pub peer: PeerId,
+    /// Local workers (`namespace/name`) its delegations may be served by.
+    pub workers: Vec<String>,
+}
+
+impl OpenAbSection {
+    /// Whether this host serves remote delegations through the endpoint.
+    pub fn serves(&self) -> bool {
+        self.listen.is_some() && !self.serve.is_empty()
+    }
+
+    /// Every problem, each naming its field.
+    pub fn validate(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        if let Some(addr) = self.listen
+            && !addr.ip().is_loopback()
+        {
+            errors.push(format!(
+                "openab.listen: {addr} is not a loopback address; the endpoint carries bearer keys without TLS"
+            ));
+        }
+        if self.lease_expiry_secs <= self.heartbeat_interval_secs {
+            errors.push(
+                "openab.lease_expiry_secs: must be greater than heartbeat_interval_secs".into(),
+            );
+        }
+        if self.heartbeat_interval_secs == 0 {
+            errors.push("openab.heartbeat_interval_secs: must be greater than 0".into());
+        }
+        for (field, v) in [
+            ("register_timeout_secs", self.register_timeout_secs),
+            ("max_deadline_secs", self.max_deadline_secs),
+        ] {
+            if v == 0 {
+                errors.push(format!("openab.{field}: must be greater than 0"));
+            }
+        }
+        for (field, v) in [
+            ("max_result_bytes", self.max_result_bytes),
+            ("max_prompt_bytes", self.max_prompt_bytes),
+            ("max_frame_bytes", self.max_frame_bytes),
+            ("max_connections", self.max_connections),
+            ("outbound_queue", self.outbound_queue),
+            ("max_delegations", self.max_delegations),
+        ] {
+            if v == 0 {
+                errors.push(format!("openab.{field}: must be greater than 0"));
+            }
+        }
+        if self.max_result_bytes < 128 {
+            errors.push("openab.max_result_bytes: must be at least 128 (the cut marker)".into());
+        }
+        let mut ids = HashSet::new();
+        for (i, r) in self.runtimes.iter().enumerate() {
+            for (field, v) in [("namespace", &r.namespace), ("name", &r.name)] {
+                if v.is_empty() || v.contains('/') || v.chars().any(char::is_whitespace) {
+                    errors.push(format!(
+                        "openab.runtimes[{i}].{field}: must be non-empty, without '/' or spaces"
+                    ));
+                }
+            }
+            if !ids.insert(r.logical_id()) {
+                errors.push(format!(
+                    "openab.runtimes[{i}]: {} is listed twice (replicas share one identity)",
+                    r.logical_id()
+                ));
+            }
+            if r.key_file.is_some() == r.key_env.is_some() {
+                errors.push(format!(
+                    "openab.runtimes[{i}]: set exactly one of key_file and key_env"
+                ));
+            }
+            if r.max_delegated_sessions_cap == Some(0) {
+                errors.push(format!(
+                    "openab.runtimes[{i}].max_delegated_sessions_cap: must be greater than 0"
+                ));
+            }
+        }
+        for (i, t) in self.targets.iter().enumerate() {
+            if t.name.is_some() == t.labels.is_some() {
+                errors.push(format!(
+                    "openab.targets[{i}]: set exactly one of name and labels"
+                ));
+            }
+            if !t.remote.is_valid() {
+                errors.push(format!(
+                    "openab.targets[{i}].remote: set exactly one of name and labels"
+                ));
+            }
+        }
+        for (i, s) in self.serve.iter().enumerate() {
+            if s.workers.is_empty() {
+                errors.push(format!("openab.serve[{i}].workers: list at least one"));
+            }
+            for (j, w) in s.workers.iter().enumerate() {
+                if !ids.contains(w) {
+                    errors.push(format!(
+                        "openab.serve[{i}].workers[{j}]: {w} is not one of openab.runtimes"
+                    ));
+                }
+            }
+        }
+        if self.listen.is_none()
+            && (!self.runtimes.is_empty() || !self.targets.is_empty() || !self.serve.is_empty())
+        {
+            errors.push("openab.listen: required when runtimes, targets or serve are set".into());
+        }
+        errors
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn parse(text: &str) -> OpenAbSection {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_the_cps() {
+        let s = OpenAbSection::default();
+        assert_eq!(
+            (
+                s.heartbeat_interval_secs,
+                s.lease_expiry_secs,
+                s.register_timeout_secs
+            ),
+            (15, 45, 10)
+        );
+        assert_eq!(s.max_result_bytes, 256 * 1024);
+        assert!(s.validate().is_empty());
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let s = parse(
+            r#"
+listen = "0.0.0.0:9800"
+heartbeat_interval_secs = 30
+lease_expiry_secs = 30
+max_delegations = 0
+
+[[runtimes]]
+namespace = "prod"
+name = "koudu"
+type = "primary"
+
+[[targets]]
+peer = "acme/b"
+remote = { name = "w" }
+
+[[serve]]
+peer = "acme/a"
+workers = ["prod/nobody"]
+"#,
+        );
+        let errors = s.validate().join("\n");
+        for field in [
+            "openab.listen",
+            "openab.lease_expiry_secs",
+            "openab.max_delegations",
+            "openab.runtimes[0]: set exactly one of key_file and key_env",
+            "openab.targets[0]: set exactly one of name and labels",
+            "openab.serve[0].workers[0]",
+        ] {
+            assert!(errors.contains(field), "{field} missing from:\n{errors}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        assert!(toml::from_str::<OpenAbSection>("listn = \"127.0.0.1:1\"").is_err());
+        assert!(
+            toml::from_str::<OpenAbSection>(
+                "[[runtimes]]\nnamespace=\"a\"\nname=\"b\"\ntype=\"primary\"\nkey=\"inline\""
+            )
+            .is_err(),
+            "a key cannot be written inline"
+        );
+    }
+
+    #[test]
+    fn targets_match_by_name_or_labels() {
+        let t = parse(
+            r#"
+[[targets]]
+labels = { role = "review", tier = "1" }
+peer = "acme/b"
+remote = { name = "w" }
+"#,
+        );
+        let t = &t.targets[0];
+        let sel = |pairs: &[(&str, &str)]| TargetSelector {
+            name: None,
+            labels: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+        };
+        assert!(t.matches(&sel(&[("role", "review")])));
+        assert!(!t.matches(&sel(&[("role", "build")])));
+        assert!(!t.matches(&TargetSelector {
+            name: Some("w".into()),
+            labels: None
+        }));
+    }
+}

@@ -1,0 +1,405 @@
+//! The endpoint's accept loop and one task per connection.
+//!
+//! A connection is: a connection permit (`max_connections`, taken before
+//! `accept`), the WebSocket upgrade with `Authorization: Bearer <key>`
+//! checked (a missing or unknown key is answered 401 and never upgraded),
+//! `cp/register` within `register_timeout_secs` of the accept (else close
+//! 1008 "registration timeout"), then frames until the runtime leaves, its
+//! lease lapses (close 1008 "lease expired") or the endpoint stops. Its
+//! frames go out through one writer task over a bounded queue
+//! (`outbound_queue`); every write is raced against [`WRITE_TIMEOUT`].
+//!
+//! Never: awaits a write in the reading task, or reads a frame larger than
+//! `max_frame_bytes` (tungstenite refuses it before buffering it whole).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt as _, StreamExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument as _, debug, info, warn};
+
+use super::proto::{self, Incoming, RegisterParams, RpcError, codes, methods};
+use super::{Conn, OpenAbEndpoint, Outbound, Shared};
+
+/// Longest a single write to a runtime may take; a runtime that does not
+/// read for this long is disconnected.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the endpoint waits for its connections to end at shutdown.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// WebSocket close code "policy violation", with the CP's reasons.
+const POLICY: u16 = 1008;
+
+/// Serves the endpoint on `listener` until `shutdown`.
+pub async fn serve(listener: TcpListener, endpoint: OpenAbEndpoint, shutdown: CancellationToken) {
+    let shared = endpoint.shared;
+    let permits = Arc::new(Semaphore::new(shared.cfg.max_connections));
+    let tracker = TaskTracker::new();
+    loop {
+        let permit = tokio::select! {
+            () = shutdown.cancelled() => break,
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (tcp, addr) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    warn!(error = %e, "openab endpoint: accept failed");
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let span = tracing::info_span!("openab_conn", %addr, runtime = tracing::field::Empty);
+        let (shared, stop) = (shared.clone(), shutdown.child_token());
+        tracker.spawn(
+            async move {
+                connection(shared, tcp, stop).await;
+                drop(permit);
+            }
+            .instrument(span),
+        );
+    }
+    tracker.close();
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait()).await;
+}
+
+fn ws_config(shared: &Shared) -> WebSocketConfig {
+    let max = shared.cfg.max_frame_bytes;
+    WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
+        .write_buffer_size(0)
+        .max_write_buffer_size(2 * max.max(shared.cfg.max_result_bytes) + 64 * 1024)
+}
+
+async fn connection(shared: Arc<Shared>, tcp: TcpStream, stop: CancellationToken) {
+    let register_by = Instant::now() + Duration::from_secs(shared.cfg.register_timeout_secs);
+    let mut who: Option<usize> = None;
+    // tungstenite's callback signature fixes the error type.
+    #[allow(clippy::result_large_err)]
+    let callback = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+        let presented = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match presented.and_then(|k| shared.keys.identify(k)) {
+            Some(index) => {
+                who = Some(index);
+                Ok(resp)
+            }
+            None => {
+                let mut err = ErrorResponse::new(Some("missing or unknown bearer key\n".into()));
+                *err.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::UNAUTHORIZED;
+                Err(err)
+            }
+        }
+    };
+    let accepted = tokio::time::timeout_at(
+        register_by,
+        tokio_tungstenite::accept_hdr_async_with_config(tcp, callback, Some(ws_config(&shared))),
+    )
+    .await;
+    let ws = match accepted {
+        Ok(Ok(ws)) => ws,
+        Ok(Err(e)) => {
+            debug!(error = %e, "openab upgrade refused");
+            return;
+        }
+        Err(_) => return,
+    };
+    let Some(index) = who else { return };
+    let Some(runtime) = shared.cfg.runtimes.get(index) else {
+        return;
+    };
+    let logical = runtime.logical_id();
+    tracing::Span::current().record("runtime", logical.as_str());
+    let (sink, mut stream) = ws.split();
+    let (tx, rx) = mpsc::channel(shared.cfg.outbound_queue);
+    let close = stop.child_token();
+    let writer = tokio::spawn(write_loop(sink, rx, close.clone()).in_current_span());
+
+    // cp/register: the first text frame, before the deadline.
+    let first = tokio::select! {
+        () = close.cancelled() => None,
+        r = tokio::time::timeout_at(register_by, first_text(&mut stream)) => match r {
+            Ok(t) => t,
+            Err(_) => {
+                warn!(runtime = %logical, "no cp/register within the registration deadline");
+                let _ = tx.try_send(Outbound::Close(POLICY, "registration timeout"));
+                None
+            }
+        },
+    };
+    let Some(first) = first else {
+        drop(tx);
+        let _ = writer.await;
+        return;
+    };
+    let handle = match register(&shared, index, &first, &tx, &close) {
+        Ok(h) => h,
+        Err((id, e)) => {
+            warn!(runtime = %logical, code = e.code, reason = %e.message, "registration refused");
+            let _ = tx.try_send(Outbound::Text(proto::error_response(id, &e)));
+            let _ = tx.try_send(Outbound::Close(POLICY, "registration refused"));
+            drop(tx);
+            let _ = writer.await;
+            return;
+        }
+    };
+    drop(tx);
+    let lease = Duration::from_secs(shared.cfg.lease_expiry_secs);
+    let mut lease_until = Instant::now() + lease;
+    loop {
+        tokio::select! {
+            () = close.cancelled() => break,
+            () = tokio::time::sleep_until(lease_until) => {
+                warn!(runtime = %logical, handle, "lease expired");
+                if let Some(c) = shared.conns.lock().get(&handle) {
+                    let _ = c.tx.try_send(Outbound::Close(POLICY, "lease expired"));
+                }
+                break;
+            }
+            msg = stream.next() => match msg {
+                Some(Ok(Message::Text(text))) => {
+                    if handle_frame(&shared, handle, text.as_str()) {
+                        lease_until = Instant::now() + lease;
+                    }
+                }
+                Some(Ok(Message::Binary(_))) => {
+                    let e = RpcError::new(codes::INVALID_REQUEST, "binary frames are not JSON-RPC");
+                    shared.send_to(handle, proto::error_response(0, &e));
+                }
+                Some(Ok(Message::Close(_))) | None => break,
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    debug!(error = %e, "openab connection read failed");
+                    break;
+                }
+            },
+        }
+    }
+    shared.deregister(handle);
+    info!(runtime = %logical, handle, "runtime disconnected");
+    let _ = writer.await;
+}
+
+/// The first text frame (pings and pongs skipped); `None` at the end.
+async fn first_text(
+    stream: &mut futures_util::stream::SplitStream<WebSocketStream<TcpStream>>,
+) -> Option<String> {
+    loop {
+        match stream.next().await {
+            Some(Ok(Message::Text(t))) => return Some(t.as_str().to_string()),
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+            _ => return None,
+        }
+    }
+}
+
+async fn write_loop(
+    mut sink: futures_util::stream::SplitSink<WebSocketStream<TcpStream>, Message>,
+    mut rx: mpsc::Receiver<Outbound>,
+    close: CancellationToken,
+) {
+    loop {
+        let next = tokio::select! {
+            () = close.cancelled() => break,
+            m = rx.recv() => m,
+        };
+        let (msg, last) = match next {
+            None => break,
+            Some(Outbound::Text(t)) => (Message::text(t), false),
+            Some(Outbound::Close(code, reason)) => (
+                Message::Close(Some(CloseFrame {
+                    code: code.into(),
+                    reason: reason.into(),
+                })),
+                true,
+            ),
+        };
+        let sent = tokio::select! {
+            () = close.cancelled() => break,
+            r = tokio::time::timeout(WRITE_TIMEOUT, sink.send(msg)) => matches!(r, Ok(Ok(()))),
+        };
+        if !sent {
+            close.cancel();
+            break;
+        }
+        if last {
+            break;
+        }
+    }
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, sink.close()).await;
+    // The reader ends too (it watches the same token).
+    close.cancel();
+}
+
+/// Checks `cp/register` against the identity the key is bound to and
+/// registers the connection; returns its handle, or the error to answer.
+fn register(
+    shared: &Arc<Shared>,
+    index: usize,
+    text: &str,
+    tx: &mpsc::Sender<Outbound>,
+    close: &CancellationToken,
+) -> Result<u64, (u64, RpcError)> {
+    let msg = Incoming::parse(text).map_err(|e| (0, e))?;
+    let id = msg.request_id().map_err(|e| (msg.id.unwrap_or(0), e))?;
+    if msg.method.as_deref() != Some(methods::REGISTER) {
+        return Err((
+            id,
+            RpcError::new(codes::NOT_REGISTERED, "first frame must be cp/register"),
+        ));
+    }
+    let p: RegisterParams = msg.params().map_err(|e| (id, e))?;
+    if p.protocol_version != proto::PROTOCOL_VERSION {
+        return Err((
+            id,
+            RpcError::new(
+                codes::UNSUPPORTED_VERSION,
+                format!(
+                    "protocol version {} unsupported (this endpoint speaks {})",
+                    p.protocol_version,
+                    proto::PROTOCOL_VERSION
+                ),
+            ),
+        ));
+    }
+    let Some(rt) = shared.cfg.runtimes.get(index) else {
+        return Err((id, RpcError::new(codes::IDENTITY_MISMATCH, "unknown key")));
+    };
+    if p.namespace != rt.namespace || p.name != rt.name || p.agent_type != rt.agent_type {
+        return Err((
+            id,
+            RpcError::new(
+                codes::IDENTITY_MISMATCH,
+                format!(
+                    "registration claims {}/{} ({}) do not match the identity bound to this key",
+                    p.namespace, p.name, p.agent_type
+                ),
+            ),
+        ));
+    }
+    let instance_id = p.instance_id.trim();
+    if instance_id.is_empty() || instance_id.len() > 256 {
+        return Err((
+            id,
+            RpcError::new(codes::INVALID_PARAMS, "instance_id must be 1 to 256 bytes"),
+        ));
+    }
+    let max_sessions = match rt.max_delegated_sessions_cap {
+        Some(cap) => p.max_delegated_sessions.min(cap),
+        None => p.max_delegated_sessions,
+    };
+    let handle = shared.next_id();
+    let logical = rt.logical_id();
+    let ack = serde_json::json!({
+        "protocol_version": proto::PROTOCOL_VERSION,
+        "heartbeat_interval_secs": shared.cfg.heartbeat_interval_secs,
+        "lease_expiry_secs": shared.cfg.lease_expiry_secs,
+        "effective_max_delegated_sessions": max_sessions,
+    });
+    // The ack is queued before the connection is visible, so it precedes
+    // every frame sent to it.
+    let _ = tx.try_send(Outbound::Text(proto::response(id, ack)));
+    shared.conns.lock().insert(
+        handle,
+        Conn {
+            logical: logical.clone(),
+            agent_type: p.agent_type,
+            instance_id: instance_id.to_string(),
+            labels: p.labels,
+            max_sessions,
+            active: 0,
+            tx: tx.clone(),
+            close: close.clone(),
+        },
+    );
+    info!(runtime = %logical, instance = %instance_id, handle, r#type = %p.agent_type, "runtime registered");
+    shared.redeliver(handle, &logical, instance_id);
+    Ok(handle)
+}
+
+/// Handles one frame after registration; returns whether it renewed the
+/// lease (a heartbeat).
+fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> bool {
+    let msg = match Incoming::parse(text) {
+        Ok(m) => m,
+        Err(e) => {
+            shared.send_to(handle, proto::error_response(0, &e));
+            return false;
+        }
+    };
+    // Responses to the endpoint's own requests carry nothing it needs.
+    let Some(method) = msg.method.clone() else {
+        return false;
+    };
+    let id = match msg.request_id() {
+        Ok(id) => id,
+        Err(e) => {
+            shared.send_to(handle, proto::error_response(msg.id.unwrap_or(0), &e));
+            return false;
+        }
+    };
+    let reply = |r: Result<serde_json::Value, RpcError>| {
+        let frame = match r {
+            Ok(v) => proto::response(id, v),
+            Err(e) => proto::error_response(id, &e),
+        };
+        shared.send_to(handle, frame);
+    };
+    match method.as_str() {
+        methods::HEARTBEAT => match msg.params::<proto::HeartbeatParams>() {
+            Ok(_) => {
+                reply(Ok(serde_json::json!({ "ok": true })));
+                return true;
+            }
+            Err(e) => reply(Err(e)),
+        },
+        methods::DELEGATE => match msg.params::<proto::DelegateParams>() {
+            Ok(p) => {
+                if let Err(e) = super::caller_side::delegate(shared, handle, id, p) {
+                    reply(Err(e));
+                }
+            }
+            Err(e) => reply(Err(e)),
+        },
+        methods::CANCEL => match msg.params::<proto::CancelParams>() {
+            Ok(p) => reply(super::caller_side::cancel(shared, handle, &p)),
+            Err(e) => reply(Err(e)),
+        },
+        methods::DELEGATE_RESULT => match msg.params::<proto::DelegateResultParams>() {
+            Ok(p) => {
+                super::callee_side::worker_result(shared, handle, p);
+                reply(Ok(serde_json::json!({ "ok": true })));
+            }
+            Err(e) => reply(Err(e)),
+        },
+        methods::REGISTER => reply(Err(RpcError::new(
+            codes::INVALID_REQUEST,
+            "this connection is already registered",
+        ))),
+        other => reply(Err(RpcError::new(
+            codes::METHOD_NOT_FOUND,
+            format!("unknown method {other}"),
+        ))),
+    }
+    false
+}
