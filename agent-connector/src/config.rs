@@ -82,6 +82,11 @@ pub struct A2aSection {
     /// (`http://127.0.0.1:9999`). Unset: incoming delegations are refused.
     #[serde(default)]
     pub driver_url: Option<String>,
+    /// How long a delegation whose local task waits for input
+    /// (`input-required`) waits for the caller's follow-up before it ends
+    /// `failed` and frees its concurrency slot, ms. Unset: two minutes.
+    #[serde(default)]
+    pub input_timeout_ms: Option<u64>,
 }
 
 /// `[connector]`
@@ -246,6 +251,9 @@ impl ConnectorConfig {
             && !url.starts_with("http://")
         {
             errors.push("a2a.driver_url: must be an http:// URL of a local A2A server".into());
+        }
+        if self.a2a.input_timeout_ms == Some(0) {
+            errors.push("a2a.input_timeout_ms: must be greater than 0".into());
         }
         if self.policy.max_concurrent == 0 {
             errors.push("policy.max_concurrent: must be greater than 0".into());
