@@ -426,9 +426,7 @@ impl CalleeRuntime {
                         continue;
                     };
                     if let Err(mpsc::error::TrySendError::Full(_)) = r.messages.try_send(message)
-                        && !r
-                            .overflowed
-                            .swap(true, std::sync::atomic::Ordering::SeqCst)
+                        && !r.overflowed.swap(true, std::sync::atomic::Ordering::SeqCst)
                     {
                         warn!(%key, limit = MAX_PENDING_MESSAGES, "follow-up messages overflow; stopping the delegation");
                         r.cancel.cancel();

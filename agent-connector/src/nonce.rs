@@ -377,10 +377,14 @@ mod tests {
             Ok(NonceCheck::Redelivery)
         );
         // The same signed request under a NEW request id hits the cache.
-        let err = cache.check(&key("r2"), &req, &d1, NOW + 2, u64::MAX).unwrap_err();
+        let err = cache
+            .check(&key("r2"), &req, &d1, NOW + 2, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "nonce_reused");
         // Same key, other bytes.
-        let err = cache.check(&key("r1"), &req, &d2, NOW + 3, u64::MAX).unwrap_err();
+        let err = cache
+            .check(&key("r1"), &req, &d2, NOW + 3, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "idempotency_mismatch");
         assert_eq!(cache.len(), 1);
     }
@@ -428,12 +432,16 @@ mod tests {
         );
         assert_eq!(cache.len(), 2);
         // ...and replaying `a` now fails as stale, not as fresh.
-        let err = cache.check(&key("a"), &a, &d, NOW + 100, u64::MAX).unwrap_err();
+        let err = cache
+            .check(&key("a"), &a, &d, NOW + 100, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "stale_request");
         // Zero capacity refuses everything.
         let mut none = NonceCache::new(0, 60_000, 1_000);
         assert_eq!(
-            none.check(&key("a"), &b, &d, NOW, u64::MAX).unwrap_err().code(),
+            none.check(&key("a"), &b, &d, NOW, u64::MAX)
+                .unwrap_err()
+                .code(),
             "saturated"
         );
         assert!(NonceCache::default().is_empty());
@@ -456,12 +464,24 @@ mod tests {
             );
         }
         let err = cache
-            .check(&key_of("acme/a", "a3"), &sample_request(NOW), &d, NOW, u64::MAX)
+            .check(
+                &key_of("acme/a", "a3"),
+                &sample_request(NOW),
+                &d,
+                NOW,
+                u64::MAX,
+            )
             .unwrap_err();
         assert_eq!(err.code(), "saturated");
         for r in ["b1", "b2"] {
             assert_eq!(
-                cache.check(&key_of("acme/b", r), &sample_request(NOW), &d, NOW, u64::MAX),
+                cache.check(
+                    &key_of("acme/b", r),
+                    &sample_request(NOW),
+                    &d,
+                    NOW,
+                    u64::MAX
+                ),
                 Ok(NonceCheck::Fresh),
                 "caller b's request {r}"
             );
