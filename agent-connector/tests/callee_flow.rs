@@ -379,3 +379,48 @@ async fn a_task_left_waiting_for_input_frees_its_slot() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// A request the callee refuses (`saturated`: the caller's one slot is
+/// taken) takes no replay-cache entry: the cache holds only the admitted
+/// request, so refused attempts cannot fill a caller's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_take_no_replay_cache_entry() {
+    let env = Env::new("");
+    let (_redis, relay) = redis_relay(&env).await;
+    let exec = Arc::new(FlowExec {
+        events: 0,
+        gate: Arc::new(Notify::new()),
+    });
+    let b = callee_connector(&env, relay.addr, exec, 1);
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+
+    let held = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("hold"))
+        .await
+        .unwrap();
+    eventually("the held delegation runs", Duration::from_secs(30), || async {
+        a.caller().get(&held).await.unwrap().received >= 2
+    })
+    .await;
+    for _ in 0..20 {
+        let h = a
+            .caller()
+            .delegate(&peer(CALLEE), spec("quick"))
+            .await
+            .unwrap();
+        let t = a.caller().wait(&h, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(t.outcome, Outcome::Rejected);
+        let error = result_error(&a, &h, &t);
+        assert!(error.starts_with("saturated"), "{error}");
+    }
+    assert_eq!(b.callee_footprint().nonces, 1, "only the admitted request");
+    a.caller().cancel(&held, "done").await.unwrap();
+    let t = a.caller().wait(&held, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(t.outcome, Outcome::Cancelled);
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
