@@ -137,3 +137,39 @@ impl Link {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use bytes::Bytes;
+
+    fn event(seq: u64) -> Result<UpEvent, EventError> {
+        Ok(UpEvent {
+            seq,
+            terminal: None,
+            relay_origin: false,
+            payload: Bytes::from_static(b"{}"),
+        })
+    }
+
+    #[test]
+    fn a_subscriber_that_falls_behind_receives_the_lagged_notice() {
+        let mut d = Delegation::new(true, PeerId::new("acme/b").unwrap());
+        let (tx, mut rx) = mpsc::channel(3);
+        d.subscribers.push((tx, 0));
+        for seq in 1..=5 {
+            d.notify_subscribers(&event(seq));
+        }
+        assert!(d.subscribers.is_empty(), "the subscriber was dropped");
+        assert_eq!(rx.try_recv().unwrap(), event(1));
+        assert_eq!(rx.try_recv().unwrap(), event(2));
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            Err(EventError::Lagged { last: 2 }),
+            "the notice is delivered"
+        );
+        assert!(rx.try_recv().is_err());
+    }
+}
