@@ -401,9 +401,11 @@ async fn refused_requests_take_no_replay_cache_entry() {
         .delegate(&peer(CALLEE), spec("hold"))
         .await
         .unwrap();
-    eventually("the held delegation runs", Duration::from_secs(30), || async {
-        a.caller().get(&held).await.unwrap().received >= 2
-    })
+    eventually(
+        "the held delegation runs",
+        Duration::from_secs(30),
+        || async { a.caller().get(&held).await.unwrap().received >= 2 },
+    )
     .await;
     for _ in 0..20 {
         let h = a
@@ -418,7 +420,11 @@ async fn refused_requests_take_no_replay_cache_entry() {
     }
     assert_eq!(b.callee_footprint().nonces, 1, "only the admitted request");
     a.caller().cancel(&held, "done").await.unwrap();
-    let t = a.caller().wait(&held, Duration::from_secs(30)).await.unwrap();
+    let t = a
+        .caller()
+        .wait(&held, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(t.outcome, Outcome::Cancelled);
     a.shutdown().await;
     b.shutdown().await;

@@ -54,7 +54,7 @@ impl Link {
                 }
                 entry.cursor = 1;
                 entry.resuming = false;
-                self.to_callee(&key, 1, Incoming::Open(o));
+                self.hand_to_callee(&key, 1, Incoming::Open(o));
             }
             Frame::Cancel(c) => {
                 let Some(d) = self.delegations.get_mut(&c.key) else {
@@ -65,7 +65,7 @@ impl Link {
                 }
                 let relay_origin = c.flags & oab_wire::frame::FLAG_RELAY_ORIGIN != 0;
                 let (key, seq) = (c.key.clone(), c.seq);
-                self.to_callee(
+                self.hand_to_callee(
                     &key,
                     seq,
                     Incoming::Cancel {
@@ -142,7 +142,7 @@ impl Link {
     /// runtime without waiting. Full: the frame is not taken (the cursor
     /// goes back before it) and the log is resumed from the cursor after the
     /// retry pause; closed (no runtime): dropped.
-    fn to_callee(&mut self, key: &oab_wire::DelegationKey, seq: u64, item: Incoming) {
+    fn hand_to_callee(&mut self, key: &oab_wire::DelegationKey, seq: u64, item: Incoming) {
         match self.incoming.try_send(item) {
             Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -208,7 +208,7 @@ impl Link {
             }
         } else {
             let (key, seq) = (f.key.clone(), f.seq);
-            self.to_callee(
+            self.hand_to_callee(
                 &key,
                 seq,
                 Incoming::Message {
