@@ -339,6 +339,8 @@ pub(crate) struct CalleeRuntime {
     /// accepted; each configured caller has its own share.
     nonces: Mutex<NonceCache>,
     global: Arc<Semaphore>,
+    /// One semaphore per caller that passed verification: bounded by the
+    /// configured peers, never pruned (a few dozen bytes each).
     per_peer: Mutex<HashMap<PeerId, Arc<Semaphore>>>,
 }
 

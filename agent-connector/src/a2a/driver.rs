@@ -42,6 +42,12 @@ use super::{PROTOCOL_BINDING, PROTOCOL_VERSION};
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
 
+/// Idle connections to the local server kept for reuse; more are closed
+/// when they fall idle. About the callee's usual concurrency.
+const MAX_IDLE_CONNECTIONS: usize = 16;
+/// An idle connection to the local server is closed after this.
+const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Where the local A2A server is and how to talk to it.
 #[derive(Debug, Clone)]
 pub struct DriverOptions {
@@ -139,6 +145,8 @@ impl A2aDriver {
         }
         let http = reqwest::Client::builder()
             .connect_timeout(options.connect_timeout)
+            .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
+            .pool_idle_timeout(IDLE_CONNECTION_TIMEOUT)
             .build()
             .map_err(|e| DriverError::Http(e.to_string()))?;
         Ok(A2aDriver {
