@@ -8,13 +8,15 @@
 //! 2. **validate**: version, depth, no credential fields, deadline ahead;
 //! 3. **intersect authority**: callee policy ∩ route ceiling ∩ requested,
 //!    refusing (never narrowing) anything wider;
-//! 4. **reserve**: the request nonce is fresh (a replay, even under a new
-//!    request id, is refused), and a concurrency slot is free (else
-//!    `saturated`, never an unbounded queue);
+//! 4. **reserve**: a concurrency slot is free (else `saturated`, never an
+//!    unbounded queue), then the request nonce is fresh (a replay, even
+//!    under a new request id, is refused); only an admitted request takes a
+//!    replay-cache entry, from its caller's share;
 //! 5. **audit** the acceptance, then append `accepted` to the up log and wait
 //!    until the relay acknowledged it (from then on a restart of this
 //!    process ends the delegation `unknown` instead of running it twice);
-//! 6. **execute** with an event sink, the caller's follow-up messages, a
+//! 6. **execute** with an event sink, the caller's follow-up messages (at
+//!    most [`MAX_PENDING_MESSAGES`] unread; one more fails the delegation), a
 //!    cancel token and the deadline;
 //! 7. sign the result and append it as the terminal.
 //!
@@ -222,6 +224,9 @@ pub struct TaskRun {
 }
 
 /// Runs delegated tasks: OAB's prompt runner, or the A2A driver.
+///
+/// An executor keeps nothing per delegation after `execute` returns (or
+/// after `discard`).
 pub trait TaskExecutor: Send + Sync + 'static {
     /// Runs one task to its end. Must return soon after `run.cancel` fires.
     fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>>;
@@ -265,9 +270,33 @@ impl std::fmt::Debug for CalleeOptions {
     }
 }
 
+/// Follow-up messages kept per delegation until its executor reads them
+/// (the `TaskRun::messages` channel). Overflow policy: a follow-up that
+/// finds the queue full fails that delegation (its run is cancelled and it
+/// ends `failed`, "limit exceeded: follow-up messages ..."); the runtime
+/// never waits for an executor, so the link and every other delegation go
+/// on. Memory: at most this many times the relay's `limits.max_payload` per
+/// delegation.
+pub const MAX_PENDING_MESSAGES: usize = 64;
+
 struct Running {
     cancel: CancellationToken,
     messages: mpsc::Sender<Value>,
+    /// Set when a follow-up found `messages` full (the run is cancelled).
+    overflowed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// What the callee runtime holds right now (for operators and tests): every
+/// count returns to its idle size once delegations finished and their
+/// requests aged out of the replay window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CalleeFootprint {
+    /// Delegations registered (from their `Open` until their serving task
+    /// ends).
+    pub running: usize,
+    /// Live replay-cache entries (until the request can no longer be
+    /// accepted).
+    pub nonces: usize,
 }
 
 /// What a delegation's serving task receives when its `Open` is
@@ -277,6 +306,7 @@ struct Running {
 struct Registered {
     cancel: CancellationToken,
     messages: mpsc::Receiver<Value>,
+    overflowed: Arc<std::sync::atomic::AtomicBool>,
     _entry: RunningEntry,
 }
 
@@ -304,9 +334,23 @@ pub(crate) struct CalleeRuntime {
     /// task ends (pruned by [`RunningEntry`]); at most one entry per
     /// concurrent `Open`, refused or not.
     running: Mutex<HashMap<DelegationKey, Running>>,
+    /// Replay cache: filled only for admitted requests (after the
+    /// concurrency permits), pruned when a request can no longer be
+    /// accepted; each configured caller has its own share.
     nonces: Mutex<NonceCache>,
     global: Arc<Semaphore>,
+    /// One semaphore per caller that passed verification: bounded by the
+    /// configured peers, never pruned (a few dozen bytes each).
     per_peer: Mutex<HashMap<PeerId, Arc<Semaphore>>>,
+}
+
+impl std::fmt::Debug for CalleeRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CalleeRuntime")
+            .field("peer", &self.identity.peer)
+            .field("footprint", &self.footprint())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A refusal before acceptance: the code goes into the signed result.
@@ -324,6 +368,15 @@ impl CalleeRuntime {
         audit: Arc<dyn AuditSink>,
     ) -> Arc<Self> {
         let global = options.as_ref().map_or(1, |o| o.max_concurrent.max(1));
+        // A share per configured caller, and room for all of them: one
+        // caller filling its share never refuses another.
+        let per_caller = NonceCache::DEFAULT_PER_CALLER;
+        let nonces = NonceCache::new(
+            per_caller.saturating_mul(trust.len().max(1)),
+            NonceCache::DEFAULT_MAX_AGE_MS,
+            NonceCache::DEFAULT_MAX_SKEW_MS,
+        )
+        .with_per_caller(per_caller);
         Arc::new(CalleeRuntime {
             link,
             identity,
@@ -331,7 +384,7 @@ impl CalleeRuntime {
             options,
             audit,
             running: Mutex::new(HashMap::new()),
-            nonces: Mutex::new(NonceCache::default()),
+            nonces: Mutex::new(nonces),
             global: Arc::new(Semaphore::new(global)),
             per_peer: Mutex::new(HashMap::new()),
         })
@@ -365,11 +418,20 @@ impl CalleeRuntime {
                     }
                 }
                 Incoming::Message { key, payload, .. } => {
-                    let tx = self.running.lock().get(&key).map(|r| r.messages.clone());
-                    if let (Some(tx), Ok(DownPayload::Message { message })) =
-                        (tx, serde_json::from_slice(&payload))
+                    let Ok(DownPayload::Message { message }) = serde_json::from_slice(&payload)
+                    else {
+                        continue;
+                    };
+                    // Never waits: a full queue fails this one delegation.
+                    let running = self.running.lock();
+                    let Some(r) = running.get(&key) else {
+                        continue;
+                    };
+                    if let Err(mpsc::error::TrySendError::Full(_)) = r.messages.try_send(message)
+                        && !r.overflowed.swap(true, std::sync::atomic::Ordering::SeqCst)
                     {
-                        let _ = tx.send(message).await;
+                        warn!(%key, limit = MAX_PENDING_MESSAGES, "follow-up messages overflow; stopping the delegation");
+                        r.cancel.cancel();
                     }
                 }
                 Incoming::Ended { key, terminal } => {
@@ -393,24 +455,41 @@ impl CalleeRuntime {
             return None;
         }
         let cancel = CancellationToken::new();
-        // Bounded: the run loop waits (back-pressure) when an executor does
-        // not read its caller's messages; emptied by the executor.
-        let (tx, rx) = mpsc::channel(64);
+        // Bounded (MAX_PENDING_MESSAGES, overflow fails the delegation);
+        // emptied by the executor.
+        let (tx, rx) = mpsc::channel(MAX_PENDING_MESSAGES);
+        let overflowed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         running.insert(
             key.clone(),
             Running {
                 cancel: cancel.clone(),
                 messages: tx,
+                overflowed: overflowed.clone(),
             },
         );
         Some(Registered {
             cancel,
             messages: rx,
+            overflowed,
             _entry: RunningEntry {
                 rt: self.clone(),
                 key: key.clone(),
             },
         })
+    }
+
+    /// What the runtime holds now (expired replay-cache entries are
+    /// purged first).
+    pub(crate) fn footprint(&self) -> CalleeFootprint {
+        let nonces = {
+            let mut n = self.nonces.lock();
+            n.purge(now_ms());
+            n.len()
+        };
+        CalleeFootprint {
+            running: self.running.lock().len(),
+            nonces,
+        }
     }
 
     fn audit(&self, key: &DelegationKey, event: AuditEvent) -> AuditRecord {
@@ -491,6 +570,7 @@ impl CalleeRuntime {
         let Registered {
             cancel,
             messages: msg_rx,
+            overflowed,
             _entry,
         } = registered;
         let run = TaskRun {
@@ -531,7 +611,11 @@ impl CalleeRuntime {
         };
         drop(permits);
         self.running.lock().remove(&key);
-        let stop = if deadline_hit {
+        let stop = if overflowed.load(std::sync::atomic::Ordering::SeqCst) {
+            StopReason::LimitExceeded(format!(
+                "follow_up_overflow: more than {MAX_PENDING_MESSAGES} follow-up messages were waiting to be read"
+            ))
+        } else if deadline_hit {
             StopReason::Deadline
         } else {
             execution.stop.clone()
@@ -593,17 +677,6 @@ impl CalleeRuntime {
             RouteCeiling::parse(&open.ceiling).map_err(|e| refuse(e.code(), e.to_string()))?;
         let authority = authorize_incoming(&policy, &ceiling, &verified.request, now)
             .map_err(|e| refuse(e.code(), e.to_string()))?;
-        match self
-            .nonces
-            .lock()
-            .check(&open.key, &verified.request, &digest, now)
-        {
-            Ok(NonceCheck::Fresh) => {}
-            Ok(NonceCheck::Redelivery) => {
-                return Err(refuse("redelivery", "already running".into()));
-            }
-            Err(e) => return Err(refuse(e.code(), e.to_string())),
-        }
         let per_peer = self
             .per_peer
             .lock()
@@ -622,6 +695,22 @@ impl CalleeRuntime {
             .try_acquire_owned()
             .map_err(|_| saturated())?;
         let b = per_peer.try_acquire_owned().map_err(|_| saturated())?;
+        // Admitted: only now does the request take a replay-cache entry (a
+        // refused request holds none), kept no longer than the deadline
+        // granted here.
+        match self.nonces.lock().check(
+            &open.key,
+            &verified.request,
+            &digest,
+            now,
+            authority.deadline_ms,
+        ) {
+            Ok(NonceCheck::Fresh) => {}
+            Ok(NonceCheck::Redelivery) => {
+                return Err(refuse("redelivery", "already running".into()));
+            }
+            Err(e) => return Err(refuse(e.code(), e.to_string())),
+        }
         Ok((verified, authority, (a, b)))
     }
 

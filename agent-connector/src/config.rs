@@ -85,6 +85,11 @@ pub struct A2aSection {
     /// (`http://127.0.0.1:9999`). Unset: incoming delegations are refused.
     #[serde(default)]
     pub driver_url: Option<String>,
+    /// How long a delegation whose local task waits for input
+    /// (`input-required`) waits for the caller's follow-up before it ends
+    /// `failed` and frees its concurrency slot, ms. Unset: two minutes.
+    #[serde(default)]
+    pub input_timeout_ms: Option<u64>,
 }
 
 pub use crate::openab::config::{OpenAbRuntime, OpenAbSection, OpenAbServe, OpenAbTarget};
@@ -258,6 +263,9 @@ impl ConnectorConfig {
                 "openab.serve: a2a.driver_url is set too; delegations are served by one of them"
                     .into(),
             );
+        }
+        if self.a2a.input_timeout_ms == Some(0) {
+            errors.push("a2a.input_timeout_ms: must be greater than 0".into());
         }
         if self.policy.max_concurrent == 0 {
             errors.push("policy.max_concurrent: must be greater than 0".into());

@@ -42,6 +42,7 @@ pub struct ConnectorOptions {
 #[derive(Debug)]
 pub struct Connector {
     caller: Caller,
+    callee: Arc<CalleeRuntime>,
     link: LinkHandle,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<()>,
@@ -81,7 +82,7 @@ impl Connector {
             options.callee,
             audit.clone(),
         );
-        tokio::spawn(runtime.run(incoming_rx));
+        tokio::spawn(runtime.clone().run(incoming_rx));
         let caller = Caller::new(
             link.clone(),
             identity,
@@ -94,6 +95,7 @@ impl Connector {
         .with_retention(retention);
         Ok(Connector {
             caller,
+            callee: runtime,
             link,
             shutdown,
             task,
@@ -103,6 +105,12 @@ impl Connector {
     /// The caller API.
     pub fn caller(&self) -> &Caller {
         &self.caller
+    }
+
+    /// What the callee side holds now: delegations being served and live
+    /// replay-cache entries.
+    pub fn callee_footprint(&self) -> crate::callee::CalleeFootprint {
+        self.callee.footprint()
     }
 
     /// The link state.

@@ -138,7 +138,13 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
     // Callee side: the A2A driver forwards delegations to the local A2A
     // server; without one, incoming delegations get a signed `rejected`.
     let driver = match &config.a2a.driver_url {
-        Some(url) => Some(A2aDriver::new(DriverOptions::new(url.clone()))?),
+        Some(url) => {
+            let mut options = DriverOptions::new(url.clone());
+            if let Some(ms) = config.a2a.input_timeout_ms {
+                options.input_timeout = Duration::from_millis(ms);
+            }
+            Some(A2aDriver::new(options)?)
+        }
         None => None,
     };
     // The OpenAB endpoint: local OAB runtimes register there; with

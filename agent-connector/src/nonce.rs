@@ -17,23 +17,34 @@
 //! | yes | yes | no | [`NonceError::IdempotencyMismatch`] |
 //! | yes | no | - | [`NonceError::NonceReused`] |
 //!
-//! **Bounded by age and count.** A request is acceptable only while it is
-//! fresh: `issued_ms` no older than `max_age_ms` and no further in the future
-//! than `max_skew_ms`, and its deadline not passed. An entry is kept exactly
-//! as long as its request could still be accepted
-//! (`min(deadline_ms, issued_ms + max_age_ms)`), so dropping it afterwards
-//! opens no replay window. When the cache holds `capacity` live entries it
-//! refuses new requests with [`NonceError::Saturated`] (fail closed,
-//! retryable) instead of evicting a live entry, which would reopen the window.
+//! **Bounded by age and count, per caller.** A request is acceptable only
+//! while it is fresh: `issued_ms` no older than `max_age_ms` and no further
+//! in the future than `max_skew_ms`, and its deadline not passed. An entry is
+//! kept exactly as long as its request could still be accepted
+//! (`min(deadline_ms, issued_ms + max_age_ms, cap)`, where `cap` is the
+//! effective deadline the callee granted: its own policy's
+//! `max_deadline_ms` bounds it, whatever deadline the caller asked for), so
+//! dropping it afterwards opens no replay window. Each caller has a share of
+//! `per_caller` live entries: a caller whose share is full is refused with
+//! [`NonceError::Saturated`] (fail closed, retryable) instead of evicting a
+//! live entry, which would reopen the window; other callers' shares are
+//! untouched. `capacity` bounds all shares together (the callee runtime
+//! sets it to `per_caller` times the configured callers, so one caller
+//! filling its share never refuses another).
+//!
+//! **Pruned** when the request can no longer be accepted (`purge`, on every
+//! check and every footprint read), never at the delegation's terminal: the
+//! entry is what refuses a replay of the finished request.
 //!
 //! Configure `max_age_ms` at least as long as the longest deadline the callee
 //! accepts (its policy's `max_deadline_ms`): an `Open` that waited in the
 //! relay's log while the callee was offline is still delivered within its
 //! deadline and must not be refused as stale.
 //!
-//! Only verified requests go into the cache (verify first, see
-//! [`crate::profile::verify_open_request`]), so unauthenticated input cannot
-//! fill it.
+//! Only verified, authorized and admitted requests go into the cache (the
+//! callee runtime checks it after it took the concurrency permits, see
+//! [`crate::profile::verify_open_request`]), so neither unauthenticated
+//! input nor a refused request fills it.
 //!
 //! Never: evicts a live entry to make room, and never forgets an entry while
 //! its request could still be accepted.
@@ -43,7 +54,7 @@ use std::fmt;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use oab_wire::{DelegationKey, Digest};
+use oab_wire::{DelegationKey, Digest, PeerId};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::profile::DelegationRequest;
@@ -168,16 +179,27 @@ struct Entry {
 #[derive(Debug)]
 pub struct NonceCache {
     capacity: usize,
+    per_caller: usize,
     max_age_ms: u64,
     max_skew_ms: u64,
+    /// Pruned with its `by_expiry` twin when the request can no longer be
+    /// accepted (`purge`).
     entries: HashMap<Nonce, Entry>,
     by_expiry: BTreeSet<(u64, Nonce)>,
+    /// Live entries per caller; a caller's count is removed when it drops
+    /// to zero (`purge`).
+    per_peer: HashMap<PeerId, usize>,
 }
 
 impl NonceCache {
     /// Default capacity. An entry costs roughly 250 bytes, so a full cache
     /// is about 16 MiB; at that point new requests are refused (`saturated`).
     pub const DEFAULT_CAPACITY: usize = 65_536;
+    /// Default share of one caller: 16,384 live requests (about 4 MiB). A
+    /// caller whose requests live up to one hour (the default
+    /// `max_deadline_ms`) may then start 4.5 delegations a second for an
+    /// hour; with ten-minute deadlines, 27 a second.
+    pub const DEFAULT_PER_CALLER: usize = 16_384;
     /// Default replay window: 24 hours, at least the longest deadline a
     /// default policy accepts, so a request that waited in the relay's log
     /// is not refused as stale.
@@ -186,15 +208,31 @@ impl NonceCache {
     /// same order as the handshake's clock skew bound.
     pub const DEFAULT_MAX_SKEW_MS: u64 = 60_000;
 
-    /// A cache with explicit bounds. A `capacity` of zero refuses everything.
+    /// A cache with explicit bounds, each caller's share the whole
+    /// `capacity` (see [`NonceCache::with_per_caller`]). A `capacity` of
+    /// zero refuses everything.
     pub fn new(capacity: usize, max_age_ms: u64, max_skew_ms: u64) -> Self {
         NonceCache {
             capacity,
+            per_caller: capacity,
             max_age_ms,
             max_skew_ms,
             entries: HashMap::new(),
             by_expiry: BTreeSet::new(),
+            per_peer: HashMap::new(),
         }
+    }
+
+    /// Limits each caller to `per_caller` live entries.
+    #[must_use]
+    pub fn with_per_caller(mut self, per_caller: usize) -> Self {
+        self.per_caller = per_caller;
+        self
+    }
+
+    /// Live entries of `caller`.
+    pub fn len_for(&self, caller: &PeerId) -> usize {
+        self.per_peer.get(caller).copied().unwrap_or(0)
     }
 
     /// Live entries.
@@ -214,18 +252,28 @@ impl NonceCache {
                 break;
             }
             self.by_expiry.remove(&(expires_ms, nonce));
-            self.entries.remove(&nonce);
+            if let Some(e) = self.entries.remove(&nonce)
+                && let Some(n) = self.per_peer.get_mut(&e.key.caller)
+            {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.per_peer.remove(&e.key.caller);
+                }
+            }
         }
     }
 
     /// Checks a **verified** request that arrived under delegation `key`
-    /// (from the `Open` header), and remembers it when it is fresh.
+    /// (from the `Open` header), and remembers it when it is fresh, until
+    /// `min(deadline_ms, issued_ms + max_age_ms, cap_ms)`; `cap_ms` is the
+    /// deadline the callee granted (`u64::MAX`: none).
     pub fn check(
         &mut self,
         key: &DelegationKey,
         request: &DelegationRequest,
         request_digest: &Digest,
         now_ms: u64,
+        cap_ms: u64,
     ) -> Result<NonceCheck, NonceError> {
         self.purge(now_ms);
         if let Some(seen) = self.entries.get(&request.nonce) {
@@ -243,15 +291,22 @@ impl NonceCache {
         }
         let expires_ms = request
             .deadline_ms
-            .min(issued_ms.saturating_add(self.max_age_ms));
+            .min(issued_ms.saturating_add(self.max_age_ms))
+            .min(cap_ms);
         if expires_ms <= now_ms {
             return Err(NonceError::StaleRequest { issued_ms, now_ms });
+        }
+        if self.len_for(&key.caller) >= self.per_caller {
+            return Err(NonceError::Saturated {
+                capacity: self.per_caller,
+            });
         }
         if self.entries.len() >= self.capacity {
             return Err(NonceError::Saturated {
                 capacity: self.capacity,
             });
         }
+        *self.per_peer.entry(key.caller.clone()).or_insert(0) += 1;
         self.entries.insert(
             request.nonce,
             Entry {
@@ -278,7 +333,7 @@ impl Default for NonceCache {
 mod tests {
     use super::*;
     use crate::profile::tests::sample_request;
-    use oab_wire::{PeerId, RequestId};
+    use oab_wire::RequestId;
 
     fn key(req: &str) -> DelegationKey {
         DelegationKey::new(PeerId::new("acme/a").unwrap(), RequestId::new(req).unwrap())
@@ -313,19 +368,23 @@ mod tests {
         let d2 = Digest::of(b"two");
         let mut cache = NonceCache::new(8, 60_000, 1_000);
         assert_eq!(
-            cache.check(&key("r1"), &req, &d1, NOW),
+            cache.check(&key("r1"), &req, &d1, NOW, u64::MAX),
             Ok(NonceCheck::Fresh)
         );
         // Same key, same bytes: a redelivery (idempotent), not a refusal.
         assert_eq!(
-            cache.check(&key("r1"), &req, &d1, NOW + 1),
+            cache.check(&key("r1"), &req, &d1, NOW + 1, u64::MAX),
             Ok(NonceCheck::Redelivery)
         );
         // The same signed request under a NEW request id hits the cache.
-        let err = cache.check(&key("r2"), &req, &d1, NOW + 2).unwrap_err();
+        let err = cache
+            .check(&key("r2"), &req, &d1, NOW + 2, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "nonce_reused");
         // Same key, other bytes.
-        let err = cache.check(&key("r1"), &req, &d2, NOW + 3).unwrap_err();
+        let err = cache
+            .check(&key("r1"), &req, &d2, NOW + 3, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "idempotency_mismatch");
         assert_eq!(cache.len(), 1);
     }
@@ -348,7 +407,7 @@ mod tests {
             let mut req = sample_request(NOW);
             req.issued_ms = NOW.saturating_add_signed(issued);
             req.deadline_ms = NOW.saturating_add_signed(deadline);
-            let got = cache.check(&key("r"), &req, &d, NOW);
+            let got = cache.check(&key("r"), &req, &d, NOW, u64::MAX);
             assert_eq!(got.err().map(|e| e.code()), want, "{issued} {deadline}");
         }
     }
@@ -361,26 +420,92 @@ mod tests {
         a.deadline_ms = NOW + 100;
         let b = sample_request(NOW);
         let c = sample_request(NOW);
-        assert!(cache.check(&key("a"), &a, &d, NOW).is_ok());
-        assert!(cache.check(&key("b"), &b, &d, NOW).is_ok());
-        let err = cache.check(&key("c"), &c, &d, NOW).unwrap_err();
+        assert!(cache.check(&key("a"), &a, &d, NOW, u64::MAX).is_ok());
+        assert!(cache.check(&key("b"), &b, &d, NOW, u64::MAX).is_ok());
+        let err = cache.check(&key("c"), &c, &d, NOW, u64::MAX).unwrap_err();
         assert_eq!(err.code(), "saturated");
         assert!(err.is_retryable());
         // Once `a` can no longer be accepted, its slot is free again...
         assert_eq!(
-            cache.check(&key("c"), &c, &d, NOW + 100),
+            cache.check(&key("c"), &c, &d, NOW + 100, u64::MAX),
             Ok(NonceCheck::Fresh)
         );
         assert_eq!(cache.len(), 2);
         // ...and replaying `a` now fails as stale, not as fresh.
-        let err = cache.check(&key("a"), &a, &d, NOW + 100).unwrap_err();
+        let err = cache
+            .check(&key("a"), &a, &d, NOW + 100, u64::MAX)
+            .unwrap_err();
         assert_eq!(err.code(), "stale_request");
         // Zero capacity refuses everything.
         let mut none = NonceCache::new(0, 60_000, 1_000);
         assert_eq!(
-            none.check(&key("a"), &b, &d, NOW).unwrap_err().code(),
+            none.check(&key("a"), &b, &d, NOW, u64::MAX)
+                .unwrap_err()
+                .code(),
             "saturated"
         );
         assert!(NonceCache::default().is_empty());
+    }
+
+    fn key_of(caller: &str, req: &str) -> DelegationKey {
+        DelegationKey::new(PeerId::new(caller).unwrap(), RequestId::new(req).unwrap())
+    }
+
+    #[test]
+    fn a_caller_that_fills_its_share_does_not_refuse_another() {
+        let d = Digest::of(b"x");
+        // Two callers, a share of two each.
+        let mut cache = NonceCache::new(4, 60_000, 1_000).with_per_caller(2);
+        for r in ["a1", "a2"] {
+            let req = sample_request(NOW);
+            assert_eq!(
+                cache.check(&key_of("acme/a", r), &req, &d, NOW, u64::MAX),
+                Ok(NonceCheck::Fresh)
+            );
+        }
+        let err = cache
+            .check(
+                &key_of("acme/a", "a3"),
+                &sample_request(NOW),
+                &d,
+                NOW,
+                u64::MAX,
+            )
+            .unwrap_err();
+        assert_eq!(err.code(), "saturated");
+        for r in ["b1", "b2"] {
+            assert_eq!(
+                cache.check(
+                    &key_of("acme/b", r),
+                    &sample_request(NOW),
+                    &d,
+                    NOW,
+                    u64::MAX
+                ),
+                Ok(NonceCheck::Fresh),
+                "caller b's request {r}"
+            );
+        }
+        assert_eq!(cache.len_for(&PeerId::new("acme/a").unwrap()), 2);
+        assert_eq!(cache.len_for(&PeerId::new("acme/b").unwrap()), 2);
+    }
+
+    #[test]
+    fn an_entry_lives_no_longer_than_the_deadline_the_callee_granted() {
+        let d = Digest::of(b"x");
+        let mut cache = NonceCache::new(8, 24 * 3_600_000, 1_000);
+        // The caller asks for a day; the callee granted a minute.
+        let mut req = sample_request(NOW);
+        req.deadline_ms = NOW + 24 * 3_600_000;
+        let k = key_of("acme/a", "r");
+        assert_eq!(
+            cache.check(&k, &req, &d, NOW, NOW + 60_000),
+            Ok(NonceCheck::Fresh)
+        );
+        cache.purge(NOW + 59_999);
+        assert_eq!(cache.len(), 1);
+        cache.purge(NOW + 60_000);
+        assert!(cache.is_empty());
+        assert_eq!(cache.len_for(&PeerId::new("acme/a").unwrap()), 0);
     }
 }

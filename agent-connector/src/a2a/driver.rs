@@ -9,7 +9,11 @@
 //! status updates become `status` events, artifact updates `artifact`
 //! events. The turn ends at a terminal state (the [`Execution`] is built
 //! from it) or at an interrupted one: then the driver waits for the
-//! caller's follow-up message (sent with the server's task id) or a cancel.
+//! caller's follow-up message (sent with the server's task id) or a cancel,
+//! at most [`DriverOptions::input_timeout`]: a caller that never answers
+//! does not hold the callee's concurrency slot until the deadline. When the
+//! wait runs out the driver cancels the server's task and the delegation
+//! ends `failed` ("limit exceeded: input_timeout ...").
 //! A stream that drops mid-task is resumed with `SubscribeToTask` (and
 //! `GetTask` once the task is finished). When `run.cancel` fires the driver
 //! sends `CancelTask` and waits a bounded time for the server's terminal.
@@ -38,6 +42,12 @@ use super::{PROTOCOL_BINDING, PROTOCOL_VERSION};
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
 
+/// Idle connections to the local server kept for reuse; more are closed
+/// when they fall idle. About the callee's usual concurrency.
+const MAX_IDLE_CONNECTIONS: usize = 16;
+/// An idle connection to the local server is closed after this.
+const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Where the local A2A server is and how to talk to it.
 #[derive(Debug, Clone)]
 pub struct DriverOptions {
@@ -55,9 +65,18 @@ pub struct DriverOptions {
     pub resubscribe_attempts: u32,
     /// How long a resolved card is reused.
     pub card_ttl: Duration,
+    /// How long a task in `input-required` (or `auth-required`) waits for
+    /// the caller's follow-up before the delegation ends `failed`, its
+    /// concurrency slot freed. Default [`DriverOptions::DEFAULT_INPUT_TIMEOUT`].
+    pub input_timeout: Duration,
 }
 
 impl DriverOptions {
+    /// Default wait for the caller's answer to `input-required`: two
+    /// minutes, time for a person at an A2A client to answer, short enough
+    /// that abandoned tasks free their slots long before a typical deadline.
+    pub const DEFAULT_INPUT_TIMEOUT: Duration = Duration::from_secs(120);
+
     /// Defaults for a server at `url`.
     pub fn new(url: impl Into<String>) -> Self {
         DriverOptions {
@@ -67,6 +86,7 @@ impl DriverOptions {
             cancel_grace: Duration::from_secs(10),
             resubscribe_attempts: 5,
             card_ttl: Duration::from_secs(60),
+            input_timeout: Self::DEFAULT_INPUT_TIMEOUT,
         }
     }
 }
@@ -125,6 +145,8 @@ impl A2aDriver {
         }
         let http = reqwest::Client::builder()
             .connect_timeout(options.connect_timeout)
+            .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
+            .pool_idle_timeout(IDLE_CONNECTION_TIMEOUT)
             .build()
             .map_err(|e| DriverError::Http(e.to_string()))?;
         Ok(A2aDriver {
@@ -495,7 +517,18 @@ impl DriverInner {
                 }
                 TurnEnd::Interrupted => {
                     resumes = 0;
+                    let waited = self.options.input_timeout;
                     tokio::select! {
+                        () = tokio::time::sleep(waited) => {
+                            warn!(waited_ms = waited.as_millis() as u64, "no follow-up from the caller in time; cancelling the local task");
+                            let (state, message) = self.cancel_now(&card, &mut s, &run).await;
+                            let mut e = self.execution(&run, s, state, message);
+                            e.stop = StopReason::LimitExceeded(format!(
+                                "input_timeout: no follow-up message within {} ms",
+                                waited.as_millis()
+                            ));
+                            return e;
+                        }
                         m = run.messages.recv() => match m {
                             Some(m) => outgoing = Some(Self::follow_up(&s, m)),
                             None => {

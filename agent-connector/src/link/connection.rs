@@ -279,7 +279,7 @@ impl Link {
                             };
                         }
                         Some(Ok(Message::Binary(b))) => match decode_message(b, &self.limits_in()) {
-                            Ok(frame) => self.dispatch(frame, &mut out).await,
+                            Ok(frame) => self.dispatch(frame, &mut out),
                             Err(e) => return Exit::Reconnect(format!("undecodable frame from relay: {e}")),
                         },
                         Some(Ok(_)) => {}

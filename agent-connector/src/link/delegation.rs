@@ -3,9 +3,12 @@
 //! local replay and the local subscribers; and the retention of finished
 //! delegations.
 //!
-//! Never blocks on a subscriber: a subscriber whose channel is full is
-//! dropped with [`EventError::Lagged`]. A delegation is removed only when
-//! its open was refused or it ages out of the finished list.
+//! Never blocks on a subscriber: a subscriber whose channel has one slot
+//! left gets [`EventError::Lagged`] in it and is dropped. A caller's
+//! delegation is removed when its open was refused or it ages out of the
+//! finished list; a callee's as soon as its terminal is settled (ours
+//! acknowledged, or the relay's reported), since nothing local reads it
+//! afterwards.
 
 use std::collections::VecDeque;
 
@@ -16,8 +19,9 @@ use super::window::SendLog;
 use super::{EventError, Link, LinkError, UpEvent};
 
 /// One delegation this connector takes part in, as caller or callee.
-/// Removed when its open is refused, or when it ages out of the finished
-/// list (`Link::record_finished`).
+/// Pruned when its open is refused; as a caller, when it ages out of the
+/// finished list; as a callee, when its terminal is settled
+/// (`Link::record_finished`).
 pub(super) struct Delegation {
     pub(super) is_caller: bool,
     pub(super) counterpart: PeerId,
@@ -68,24 +72,35 @@ impl Delegation {
         self.send_dir().reverse()
     }
 
+    /// Hands `item` to every subscriber without waiting. The last free slot
+    /// of a subscriber's channel is kept for the [`EventError::Lagged`]
+    /// notice: a subscriber that has one slot left when an event arrives
+    /// gets the notice there (so it is always delivered) and is dropped; it
+    /// resubscribes from its cursor.
     pub(super) fn notify_subscribers(&mut self, item: &Result<UpEvent, EventError>) {
         self.subscribers.retain_mut(|(tx, last)| match item {
             Ok(ev) if ev.seq <= *last => true,
-            _ => match tx.try_send(item.clone()) {
-                Ok(()) => {
-                    if let Ok(ev) = item {
-                        *last = ev.seq;
+            _ => {
+                let is_end = item.is_err() || item.as_ref().is_ok_and(|e| e.terminal.is_some());
+                if tx.capacity() <= 1 && tx.max_capacity() > 1 && !is_end {
+                    let _ = tx.try_send(Err(EventError::Lagged { last: *last }));
+                    return false;
+                }
+                match tx.try_send(item.clone()) {
+                    Ok(()) => {
+                        if let Ok(ev) = item {
+                            *last = ev.seq;
+                        }
+                        true
                     }
-                    true
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        // A channel of one slot has no room for a notice:
+                        // the receiver sees its stream end.
+                        false
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => false,
                 }
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    let lagged = EventError::Lagged { last: *last };
-                    // Best effort: the receiver sees the channel close either way.
-                    let _ = tx.try_send(Err(lagged));
-                    false
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => false,
-            },
+            }
         });
     }
 }
@@ -93,8 +108,21 @@ impl Delegation {
 impl Link {
     /// Remembers a finished delegation; the oldest beyond `max_finished`,
     /// or beyond `max_finished_bytes` of kept event payloads, are forgotten
-    /// (their events can no longer be replayed locally).
+    /// (their events can no longer be replayed locally). A callee's
+    /// delegation is forgotten at once once nothing of ours is
+    /// unacknowledged: nobody local reads its events, and a frame the relay
+    /// still sends for it is dropped as unknown.
     pub(super) fn record_finished(&mut self, key: &DelegationKey) {
+        if let Some(d) = self.delegations.get(key)
+            && !d.is_caller
+        {
+            if d.terminal.is_some() && d.send_log.unacked.is_empty() {
+                self.delegations.remove(key);
+                self.ready_to_send.remove(key);
+                self.retry_logs.remove(key);
+            }
+            return;
+        }
         let bytes = self.delegations.get(key).map_or(0, |d| {
             d.events
                 .iter()
@@ -124,5 +152,41 @@ impl Link {
     /// within the retention).
     pub(super) fn held(&self) -> usize {
         self.delegations.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use bytes::Bytes;
+
+    fn event(seq: u64) -> Result<UpEvent, EventError> {
+        Ok(UpEvent {
+            seq,
+            terminal: None,
+            relay_origin: false,
+            payload: Bytes::from_static(b"{}"),
+        })
+    }
+
+    #[test]
+    fn a_subscriber_that_falls_behind_receives_the_lagged_notice() {
+        let mut d = Delegation::new(true, PeerId::new("acme/b").unwrap());
+        let (tx, mut rx) = mpsc::channel(3);
+        d.subscribers.push((tx, 0));
+        for seq in 1..=5 {
+            d.notify_subscribers(&event(seq));
+        }
+        assert!(d.subscribers.is_empty(), "the subscriber was dropped");
+        assert_eq!(rx.try_recv().unwrap(), event(1));
+        assert_eq!(rx.try_recv().unwrap(), event(2));
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            Err(EventError::Lagged { last: 2 }),
+            "the notice is delivered"
+        );
+        assert!(rx.try_recv().is_err());
     }
 }

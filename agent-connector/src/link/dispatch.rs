@@ -2,15 +2,22 @@
 //! peer list, pings and drain hints, each routed to the delegation, the
 //! local subscribers or the callee side.
 //!
-//! Never writes to the socket (replies go into `out`) and never parses
-//! event payloads: only the peer list is decoded here. What goes to the
-//! callee side waits for room in its bounded `incoming` channel
-//! (back-pressure: the link reads nothing more from the relay meanwhile).
+//! Never writes to the socket (replies go into `out`), never awaits, and
+//! never parses event payloads: only the peer list is decoded here.
+//!
+//! **Overflow policy of `incoming`** (the bounded channel to the callee
+//! runtime, capacity `LinkSettings::queue`): a frame for the callee side is
+//! handed over with `try_send`. When the channel is full the frame is not
+//! taken: the delegation's receive cursor stays before it, and the link asks
+//! the relay to resume that log from the cursor after the retry pause
+//! (`RETRY_AFTER`, 250 ms). The relay's log is the buffer; the link goes on
+//! reading, pinging and serving every other delegation meanwhile.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use oab_wire::{Data, Direction, ErrorCode, Frame, Outcome, encode};
+use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::delegation::Delegation;
@@ -19,7 +26,7 @@ use super::{EventError, Incoming, Link, LinkError, UpEvent};
 
 impl Link {
     /// Handles one frame from the relay.
-    pub(super) async fn dispatch(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
+    pub(super) fn dispatch(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
         match frame {
             Frame::Ack(a) => {
                 self.ack(&a.key, a.direction, a.seq);
@@ -35,7 +42,7 @@ impl Link {
                     queue_resume(&a.key, Direction::Up, d.cursor, out);
                 }
             }
-            Frame::Data(d) => self.deliver(d, out).await,
+            Frame::Data(d) => self.deliver(d, out),
             Frame::Open(o) => {
                 let key = o.key.clone();
                 let entry = self
@@ -47,7 +54,7 @@ impl Link {
                 }
                 entry.cursor = 1;
                 entry.resuming = false;
-                let _ = self.incoming.send(Incoming::Open(o)).await;
+                self.hand_to_callee(&key, 1, Incoming::Open(o));
             }
             Frame::Cancel(c) => {
                 let Some(d) = self.delegations.get_mut(&c.key) else {
@@ -57,14 +64,16 @@ impl Link {
                     return;
                 }
                 let relay_origin = c.flags & oab_wire::frame::FLAG_RELAY_ORIGIN != 0;
-                let _ = self
-                    .incoming
-                    .send(Incoming::Cancel {
+                let (key, seq) = (c.key.clone(), c.seq);
+                self.hand_to_callee(
+                    &key,
+                    seq,
+                    Incoming::Cancel {
                         key: c.key,
                         relay_origin,
                         payload: c.payload,
-                    })
-                    .await;
+                    },
+                );
             }
             Frame::Gap(g) => {
                 let Some(d) = self.delegations.get_mut(&g.key) else {
@@ -77,17 +86,33 @@ impl Link {
                         after: g.after,
                         reason: g.reason,
                     }));
-                    if let Some(t) = g.terminal {
-                        d.terminal.get_or_insert(t);
+                    if let Some(t) = g.terminal
+                        && d.terminal.is_none()
+                    {
+                        // Its terminal will not be delivered: it is finished
+                        // here now, and leaves within the finished bound.
+                        d.terminal = Some(t);
+                        let key = g.key.clone();
+                        self.record_finished(&key);
                     }
                 } else {
-                    let _ = self
-                        .incoming
-                        .send(Incoming::Ended {
-                            key: g.key,
-                            terminal: g.terminal,
-                        })
-                        .await;
+                    let key = g.key.clone();
+                    let sent = self.incoming.try_send(Incoming::Ended {
+                        key: g.key,
+                        terminal: g.terminal,
+                    });
+                    if sent.is_err() {
+                        // Full: the resume after the pause brings the gap again.
+                        if let Some(d) = self.delegations.get_mut(&key) {
+                            d.resuming = true;
+                            d.resume_retry = true;
+                        }
+                        self.retry_later();
+                    } else if let Some(t) = g.terminal {
+                        // Over at the relay: nothing more is sent or received
+                        // on it here.
+                        self.callee_ended(&key, t);
+                    }
                 }
             }
             Frame::Error(e) => self.refused(e),
@@ -119,7 +144,46 @@ impl Link {
         }
     }
 
-    async fn deliver(&mut self, f: Data, out: &mut Vec<Bytes>) {
+    /// Hands a frame (sequence `seq` of the down log of `key`) to the callee
+    /// runtime without waiting. Full: the frame is not taken (the cursor
+    /// goes back before it) and the log is resumed from the cursor after the
+    /// retry pause; closed (no runtime): dropped.
+    fn hand_to_callee(&mut self, key: &oab_wire::DelegationKey, seq: u64, item: Incoming) {
+        match self.incoming.try_send(item) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                debug!(%key, seq, "callee side busy; the relay resends this frame later");
+                if let Some(d) = self.delegations.get_mut(key) {
+                    d.cursor = seq.saturating_sub(1);
+                    // No resume for the holes that follow until the pause ends.
+                    d.resuming = true;
+                    d.resume_retry = true;
+                }
+                self.retry_later();
+            }
+        }
+    }
+
+    /// A callee-side delegation that ended at the relay with `terminal`:
+    /// nothing of ours is sent on it any more, and it is forgotten
+    /// (`record_finished`).
+    fn callee_ended(&mut self, key: &oab_wire::DelegationKey, terminal: Outcome) {
+        let Some(d) = self.delegations.get_mut(key) else {
+            return;
+        };
+        if d.is_caller {
+            return;
+        }
+        d.terminal.get_or_insert(terminal);
+        self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+        d.send_log.unacked.clear();
+        for (_, w) in d.send_log.ack_waiters.drain(..) {
+            let _ = w.send(Err(LinkError::AlreadyTerminal(terminal)));
+        }
+        self.record_finished(key);
+    }
+
+    fn deliver(&mut self, f: Data, out: &mut Vec<Bytes>) {
         let Some(d) = self.delegations.get_mut(&f.key) else {
             return;
         };
@@ -149,14 +213,16 @@ impl Link {
                 self.record_finished(&f.key);
             }
         } else {
-            let _ = self
-                .incoming
-                .send(Incoming::Message {
+            let (key, seq) = (f.key.clone(), f.seq);
+            self.hand_to_callee(
+                &key,
+                seq,
+                Incoming::Message {
                     key: f.key,
                     seq: f.seq,
                     payload: f.payload,
-                })
-                .await;
+                },
+            );
         }
     }
 
@@ -230,6 +296,10 @@ impl Link {
                     let _ = w.send(Err(LinkError::AlreadyTerminal(
                         won.unwrap_or(Outcome::Unknown),
                     )));
+                }
+                if !d.is_caller {
+                    // Our terminal lost: the delegation is over here.
+                    self.record_finished(&key);
                 }
             }
             _ => {

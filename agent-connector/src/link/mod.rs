@@ -18,10 +18,15 @@
 //!   `max_events_per_delegation`, oldest dropped (a subscriber asking for a
 //!   dropped event gets [`EventError::Gap`]);
 //! - subscriber channels: bounded; a subscriber that does not keep up is
-//!   dropped with [`EventError::Lagged`] and resubscribes from its cursor;
-//! - finished delegations kept for replay after their end: at most
-//!   `max_finished`, weighing at most `max_finished_bytes`; the oldest are
-//!   forgotten (a subscriber then gets [`EventError::Gap`]).
+//!   dropped with [`EventError::Lagged`] (sent in its last free slot) and
+//!   resubscribes from its cursor;
+//! - the callee side's channel (`incoming`, capacity `queue`): never waited
+//!   on; a frame that finds it full is left in the relay's log and its log
+//!   resumed from the cursor after the retry pause;
+//! - callee-side delegations: forgotten once their terminal is settled;
+//! - caller-side finished delegations kept for replay after their end: at
+//!   most `max_finished`, weighing at most `max_finished_bytes`; the oldest
+//!   are forgotten (a subscriber then gets [`EventError::Gap`]).
 //!
 //! **Layout.** This module owns the public types, the handle, [`spawn`] and
 //! the state of the link task; each part adds its own `impl Link` block:
@@ -91,7 +96,8 @@ pub struct LinkSettings {
     pub max_buffered_frames: usize,
     /// Events kept per delegation for local replay.
     pub max_events_per_delegation: usize,
-    /// Capacity of the command channel and of each subscriber channel.
+    /// Capacity of the command channel, of each subscriber channel and of
+    /// the channel to the callee runtime.
     pub queue: usize,
     /// Finished delegations kept (for `events`/`get` after the end); older
     /// ones are forgotten. The caller side keeps its records and state files
