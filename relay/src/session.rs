@@ -620,7 +620,10 @@ impl<S: EventStore> Session<S> {
                 dir,
                 seq,
                 terminal,
-                origin: Origin::Peer(self.me.instance),
+                origin: Origin::Peer {
+                    peer: self.me.peer.clone(),
+                    instance: self.me.instance,
+                },
                 frame: raw,
                 now_ms: self.batch_at.1,
                 wake,
@@ -749,7 +752,15 @@ impl<S: EventStore> Session<S> {
                 AppendOutcome::Unavailable => {
                     self.refuse(Refusal::StoreUnavailable, Some(&req.key), req.dir, req.seq)
                 }
-                AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => {
+                AppendOutcome::OverBudget { budget } => self.refuse(
+                    Refusal::OverBudget { budget },
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                ),
+                AppendOutcome::Unknown
+                | AppendOutcome::NotParty
+                | AppendOutcome::Conflict { .. } => {
                     self.refuse(Refusal::NoSuchDelegation, Some(&req.key), req.dir, req.seq)
                 }
             }
