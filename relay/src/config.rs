@@ -179,7 +179,7 @@ pub struct StoreSection {
     pub finished_ttl_ms: u64,
     /// Bytes one delegation's two logs may hold (the `Open` included;
     /// trimmed entries no longer count). A `Data` or `Cancel` that would pass
-    /// it is refused with `payload_too_large` and not stored. Default 64 MiB.
+    /// it is refused with `payload_too_large` and not stored. Default 128 MiB.
     #[serde(default = "default_max_delegation_bytes")]
     pub max_delegation_bytes: u64,
     /// Bytes one peer may hold in the store: its `Data` and `Cancel`

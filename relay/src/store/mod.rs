@@ -104,10 +104,10 @@ pub struct Retention {
     pub max_peer_bytes: u64,
 }
 
-/// Default [`Retention::max_delegation_bytes`]: 64 MiB, about 64 frames at
-/// the default 1 MiB payload limit, or the whole 10,000-entry log at 6 KiB
-/// a frame.
-pub const DEFAULT_MAX_DELEGATION_BYTES: u64 = 64 << 20;
+/// Default [`Retention::max_delegation_bytes`]: 128 MiB, about 128 frames
+/// at the default 1 MiB payload limit, or the whole 10,000-entry log at
+/// 13 KiB a frame.
+pub const DEFAULT_MAX_DELEGATION_BYTES: u64 = 128 << 20;
 /// Default [`Retention::max_peer_bytes`]: 512 MiB per peer, so a single
 /// peer cannot fill a store sized for a few dozen peers.
 pub const DEFAULT_MAX_PEER_BYTES: u64 = 512 << 20;
