@@ -661,7 +661,7 @@ impl<S: EventStore> Session<S> {
     /// frames of the batch); a missing delegation or an unavailable store is
     /// answered with an error frame and `None`.
     async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<ViewRef> {
-        match self.hub.view(key).await {
+        match self.hub.view_for(key, &self.me.peer).await {
             Ok(Some(l)) => {
                 self.cached_view = Some((key.clone(), l.clone()));
                 Some(l)
@@ -899,7 +899,7 @@ impl<S: EventStore> Session<S> {
     async fn resume(&mut self, key: DelegationKey, dir: Direction, after: u64) {
         let hub = self.hub.clone();
         loop {
-            let view = match hub.view(&key).await {
+            let view = match hub.view_for(&key, &self.me.peer).await {
                 Ok(Some(l)) => l,
                 Ok(None) => {
                     hub.gap(

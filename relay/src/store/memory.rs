@@ -327,6 +327,14 @@ impl EventStore for MemoryStore {
         Ok(self.lock().delegations.get(key).map(|d| d.meta.clone()))
     }
 
+    async fn callee_of(&self, key: &DelegationKey) -> Result<Option<PeerId>, StoreError> {
+        Ok(self
+            .lock()
+            .delegations
+            .get(key)
+            .map(|d| d.meta.callee.clone()))
+    }
+
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
         let mut out: Vec<DelegationMeta> = inner

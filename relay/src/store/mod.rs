@@ -374,6 +374,15 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
         key: &DelegationKey,
     ) -> impl Future<Output = Result<Option<DelegationMeta>, StoreError>> + Send;
 
+    /// The delegation's callee, if it exists: the one field needed to tell
+    /// whether a peer is a party. Costs the same whether the delegation
+    /// exists or not (one short read), so a lookup for a peer that turns out
+    /// not to be a party takes as long as one for a missing delegation.
+    fn callee_of(
+        &self,
+        key: &DelegationKey,
+    ) -> impl Future<Output = Result<Option<PeerId>, StoreError>> + Send;
+
     /// Delegations where `peer` is caller or callee that still exist (open, or
     /// finished and not yet expired).
     fn delegations_of(

@@ -688,6 +688,19 @@ impl EventStore for RedisStore {
         parse_meta(key, &fields).map(Some)
     }
 
+    async fn callee_of(&self, key: &DelegationKey) -> Result<Option<PeerId>, StoreError> {
+        let mut cmd = redis::cmd("HGET");
+        cmd.arg(DelegationKeys::new(key).meta)
+            .arg(meta_field::CALLEE);
+        match self.query(&cmd, true, "HGET").await? {
+            Value::Nil => Ok(None),
+            v => str_of(&v)
+                .and_then(|s| PeerId::new(s).ok())
+                .map(Some)
+                .ok_or_else(|| corrupt(format!("delegation {key}: bad callee {}", excerpt(&v)))),
+        }
+    }
+
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let set = peer_set_key(peer);
         let mut cmd = redis::cmd("SMEMBERS");
