@@ -245,6 +245,7 @@ conformance! {
     batch_append_of_1000_entries => retention(10_000);
     batch_outcomes_follow_request_order => retention(100);
     append_only_from_the_party => retention(100);
+    callee_of_names_the_callee => retention(100);
     delegation_byte_budget => budgets(100, 1_000, 1 << 30);
     delegation_byte_budget_counts_only_what_the_logs_hold => budgets(2, 1_000, 1 << 30);
     peer_byte_budget => budgets(100, 1 << 30, 1_000);
@@ -319,6 +320,25 @@ async fn append_only_from_the_party<S: EventStore>(s: &S) {
         .await,
         AppendOutcome::Unknown
     );
+}
+
+/// `callee_of` reads the one field that tells a party apart, and nothing
+/// for a missing delegation.
+async fn callee_of_names_the_callee<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "who");
+    assert_eq!(s.callee_of(&k).await.unwrap(), None);
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    assert_eq!(s.callee_of(&k).await.unwrap(), Some(peer(CALLEE)));
+    append1(
+        s,
+        AppendRequest {
+            now_ms: 10,
+            ..relay_entry(&k, Direction::Up, 1, Some(Outcome::Expired))
+        },
+    )
+    .await;
+    assert_eq!(s.expire_finished(10 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(s.callee_of(&k).await.unwrap(), None);
 }
 
 /// `max_delegation_bytes` = 1,000: the two logs together (the `Open`
