@@ -408,49 +408,104 @@ impl RedisStore {
     }
 
     /// Charges each peer entry of an append batch to its sender's byte
-    /// budget (`charge` script, one pipeline, before the append scripts:
-    /// the budget hash and the delegation are in different hash slots).
+    /// budget (`charge` script, before the append scripts: the budget hash
+    /// and the delegation are in different hash slots). First one `charge`
+    /// per sending peer for all its entries (a batch comes from one
+    /// session, so usually one command); only a peer whose entries do not
+    /// all fit is charged again entry by entry, in order, which gives each
+    /// entry the answer it would get alone.
     async fn charge(&self, reqs: &[AppendRequest]) -> Result<Vec<Charge>, StoreError> {
-        let mut pipe = pipeline();
-        for req in reqs {
+        let mut charges: Vec<Charge> = reqs
+            .iter()
+            .map(|r| match r.origin {
+                Origin::Relay => Charge::Exempt,
+                Origin::Peer { .. } => Charge::Skipped,
+            })
+            .collect();
+        let mut peers: Vec<(&PeerId, Vec<usize>)> = Vec::new();
+        for (i, req) in reqs.iter().enumerate() {
             if let Origin::Peer { peer, .. } = &req.origin {
-                let mut cmd = evalsha(&self.scripts.charge, &[&peer_bytes_key(peer)]);
-                cmd.arg(req.key.to_string())
-                    .arg(req.frame.len())
-                    .arg(self.retention.max_peer_bytes);
-                pipe.add_command(cmd);
-            }
-        }
-        let replies = if pipe.is_empty() {
-            Vec::new()
-        } else {
-            match self
-                .eval_batch_each(&self.scripts.charge, pipe, false, "append")
-                .await
-            {
-                Ok(replies) => replies,
-                // A single server that does not answer fails the append
-                // anyway; on a cluster the budgets' shards are down, not
-                // necessarily the delegations' (see `Charge::Skipped`).
-                Err(e) if !self.is_cluster() => return Err(e),
-                Err(e) => {
-                    tracing::warn!(error = %e, "peer byte budgets unavailable; appending uncharged");
-                    Vec::new()
+                match peers.iter_mut().find(|(p, _)| *p == peer) {
+                    Some((_, entries)) => entries.push(i),
+                    None => peers.push((peer, vec![i])),
                 }
             }
+        }
+        if peers.is_empty() {
+            return Ok(charges);
+        }
+        let command = |peer: &PeerId, entries: &[usize]| {
+            let mut cmd = evalsha(&self.scripts.charge, &[&peer_bytes_key(peer)]);
+            cmd.arg(self.retention.max_peer_bytes);
+            for &i in entries {
+                if let Some(req) = reqs.get(i) {
+                    cmd.arg(req.key.to_string()).arg(req.frame.len());
+                }
+            }
+            cmd
         };
-        let mut replies = replies.into_iter();
-        Ok(reqs
-            .iter()
-            .map(|req| match req.origin {
-                Origin::Relay => Charge::Exempt,
-                Origin::Peer { .. } => match replies.next() {
-                    Some(Ok(v)) if u64_of(&v) == Some(1) => Charge::Charged,
-                    Some(Ok(_)) => Charge::Refused,
-                    _ => Charge::Skipped,
-                },
-            })
-            .collect())
+        let mut pipe = pipeline();
+        for (peer, entries) in &peers {
+            pipe.add_command(command(peer, entries));
+        }
+        let Some(replies) = self.charge_replies(pipe).await? else {
+            return Ok(charges);
+        };
+        let mut one_by_one = Vec::new();
+        for ((peer, entries), reply) in peers.iter().zip(replies) {
+            match reply {
+                Ok(v) if u64_of(&v) == Some(1) => {
+                    for &i in entries {
+                        if let Some(c) = charges.get_mut(i) {
+                            *c = Charge::Charged;
+                        }
+                    }
+                }
+                Ok(_) => one_by_one.extend(entries.iter().map(|&i| (*peer, i))),
+                Err(_) => {}
+            }
+        }
+        if one_by_one.is_empty() {
+            return Ok(charges);
+        }
+        let mut pipe = pipeline();
+        for (peer, i) in &one_by_one {
+            pipe.add_command(command(peer, &[*i]));
+        }
+        let Some(replies) = self.charge_replies(pipe).await? else {
+            return Ok(charges);
+        };
+        for ((_, i), reply) in one_by_one.iter().zip(replies) {
+            if let (Some(c), Ok(v)) = (charges.get_mut(*i), reply) {
+                *c = if u64_of(&v) == Some(1) {
+                    Charge::Charged
+                } else {
+                    Charge::Refused
+                };
+            }
+        }
+        Ok(charges)
+    }
+
+    /// Runs a pipeline of `charge` commands: `None` when, on a cluster, no
+    /// budget shard answered (the entries then go uncharged, see
+    /// [`Charge::Skipped`]); a single server that does not answer fails the
+    /// append as it would anyway.
+    async fn charge_replies(
+        &self,
+        pipe: Pipeline,
+    ) -> Result<Option<Vec<Result<Value, StoreError>>>, StoreError> {
+        match self
+            .eval_batch_each(&self.scripts.charge, pipe, false, "append")
+            .await
+        {
+            Ok(replies) => Ok(Some(replies)),
+            Err(e) if !self.is_cluster() => Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "peer byte budgets unavailable; appending uncharged");
+                Ok(None)
+            }
+        }
     }
 
     /// Gives bytes back to peers' budgets: `(peer, delegation, bytes)`,

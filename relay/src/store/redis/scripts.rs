@@ -46,10 +46,10 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// `{'U'}` (unknown).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
 
-/// `charge`: KEYS the peer's byte budget hash; ARGV delegation member
-/// (`<caller>#<rid>`), bytes, `max_peer_bytes`. Adds the bytes to the
-/// member and to `total` unless `total` would pass the budget. Returns 1 if
-/// charged, 0 if refused.
+/// `charge`: KEYS the peer's byte budget hash; ARGV `max_peer_bytes`, then
+/// pairs of delegation member (`<caller>#<rid>`) and bytes. Adds every
+/// pair's bytes to its member and their sum to `total`, unless `total`
+/// would pass the budget: then nothing. Returns 1 if charged, 0 if refused.
 const CHARGE_LUA: &str = include_str!("lua/charge.lua");
 
 /// `uncharge`: KEYS the peer's byte budget hash; ARGV delegation member,
@@ -205,7 +205,7 @@ mod tests {
             (
                 "charge",
                 CHARGE_LUA,
-                "23070f54773bf000e6097bb27e807dc2effa124d",
+                "5eefbc9586d4caea5df5f095b47433bb7a7ed6dd",
             ),
             (
                 "uncharge",
