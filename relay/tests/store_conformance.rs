@@ -1480,6 +1480,76 @@ async fn redis_connect_failure_is_unavailable() {
     }
 }
 
+/// A peer's byte budget hash lives exactly as long as it holds bytes: each
+/// dropped delegation takes its member away, the last one the hash, also
+/// when Redis dropped the delegation by itself first.
+#[tokio::test]
+async fn redis_peer_budget_keys_go_away_with_their_delegations() {
+    let r = Retention {
+        finished_ttl_ms: 100,
+        ..retention(100)
+    };
+    let (server, s) = redis_store(r).await;
+    let mut raw = raw(&server).await;
+    let ks: Vec<DelegationKey> = (0..3)
+        .map(|i| key("acme/caller", &format!("held-{i}")))
+        .collect();
+    for k in &ks {
+        created(&s, open_req(k, CALLEE, u64::MAX, 1)).await;
+        assert_eq!(
+            append1(&s, sized(peer_entry(k, Direction::Up, 1), 100)).await,
+            AppendOutcome::Appended { seq: 1 }
+        );
+        assert_eq!(
+            append1(&s, sized(peer_entry(k, Direction::Down, 2), 50)).await,
+            AppendOutcome::Appended { seq: 2 }
+        );
+    }
+    let held = |raw: redis::aio::MultiplexedConnection, peer: &str| {
+        let mut raw = raw;
+        let k = format!("oab:pb:{{{peer}}}");
+        async move {
+            let v: Option<u64> = redis::cmd("HGET")
+                .arg(k)
+                .arg("total")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            v
+        }
+    };
+    assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
+    assert_eq!(held(raw.clone(), "acme/caller").await, Some(150));
+    // The relay ends them all; Redis drops them 100 ms later by itself.
+    for k in &ks {
+        append1(&s, relay_entry(k, Direction::Up, 2, Some(Outcome::Expired))).await;
+    }
+    let gone = eventually(100, Duration::from_millis(20), || {
+        let mut raw = raw.clone();
+        let metas: Vec<String> = ks.iter().map(|k| format!("oab:d:{{{k}}}:meta")).collect();
+        async move {
+            let n: u64 = redis::cmd("EXISTS")
+                .arg(metas)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            n == 0
+        }
+    })
+    .await;
+    assert!(gone, "Redis did not drop the finished delegations");
+    assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 3);
+    for p in [CALLEE, "acme/caller"] {
+        let n: u64 = redis::cmd("EXISTS")
+            .arg(format!("oab:pb:{{{p}}}"))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{p}'s budget hash outlived its delegations");
+    }
+}
+
 #[tokio::test]
 async fn redis_index_entries_left_stale_are_skipped_and_repaired() {
     let (server, s) = redis_store(retention(100)).await;
