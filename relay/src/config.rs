@@ -221,6 +221,18 @@ pub struct StoreSection {
     /// How long a finished delegation stays readable after its terminal, ms.
     #[serde(default = "default_finished_ttl_ms")]
     pub finished_ttl_ms: u64,
+    /// Bytes one delegation's two logs may hold (the `Open` included;
+    /// trimmed entries no longer count). A `Data` or `Cancel` that would pass
+    /// it is refused with `payload_too_large` and not stored. Default 128 MiB.
+    #[serde(default = "default_max_delegation_bytes")]
+    pub max_delegation_bytes: u64,
+    /// Bytes one peer may hold in the store: its `Data` and `Cancel`
+    /// entries in delegations still stored (open, or retained for
+    /// `finished_ttl_ms` after their terminal), less trimmed ones. An entry
+    /// that would pass it is refused with `payload_too_large` and not
+    /// stored. Default 512 MiB.
+    #[serde(default = "default_max_peer_bytes")]
+    pub max_peer_bytes: u64,
 }
 
 impl std::fmt::Debug for StoreSection {
@@ -229,11 +241,15 @@ impl std::fmt::Debug for StoreSection {
             url,
             max_log_entries,
             finished_ttl_ms,
+            max_delegation_bytes,
+            max_peer_bytes,
         } = self;
         f.debug_struct("StoreSection")
             .field("url", &RedactedUrl(url))
             .field("max_log_entries", max_log_entries)
             .field("finished_ttl_ms", finished_ttl_ms)
+            .field("max_delegation_bytes", max_delegation_bytes)
+            .field("max_peer_bytes", max_peer_bytes)
             .finish()
     }
 }
@@ -418,6 +434,12 @@ fn default_max_log_entries() -> u64 {
 fn default_finished_ttl_ms() -> u64 {
     Retention::default().finished_ttl_ms
 }
+fn default_max_delegation_bytes() -> u64 {
+    Retention::default().max_delegation_bytes
+}
+fn default_max_peer_bytes() -> u64 {
+    Retention::default().max_peer_bytes
+}
 fn default_unknown_grace_ms() -> u64 {
     120_000
 }
@@ -474,6 +496,8 @@ section_default!(StoreSection {
     url: default_store_url,
     max_log_entries: default_max_log_entries,
     finished_ttl_ms: default_finished_ttl_ms,
+    max_delegation_bytes: default_max_delegation_bytes,
+    max_peer_bytes: default_max_peer_bytes,
 });
 impl Default for FleetSection {
     fn default() -> Self {
@@ -773,11 +797,17 @@ impl Config {
         if f.wake_queue == 0 {
             err("fleet.wake_queue".into(), "must be greater than 0".into());
         }
-        if self.store.max_log_entries == 0 {
-            err(
-                "store.max_log_entries".into(),
-                "must be greater than 0".into(),
-            );
+        for (name, v) in [
+            ("store.max_log_entries", self.store.max_log_entries),
+            (
+                "store.max_delegation_bytes",
+                self.store.max_delegation_bytes,
+            ),
+            ("store.max_peer_bytes", self.store.max_peer_bytes),
+        ] {
+            if v == 0 {
+                err(name.into(), "must be greater than 0".into());
+            }
         }
         if self.lifecycle.sweep_interval_ms == 0 {
             err(
@@ -916,6 +946,8 @@ impl Config {
         Retention {
             max_log_entries: self.store.max_log_entries,
             finished_ttl_ms: self.store.finished_ttl_ms,
+            max_delegation_bytes: self.store.max_delegation_bytes,
+            max_peer_bytes: self.store.max_peer_bytes,
         }
     }
 }

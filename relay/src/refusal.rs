@@ -20,6 +20,8 @@ use std::borrow::Cow;
 
 use oab_wire::{ErrorCode, FrameType, Outcome};
 
+use crate::store::Budget;
+
 /// Why a peer's frame was refused. Each variant is sent with one code and one
 /// text ([`Refusal::code`], [`Refusal::message`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +69,14 @@ pub enum Refusal {
     /// An `Open`, `Data` or `Cancel` whose payload is over the route's
     /// `max_payload` (a frame over the global limit is a close instead).
     PayloadTooLarge,
+    /// A `Data` or `Cancel` the store refused because storing it would pass
+    /// a byte budget (`store.max_delegation_bytes` for the delegation's
+    /// logs, `store.max_peer_bytes` for everything the peer holds in the
+    /// store). Nothing was stored.
+    OverBudget {
+        /// Which budget.
+        budget: Budget,
+    },
     /// An `Open`, `Data` or `Cancel` in a batch over the peer's frame rate.
     RateLimited,
     /// An `Open` whose deadline is in the past or further away than the
@@ -110,7 +120,7 @@ impl Refusal {
             Refusal::AlreadyTerminal { .. } => ErrorCode::AlreadyTerminal,
             Refusal::SequenceGap => ErrorCode::SequenceGap,
             Refusal::TooManyDelegations => ErrorCode::TooManyDelegations,
-            Refusal::PayloadTooLarge => ErrorCode::PayloadTooLarge,
+            Refusal::PayloadTooLarge | Refusal::OverBudget { .. } => ErrorCode::PayloadTooLarge,
             Refusal::RateLimited => ErrorCode::RateLimited,
             Refusal::InvalidDeadline { .. } => ErrorCode::InvalidDeadline,
             Refusal::DepthExceeded { .. } => ErrorCode::DepthExceeded,
@@ -153,6 +163,12 @@ impl Refusal {
             }
             Refusal::TooManyDelegations => "too many open delegations; retry later",
             Refusal::PayloadTooLarge => "payload over the route's limit",
+            Refusal::OverBudget {
+                budget: Budget::Delegation,
+            } => "the delegation's stored bytes would pass the relay's budget",
+            Refusal::OverBudget {
+                budget: Budget::Peer,
+            } => "this peer's stored bytes would pass the relay's budget",
             Refusal::RateLimited => "frame rate over quota; resend later",
             Refusal::DigestMismatch => "digest is not the SHA-256 of the payload",
             Refusal::StoreUnavailable => "store unavailable; resend later",
@@ -245,6 +261,20 @@ mod tests {
                 "payload over the route's limit",
             ),
             (
+                R::OverBudget {
+                    budget: Budget::Delegation,
+                },
+                C::PayloadTooLarge,
+                "the delegation's stored bytes would pass the relay's budget",
+            ),
+            (
+                R::OverBudget {
+                    budget: Budget::Peer,
+                },
+                C::PayloadTooLarge,
+                "this peer's stored bytes would pass the relay's budget",
+            ),
+            (
                 R::RateLimited,
                 C::RateLimited,
                 "frame rate over quota; resend later",
@@ -323,9 +353,15 @@ mod tests {
             Refusal::StoreUnavailableOnResume => 18,
             Refusal::StoreUnavailableOnPublish => 19,
             Refusal::CeilingNotStamped => 20,
+            Refusal::OverBudget {
+                budget: Budget::Delegation,
+            } => 21,
+            Refusal::OverBudget {
+                budget: Budget::Peer,
+            } => 22,
         }
     }
-    const VARIANTS: usize = 21;
+    const VARIANTS: usize = 23;
 
     #[test]
     fn the_table_names_every_refusal() {

@@ -653,7 +653,10 @@ impl<S: EventStore> Session<S> {
                 dir,
                 seq,
                 terminal,
-                origin: Origin::Peer(self.me.instance),
+                origin: Origin::Peer {
+                    peer: self.me.peer.clone(),
+                    instance: self.me.instance,
+                },
                 frame: raw,
                 now_ms: self.batch_at.1,
                 wake,
@@ -691,7 +694,7 @@ impl<S: EventStore> Session<S> {
     /// frames of the batch); a missing delegation or an unavailable store is
     /// answered with an error frame and `None`.
     async fn lookup(&mut self, key: &DelegationKey, dir: Direction, seq: u64) -> Option<ViewRef> {
-        match self.hub.view(key).await {
+        match self.hub.view_for(key, &self.me.peer).await {
             Ok(Some(l)) => {
                 self.cached_view = Some((key.clone(), l.clone()));
                 Some(l)
@@ -782,7 +785,15 @@ impl<S: EventStore> Session<S> {
                 AppendOutcome::Unavailable => {
                     self.refuse(Refusal::StoreUnavailable, Some(&req.key), req.dir, req.seq)
                 }
-                AppendOutcome::Unknown | AppendOutcome::Conflict { .. } => {
+                AppendOutcome::OverBudget { budget } => self.refuse(
+                    Refusal::OverBudget { budget },
+                    Some(&req.key),
+                    req.dir,
+                    req.seq,
+                ),
+                AppendOutcome::Unknown
+                | AppendOutcome::NotParty
+                | AppendOutcome::Conflict { .. } => {
                     self.refuse(Refusal::NoSuchDelegation, Some(&req.key), req.dir, req.seq)
                 }
             }
@@ -926,7 +937,7 @@ impl<S: EventStore> Session<S> {
             return;
         }
         loop {
-            let view = match hub.view(&key).await {
+            let view = match hub.view_for(&key, &self.me.peer).await {
                 Ok(Some(l)) => l,
                 Ok(None) => {
                     hub.gap(

@@ -446,7 +446,10 @@ async fn instance_restarted_within_its_lease(url: &str) {
             dir: Direction::Down,
             seq: 2,
             terminal: None,
-            origin: Origin::Peer(ia),
+            origin: Origin::Peer {
+                peer: peer(CALLER),
+                instance: ia,
+            },
             frame: oab_wire::encode(&data("i1", Direction::Down, 2, None, payload(2))).unwrap(),
             now_ms: oab_wire::identity::now_ms(),
             wake: None,

@@ -395,6 +395,12 @@ impl EventStore for OpenCommitsThenFails {
     ) -> Result<Option<oab_relay::store::DelegationMeta>, oab_relay::store::StoreError> {
         self.inner.meta(key).await
     }
+    async fn callee_of(
+        &self,
+        key: &oab_wire::DelegationKey,
+    ) -> Result<Option<oab_wire::PeerId>, oab_relay::store::StoreError> {
+        self.inner.callee_of(key).await
+    }
     async fn delegations_of(
         &self,
         peer: &oab_wire::PeerId,

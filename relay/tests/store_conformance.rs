@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use oab_relay::store::{
-    AppendOutcome, AppendRequest, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
+    AppendOutcome, AppendRequest, Budget, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
     OpenRequest, Origin, ReadOutcome, RedisStore, Retention, StoreError,
 };
 use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
@@ -37,6 +37,16 @@ fn retention(max_log_entries: u64) -> Retention {
         // Long: Redis expires finished delegations by its own clock, and the
         // shared cases drive expiry with synthetic times instead.
         finished_ttl_ms: DAY_MS,
+        ..Retention::default()
+    }
+}
+
+/// [`retention`] with byte budgets.
+fn budgets(max_log_entries: u64, max_delegation_bytes: u64, max_peer_bytes: u64) -> Retention {
+    Retention {
+        max_delegation_bytes,
+        max_peer_bytes,
+        ..retention(max_log_entries)
     }
 }
 
@@ -67,14 +77,25 @@ fn frame(key: &DelegationKey, dir: Direction, seq: u64, tag: &str) -> Bytes {
 const INSTANCE_A: InstanceId = InstanceId([0xaa; 16]);
 const INSTANCE_B: InstanceId = InstanceId([0xbb; 16]);
 
-/// A peer-originated entry.
+/// The callee of most cases.
+const CALLEE: &str = "acme/callee";
+
+/// A peer-originated entry from the party of its log: the key's caller
+/// (down), or [`CALLEE`] (up); see [`sent_by`] for another sender.
 fn peer_entry(key: &DelegationKey, dir: Direction, seq: u64) -> AppendRequest {
+    let sender = match dir {
+        Direction::Down => key.caller.clone(),
+        Direction::Up => peer(CALLEE),
+    };
     AppendRequest {
         key: key.clone(),
         dir,
         seq,
         terminal: None,
-        origin: Origin::Peer(INSTANCE_A),
+        origin: Origin::Peer {
+            peer: sender,
+            instance: INSTANCE_A,
+        },
         frame: frame(key, dir, seq, "peer"),
         now_ms: 1_000 + seq % 1_000,
         wake: None,
@@ -94,6 +115,14 @@ fn relay_entry(
         frame: frame(key, dir, seq, "relay"),
         ..peer_entry(key, dir, seq)
     }
+}
+
+/// `req` as sent by `sender` (same instance).
+fn sent_by(mut req: AppendRequest, sender: &str) -> AppendRequest {
+    if let Origin::Peer { peer: p, .. } = &mut req.origin {
+        *p = peer(sender);
+    }
+    req
 }
 
 fn terminal_entry(key: &DelegationKey, seq: u64, outcome: Outcome, now_ms: u64) -> AppendRequest {
@@ -216,10 +245,295 @@ conformance! {
     epoch_is_stable => retention(100);
     batch_append_of_1000_entries => retention(10_000);
     batch_outcomes_follow_request_order => retention(100);
+    append_only_from_the_party => retention(100);
+    callee_of_names_the_callee => retention(100);
+    delegation_byte_budget => budgets(100, 1_000, 1 << 30);
+    delegation_byte_budget_counts_only_what_the_logs_hold => budgets(2, 1_000, 1 << 30);
+    peer_byte_budget => budgets(100, 1 << 30, 1_000);
+    peer_byte_budget_gives_back_trimmed_entries => budgets(2, 1 << 30, 1_000);
 }
 
 // ---------------------------------------------------------------------------
 // Shared cases
+
+/// `req` with a frame of `len` bytes.
+fn sized(mut req: AppendRequest, len: usize) -> AppendRequest {
+    req.frame = Bytes::from(vec![b'x'; len]);
+    req
+}
+
+/// Bytes of the `Open` frame [`open_req`] stores for `key`.
+fn open_len(key: &DelegationKey) -> u64 {
+    format!("open {key}").len() as u64
+}
+
+/// Only the party of a log appends to it (down: the caller, up: the
+/// callee), whatever the sequence; a refused entry leaves no trace.
+async fn append_only_from_the_party<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "party");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    let refused = [
+        sent_by(peer_entry(&k, Direction::Down, 2), CALLEE),
+        sent_by(peer_entry(&k, Direction::Down, 2), "acme/other"),
+        sent_by(peer_entry(&k, Direction::Up, 1), "acme/caller"),
+        sent_by(peer_entry(&k, Direction::Up, 1), "acme/other"),
+        sent_by(terminal_entry(&k, 1, Outcome::Completed, 10), "acme/other"),
+        // Refused before the sequence checks: a resend, a hole.
+        sent_by(peer_entry(&k, Direction::Down, 1), "acme/other"),
+        sent_by(peer_entry(&k, Direction::Up, 5), "acme/caller"),
+    ];
+    let outcomes = s.append(refused.to_vec()).await.unwrap();
+    assert_eq!(outcomes, vec![AppendOutcome::NotParty; refused.len()]);
+    let m = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (
+            m.down_tail,
+            m.up_tail,
+            m.down_sender_tail,
+            m.up_sender_tail,
+            m.terminal,
+            m.accepted_by
+        ),
+        (1, 0, 1, 0, None, None)
+    );
+    assert_eq!(entries(s, &k, Direction::Up, 0, 10).await, vec![]);
+    assert_eq!(entries(s, &k, Direction::Down, 1, 10).await, vec![]);
+    // The parties still append, the relay too.
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Down, 2)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&k, Direction::Up, 1)).await,
+        AppendOutcome::Appended { seq: 1 }
+    );
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Up, 2, Some(Outcome::Expired))).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    // A delegation that does not exist stays `Unknown` for anyone.
+    let nobody = key("acme/caller", "nobody");
+    assert_eq!(
+        append1(
+            s,
+            sent_by(peer_entry(&nobody, Direction::Up, 1), "acme/other")
+        )
+        .await,
+        AppendOutcome::Unknown
+    );
+}
+
+/// `callee_of` reads the one field that tells a party apart, and nothing
+/// for a missing delegation.
+async fn callee_of_names_the_callee<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "who");
+    assert_eq!(s.callee_of(&k).await.unwrap(), None);
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    assert_eq!(s.callee_of(&k).await.unwrap(), Some(peer(CALLEE)));
+    append1(
+        s,
+        AppendRequest {
+            now_ms: 10,
+            ..relay_entry(&k, Direction::Up, 1, Some(Outcome::Expired))
+        },
+    )
+    .await;
+    assert_eq!(s.expire_finished(10 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(s.callee_of(&k).await.unwrap(), None);
+}
+
+/// `max_delegation_bytes` = 1,000: the two logs together (the `Open`
+/// included) never hold more; a refused entry is not stored; relay entries
+/// pass; the other checks come first.
+async fn delegation_byte_budget<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "budget");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    let open = open_len(&k);
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Down, 2), 400)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 1), 400)).await,
+        AppendOutcome::Appended { seq: 1 }
+    );
+    // open + 800 held: 1,000 - open - 800 bytes are left.
+    let left = (1_000 - open - 800) as usize;
+    let over = AppendOutcome::OverBudget {
+        budget: Budget::Delegation,
+    };
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 2), left + 1)).await,
+        over
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Down, 3), left + 1)).await,
+        over
+    );
+    let m = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((m.down_tail, m.up_tail), (2, 1));
+    assert_eq!(entries(s, &k, Direction::Up, 1, 10).await, vec![]);
+    // A resend is still a duplicate, a stranger still not the party.
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 1), 900)).await,
+        AppendOutcome::Duplicate { tail: 1 }
+    );
+    assert_eq!(
+        append1(
+            s,
+            sent_by(sized(peer_entry(&k, Direction::Up, 2), 900), "acme/other")
+        )
+        .await,
+        AppendOutcome::NotParty
+    );
+    // Exactly what is left fits.
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 2), left)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 3), 1)).await,
+        over
+    );
+    // The relay's terminal is never refused for bytes.
+    assert_eq!(
+        append1(s, relay_entry(&k, Direction::Up, 3, Some(Outcome::Expired))).await,
+        AppendOutcome::Appended { seq: 3 }
+    );
+    assert_eq!(
+        s.meta(&k).await.unwrap().unwrap().terminal,
+        Some(Outcome::Expired)
+    );
+}
+
+/// Entries trimmed by `max_log_entries` (2 here) no longer count against
+/// `max_delegation_bytes` (1,000).
+async fn delegation_byte_budget_counts_only_what_the_logs_hold<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "trimmed");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    for seq in 2..=3 {
+        assert_eq!(
+            append1(s, sized(peer_entry(&k, Direction::Down, seq), 400)).await,
+            AppendOutcome::Appended { seq }
+        );
+    }
+    // The open was trimmed: 800 held, so 200 fit.
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 1), 200)).await,
+        AppendOutcome::Appended { seq: 1 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 2), 1)).await,
+        AppendOutcome::OverBudget {
+            budget: Budget::Delegation
+        }
+    );
+}
+
+/// `max_peer_bytes` = 1,000 over all of a peer's delegations; each peer has
+/// its own; a delegation dropped after its retention gives its bytes back.
+async fn peer_byte_budget<S: EventStore>(s: &S) {
+    let ks: Vec<DelegationKey> = (0..3)
+        .map(|i| key("acme/caller", &format!("peer-{i}")))
+        .collect();
+    for k in &ks {
+        created(s, open_req(k, CALLEE, 5_000, 1)).await;
+    }
+    let over = AppendOutcome::OverBudget {
+        budget: Budget::Peer,
+    };
+    // In one batch: 400 + 400 fit, the third 400 does not, 200 does.
+    let outcomes = s
+        .append(vec![
+            sized(peer_entry(&ks[0], Direction::Up, 1), 400),
+            sized(peer_entry(&ks[1], Direction::Up, 1), 400),
+            sized(peer_entry(&ks[2], Direction::Up, 1), 400),
+            sized(peer_entry(&ks[2], Direction::Up, 1), 200),
+            sized(peer_entry(&ks[2], Direction::Up, 2), 1),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::Appended { seq: 1 },
+            over,
+            AppendOutcome::Appended { seq: 1 },
+            over,
+        ]
+    );
+    assert_eq!(
+        entries(s, &ks[2], Direction::Up, 0, 10).await,
+        vec![(1, Bytes::from(vec![b'x'; 200]))]
+    );
+    // A resend is still a duplicate; the caller has its own budget.
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[0], Direction::Up, 1), 400)).await,
+        AppendOutcome::Duplicate { tail: 1 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[2], Direction::Down, 2), 900)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    // Refused entries were not charged: the callee is at exactly 1,000.
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 1)).await,
+        over
+    );
+    // The relay ends ks[0]; once it is dropped, its 400 bytes are free.
+    assert_eq!(
+        append1(
+            s,
+            AppendRequest {
+                now_ms: 10,
+                ..relay_entry(&ks[0], Direction::Up, 2, Some(Outcome::Expired))
+            }
+        )
+        .await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 400)).await,
+        over
+    );
+    assert_eq!(s.expire_finished(10 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 400)).await,
+        AppendOutcome::Appended { seq: 2 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[1], Direction::Up, 3), 1)).await,
+        over
+    );
+}
+
+/// What `max_log_entries` (2 here) trims from a peer's log no longer counts
+/// against its `max_peer_bytes` (1,000): a long stream keeps flowing.
+async fn peer_byte_budget_gives_back_trimmed_entries<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "stream");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    // Without the give-back the fourth entry would pass 1,000.
+    for seq in 1..=20 {
+        assert_eq!(
+            append1(s, sized(peer_entry(&k, Direction::Up, seq), 300)).await,
+            AppendOutcome::Appended { seq },
+            "seq {seq}"
+        );
+    }
+    // Two entries of 300 held: 400 more fit (checked before the trim), 401
+    // do not.
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 21), 401)).await,
+        AppendOutcome::OverBudget {
+            budget: Budget::Peer
+        }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 21), 400)).await,
+        AppendOutcome::Appended { seq: 21 }
+    );
+}
 
 async fn open_create_existing_mismatch<S: EventStore>(s: &S) {
     let k = key("acme/caller", "req-1");
@@ -497,7 +811,10 @@ async fn accepted_by_from_first_up_append<S: EventStore>(s: &S) {
     append1(s, peer_entry(&k, Direction::Down, 2)).await;
     assert_eq!(s.meta(&k).await.unwrap().unwrap().accepted_by, None);
     let mut first = peer_entry(&k, Direction::Up, 1);
-    first.origin = Origin::Peer(INSTANCE_B);
+    first.origin = Origin::Peer {
+        peer: peer(CALLEE),
+        instance: INSTANCE_B,
+    };
     append1(s, first).await;
     assert_eq!(
         s.meta(&k).await.unwrap().unwrap().accepted_by,
@@ -719,7 +1036,7 @@ async fn delegations_of_lists_caller_and_callee_side<S: EventStore>(s: &S) {
     let m_bc = created(s, open_req(&bc, "acme/c", 5_000, 1)).await;
     created(s, open_req(&ca, "acme/a", 5_000, 1)).await;
     created(s, open_req(&ab2, "acme/b", 5_000, 1)).await;
-    append1(s, peer_entry(&ca, Direction::Up, 1)).await;
+    append1(s, sent_by(peer_entry(&ca, Direction::Up, 1), "acme/a")).await;
     let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
     assert_eq!(
         keys(s.delegations_of(&peer("acme/a")).await.unwrap()),
@@ -740,7 +1057,11 @@ async fn delegations_of_lists_caller_and_callee_side<S: EventStore>(s: &S) {
     assert_eq!(of_c[1], s.meta(&ca).await.unwrap().unwrap());
     assert_eq!(of_c[1].up_tail, 1);
     // Finished delegations are listed until they expire.
-    append1(s, terminal_entry(&ab, 1, Outcome::Completed, 20)).await;
+    append1(
+        s,
+        sent_by(terminal_entry(&ab, 1, Outcome::Completed, 20), "acme/b"),
+    )
+    .await;
     let of_a = s.delegations_of(&peer("acme/a")).await.unwrap();
     assert_eq!(of_a[1].key, m_ab.key);
     assert_eq!(of_a[1].terminal, Some(Outcome::Completed));
@@ -1015,6 +1336,7 @@ async fn redis_expires_finished_delegations_by_itself() {
     let r = Retention {
         max_log_entries: 100,
         finished_ttl_ms: 100,
+        ..Retention::default()
     };
     let (_server, s) = redis_store(r).await;
     let k = key("acme/caller", "req-1");
@@ -1187,6 +1509,76 @@ async fn redis_connect_failure_is_unavailable() {
         }
         Err(other) => panic!("expected Unavailable, got {other:?}"),
         Ok(_) => panic!("connected to nothing"),
+    }
+}
+
+/// A peer's byte budget hash lives exactly as long as it holds bytes: each
+/// dropped delegation takes its member away, the last one the hash, also
+/// when Redis dropped the delegation by itself first.
+#[tokio::test]
+async fn redis_peer_budget_keys_go_away_with_their_delegations() {
+    let r = Retention {
+        finished_ttl_ms: 100,
+        ..retention(100)
+    };
+    let (server, s) = redis_store(r).await;
+    let mut raw = raw(&server).await;
+    let ks: Vec<DelegationKey> = (0..3)
+        .map(|i| key("acme/caller", &format!("held-{i}")))
+        .collect();
+    for k in &ks {
+        created(&s, open_req(k, CALLEE, u64::MAX, 1)).await;
+        assert_eq!(
+            append1(&s, sized(peer_entry(k, Direction::Up, 1), 100)).await,
+            AppendOutcome::Appended { seq: 1 }
+        );
+        assert_eq!(
+            append1(&s, sized(peer_entry(k, Direction::Down, 2), 50)).await,
+            AppendOutcome::Appended { seq: 2 }
+        );
+    }
+    let held = |raw: redis::aio::MultiplexedConnection, peer: &str| {
+        let mut raw = raw;
+        let k = format!("oab:pb:{{{peer}}}");
+        async move {
+            let v: Option<u64> = redis::cmd("HGET")
+                .arg(k)
+                .arg("total")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            v
+        }
+    };
+    assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
+    assert_eq!(held(raw.clone(), "acme/caller").await, Some(150));
+    // The relay ends them all; Redis drops them 100 ms later by itself.
+    for k in &ks {
+        append1(&s, relay_entry(k, Direction::Up, 2, Some(Outcome::Expired))).await;
+    }
+    let gone = eventually(100, Duration::from_millis(20), || {
+        let mut raw = raw.clone();
+        let metas: Vec<String> = ks.iter().map(|k| format!("oab:d:{{{k}}}:meta")).collect();
+        async move {
+            let n: u64 = redis::cmd("EXISTS")
+                .arg(metas)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            n == 0
+        }
+    })
+    .await;
+    assert!(gone, "Redis did not drop the finished delegations");
+    assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
+    assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 3);
+    for p in [CALLEE, "acme/caller"] {
+        let n: u64 = redis::cmd("EXISTS")
+            .arg(format!("oab:pb:{{{p}}}"))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{p}'s budget hash outlived its delegations");
     }
 }
 
@@ -1557,6 +1949,13 @@ impl Model {
         self.delegations.get(key).map_or(0, |d| d.meta.tail(dir))
     }
 
+    /// The delegation's callee (any peer when there is none).
+    fn callee(&self, key: &DelegationKey) -> PeerId {
+        self.delegations
+            .get(key)
+            .map_or_else(|| key.caller.clone(), |d| d.meta.callee.clone())
+    }
+
     fn open(&mut self, req: &OpenRequest) -> OpenOutcome {
         if let Some(d) = self.delegations.get(&req.key) {
             return if d.meta.digest == req.digest {
@@ -1603,7 +2002,7 @@ impl Model {
         let ended = m
             .terminal
             .map(|outcome| AppendOutcome::AlreadyTerminal { outcome });
-        match req.origin {
+        match &req.origin {
             Origin::Relay => {
                 if req.seq != tail + 1 {
                     return AppendOutcome::Conflict { tail };
@@ -1612,7 +2011,14 @@ impl Model {
                     return ended;
                 }
             }
-            Origin::Peer(instance) => {
+            Origin::Peer { peer, instance } => {
+                let party = match req.dir {
+                    Direction::Down => &req.key.caller,
+                    Direction::Up => &m.callee,
+                };
+                if peer != party {
+                    return AppendOutcome::NotParty;
+                }
                 if req.seq <= sender_tail {
                     return AppendOutcome::Duplicate { tail: sender_tail };
                 }
@@ -1631,7 +2037,7 @@ impl Model {
                     Direction::Down => m.down_sender_tail = req.seq,
                     Direction::Up => {
                         m.up_sender_tail = req.seq;
-                        m.accepted_by.get_or_insert(instance);
+                        m.accepted_by.get_or_insert(*instance);
                     }
                 }
             }
@@ -1732,6 +2138,9 @@ mod props {
             // Real milliseconds for Redis: longer than any test run, so only
             // `expire_finished` (with the synthetic times) removes anything.
             finished_ttl_ms: 3_600_000,
+            // Never reached here: the byte budgets have their own cases.
+            max_delegation_bytes: 1 << 40,
+            max_peer_bytes: 1 << 40,
         }
     }
 
@@ -1751,6 +2160,9 @@ mod props {
         terminal: Option<Outcome>,
         relay: bool,
         instance: u8,
+        /// A sender other than the log's party (index into `PEERS`, which
+        /// may still name the party); `None`: the party.
+        stranger: Option<usize>,
         now: u64,
     }
 
@@ -1847,17 +2259,21 @@ mod props {
             prop::option::weighted(0.06, prop::sample::select(Outcome::ALL)),
             prop::bool::weighted(0.2),
             0..2u8,
+            prop::option::weighted(0.1, 0..PEERS.len()),
             TIME,
         )
-            .prop_map(|(d, dir, seq, terminal, relay, instance, now)| Entry {
-                d,
-                dir,
-                seq,
-                terminal,
-                relay,
-                instance,
-                now,
-            })
+            .prop_map(
+                |(d, dir, seq, terminal, relay, instance, stranger, now)| Entry {
+                    d,
+                    dir,
+                    seq,
+                    terminal,
+                    relay,
+                    instance,
+                    stranger,
+                    now,
+                },
+            )
     }
 
     fn open_op() -> impl Strategy<Value = Op> {
@@ -1938,17 +2354,25 @@ mod props {
                             SeqPick::Ahead(k) => tail + 1 + k,
                             SeqPick::Abs(n) => n,
                         };
+                        let origin = if e.relay {
+                            Origin::Relay
+                        } else {
+                            Origin::Peer {
+                                peer: match (e.stranger, e.dir) {
+                                    (Some(p), _) => peer(PEERS[p]),
+                                    (None, Direction::Down) => key.caller.clone(),
+                                    (None, Direction::Up) => model.callee(&key),
+                                },
+                                instance: InstanceId([e.instance; 16]),
+                            }
+                        };
                         let req = AppendRequest {
                             frame: Bytes::from(format!("op {i}.{j} seq {seq}")),
                             key,
                             dir: e.dir,
                             seq,
                             terminal: e.terminal,
-                            origin: if e.relay {
-                                Origin::Relay
-                            } else {
-                                Origin::Peer(InstanceId([e.instance; 16]))
-                            },
+                            origin,
                             now_ms: e.now,
                             wake: None,
                         };
@@ -2061,6 +2485,8 @@ mod props {
                     AppendOutcome::Conflict { .. } => "conflict",
                     AppendOutcome::Unknown => "append unknown",
                     AppendOutcome::Unavailable => "append unavailable",
+                    AppendOutcome::NotParty => "not the party",
+                    AppendOutcome::OverBudget { .. } => "over budget",
                 })
                 .collect(),
             Reply::Read(ReadOutcome::Entries { entries, .. }) if !entries.is_empty() => {
@@ -2087,6 +2513,7 @@ mod props {
         "already terminal",
         "conflict",
         "append unknown",
+        "not the party",
         "read entries",
         "read trimmed",
         "read lost",
@@ -2189,7 +2616,10 @@ async fn measure_append_throughput(persistence: Persistence) {
                 dir: Direction::Down,
                 seq: n / DELEGATIONS + 2,
                 terminal: None,
-                origin: Origin::Peer(INSTANCE_A),
+                origin: Origin::Peer {
+                    peer: peer("acme/caller"),
+                    instance: INSTANCE_A,
+                },
                 frame: payload.clone(),
                 now_ms: 2,
                 wake: None,
@@ -2238,7 +2668,10 @@ async fn measure_append_throughput(persistence: Persistence) {
                         dir: Direction::Down,
                         seq: n / per + 2,
                         terminal: None,
-                        origin: Origin::Peer(INSTANCE_A),
+                        origin: Origin::Peer {
+                            peer: peer("acme/caller"),
+                            instance: INSTANCE_A,
+                        },
                         frame: payload.clone(),
                         now_ms: 2,
                         wake: None,

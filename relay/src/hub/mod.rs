@@ -17,6 +17,7 @@
 //! |---|---|
 //! | `registry` | sessions online here, (un)registering, presence claims, offline times |
 //! | `views` | [`DelegationView`]: loading, subscriptions, eviction |
+//! | `party` | looking a delegation up for a peer: other pairs' delegations cost what missing ones cost |
 //! | `delivery` | live delivery, subscribe and replay from a cursor, gaps, lost entries |
 //! | `lifecycle` | created/reopened, terminals, relay-originated appends, the sweep |
 //! | `caps` | open-delegation counts per caller and per route |
@@ -51,6 +52,7 @@ mod caps;
 mod delivery;
 mod epoch;
 mod lifecycle;
+mod party;
 mod peers;
 mod registry;
 #[cfg(test)]

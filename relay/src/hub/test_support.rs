@@ -137,7 +137,10 @@ pub(super) async fn callee_completes(hub: &Arc<Hub<RedisStore>>, key: &Delegatio
             dir: Direction::Up,
             seq: 1,
             terminal: Some(Outcome::Completed),
-            origin: Origin::Peer(InstanceId::random()),
+            origin: Origin::Peer {
+                peer: peer(CALLEE),
+                instance: InstanceId::random(),
+            },
             frame: frame.clone(),
             now_ms: oab_wire::identity::now_ms(),
             wake,

@@ -13,8 +13,8 @@ use bytes::Bytes;
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
 
 use super::{
-    AppendOutcome, AppendRequest, DelegationMeta, EventStore, OpenOutcome, OpenRequest, Origin,
-    ReadOutcome, Retention, StoreError,
+    AppendOutcome, AppendRequest, Budget, DelegationMeta, EventStore, OpenOutcome, OpenRequest,
+    Origin, ReadOutcome, Retention, StoreError,
 };
 
 #[derive(Debug, Default)]
@@ -22,18 +22,27 @@ struct Log {
     /// Sequence of the first entry in `entries`.
     first: u64,
     entries: VecDeque<Bytes>,
+    /// Bytes of the frames in `entries`.
+    bytes: u64,
 }
 
 impl Log {
-    fn push(&mut self, seq: u64, frame: Bytes, cap: u64) {
+    /// Appends `frame`, trims to `cap` entries and returns the bytes trimmed.
+    fn push(&mut self, seq: u64, frame: Bytes, cap: u64) -> u64 {
         if self.entries.is_empty() {
             self.first = seq;
         }
+        self.bytes += frame.len() as u64;
         self.entries.push_back(frame);
+        let mut trimmed = 0;
         while self.entries.len() as u64 > cap {
-            self.entries.pop_front();
+            if let Some(old) = self.entries.pop_front() {
+                trimmed += old.len() as u64;
+            }
             self.first += 1;
         }
+        self.bytes -= trimmed;
+        trimmed
     }
 }
 
@@ -42,6 +51,18 @@ struct Delegation {
     meta: DelegationMeta,
     down: Log,
     up: Log,
+    /// Bytes counted against the caller's (down) and the callee's (up)
+    /// [`Retention::max_peer_bytes`]; given back when the delegation is
+    /// dropped.
+    charged: [u64; 2],
+}
+
+/// Index of a direction in per-direction arrays.
+fn slot(dir: Direction) -> usize {
+    match dir {
+        Direction::Down => 0,
+        Direction::Up => 1,
+    }
 }
 
 impl Delegation {
@@ -70,6 +91,10 @@ struct Inner {
     deadlines: BTreeSet<(u64, DelegationKey)>,
     finished: BTreeSet<(u64, DelegationKey)>,
     descriptors: HashMap<PeerId, Bytes>,
+    /// Bytes charged per peer ([`Retention::max_peer_bytes`]): the sum of
+    /// `charged` over the delegations still stored; a peer's entry is
+    /// removed when its charge drops to zero (delegations dropped).
+    peer_bytes: HashMap<PeerId, u64>,
 }
 
 /// The in-memory store.
@@ -114,7 +139,9 @@ impl Inner {
             Direction::Down => (m.down_tail, m.down_sender_tail),
             Direction::Up => (m.up_tail, m.up_sender_tail),
         };
-        match req.origin {
+        let len = req.frame.len() as u64;
+        let mut charged_to = None;
+        match &req.origin {
             Origin::Relay => {
                 if req.seq != tail + 1 {
                     return AppendOutcome::Conflict { tail };
@@ -125,7 +152,14 @@ impl Inner {
                     return AppendOutcome::AlreadyTerminal { outcome };
                 }
             }
-            Origin::Peer(instance) => {
+            Origin::Peer { peer, instance } => {
+                let party = match req.dir {
+                    Direction::Down => &req.key.caller,
+                    Direction::Up => &m.callee,
+                };
+                if peer != party {
+                    return AppendOutcome::NotParty;
+                }
                 if req.seq <= tail {
                     return if req.seq <= sender_tail {
                         AppendOutcome::Duplicate { tail: sender_tail }
@@ -142,12 +176,24 @@ impl Inner {
                 if let Some(outcome) = m.terminal {
                     return AppendOutcome::AlreadyTerminal { outcome };
                 }
+                if d.down.bytes + d.up.bytes + len > retention.max_delegation_bytes {
+                    return AppendOutcome::OverBudget {
+                        budget: Budget::Delegation,
+                    };
+                }
+                let held = self.peer_bytes.get(peer).copied().unwrap_or(0);
+                if held + len > retention.max_peer_bytes {
+                    return AppendOutcome::OverBudget {
+                        budget: Budget::Peer,
+                    };
+                }
+                charged_to = Some(peer.clone());
                 match req.dir {
                     Direction::Down => m.down_sender_tail = req.seq,
                     Direction::Up => {
                         m.up_sender_tail = req.seq;
                         if m.accepted_by.is_none() {
-                            m.accepted_by = Some(instance);
+                            m.accepted_by = Some(*instance);
                         }
                     }
                 }
@@ -165,8 +211,18 @@ impl Inner {
             m.terminal_ms = Some(req.now_ms);
             finished = Some((m.deadline_ms, req.now_ms, m.callee.clone()));
         }
-        d.log_mut(req.dir)
+        let trimmed = d
+            .log_mut(req.dir)
             .push(req.seq, req.frame, retention.max_log_entries);
+        if let Some(peer) = charged_to {
+            // The entry is charged to its sender, and what the trim dropped
+            // of this log (the sender's own entries) is given back.
+            let charged = &mut d.charged[slot(req.dir)];
+            let back = trimmed.min(*charged + len);
+            *charged = *charged + len - back;
+            let total = self.peer_bytes.entry(peer).or_insert(0);
+            *total = (*total + len).saturating_sub(back);
+        }
         if let Some((deadline, at, callee)) = finished {
             for peer in [&req.key.caller, &callee] {
                 if let Some(open) = self.open_by_peer.get_mut(peer) {
@@ -180,6 +236,18 @@ impl Inner {
             self.finished.insert((at, req.key));
         }
         AppendOutcome::Appended { seq: req.seq }
+    }
+
+    /// Gives back what a dropped delegation charged to its two peers.
+    fn uncharge(&mut self, key: &DelegationKey, d: &Delegation) {
+        for (peer, charged) in [(&key.caller, d.charged[0]), (&d.meta.callee, d.charged[1])] {
+            if let Some(total) = self.peer_bytes.get_mut(peer) {
+                *total = total.saturating_sub(charged);
+                if *total == 0 {
+                    self.peer_bytes.remove(peer);
+                }
+            }
+        }
     }
 }
 
@@ -205,6 +273,7 @@ impl EventStore for MemoryStore {
                 meta: meta.clone(),
                 down,
                 up: Log::default(),
+                charged: [0, 0],
             },
         );
         for peer in [&req.key.caller, &req.callee] {
@@ -274,6 +343,14 @@ impl EventStore for MemoryStore {
         Ok(self.lock().delegations.get(key).map(|d| d.meta.clone()))
     }
 
+    async fn callee_of(&self, key: &DelegationKey) -> Result<Option<PeerId>, StoreError> {
+        Ok(self
+            .lock()
+            .delegations
+            .get(key)
+            .map(|d| d.meta.callee.clone()))
+    }
+
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
         let mut out: Vec<DelegationMeta> = inner
@@ -324,6 +401,7 @@ impl EventStore for MemoryStore {
             inner.finished.remove(entry);
             let key = &entry.1;
             if let Some(d) = inner.delegations.remove(key) {
+                inner.uncharge(key, &d);
                 for peer in [&key.caller, &d.meta.callee] {
                     if let Some(set) = inner.by_peer.get_mut(peer) {
                         set.remove(key);

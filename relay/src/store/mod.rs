@@ -20,13 +20,22 @@
 //!   take a sequence a peer already used;
 //! - the first up entry appended by a callee records its instance id
 //!   (`accepted_by`), which is how a restarted callee is detected;
+//! - a peer's entry is accepted only from the party that sends on that log
+//!   (down: the caller, up: the callee); any other sender gets
+//!   [`AppendOutcome::NotParty`] and nothing is stored, whatever the
+//!   instance's view of the delegation said;
 //! - logs are capped at `max_log_entries` (oldest trimmed; a reader asking
 //!   for trimmed entries gets a `Gap`), finished delegations are dropped
-//!   `finished_ttl_ms` after their terminal.
+//!   `finished_ttl_ms` after their terminal;
+//! - bytes are budgeted ([`Retention::max_delegation_bytes`],
+//!   [`Retention::max_peer_bytes`]): a peer's entry that would take either
+//!   over its budget gets [`AppendOutcome::OverBudget`] and nothing is
+//!   stored. Relay-originated entries are never refused for bytes (they end
+//!   delegations), but they count.
 //!
 //! Never: parses or changes an entry: frames go in and come out as the exact
-//! bytes given. Checking who may append is the session's, delivering is the
-//! hub's.
+//! bytes given. Delivering is the hub's; the session checks senders too, but
+//! the store's check is the one that holds across instances.
 
 pub mod fleet;
 pub mod memory;
@@ -70,20 +79,46 @@ impl StoreError {
     }
 }
 
-/// Retention bounds every backend applies.
+/// Retention and byte bounds every backend applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Retention {
     /// Entries kept per log; older ones are trimmed (readers get a `Gap`).
     pub max_log_entries: u64,
     /// How long a finished delegation stays readable after its terminal, ms.
     pub finished_ttl_ms: u64,
+    /// Bytes one delegation's two logs may hold (frames as stored, the
+    /// `Open` included; entries trimmed by `max_log_entries` no longer
+    /// count). Overflow: the peer's entry that would pass it is refused
+    /// ([`AppendOutcome::OverBudget`] with [`Budget::Delegation`]), nothing
+    /// is stored, and the sender gets an error frame; relay entries are not
+    /// refused.
+    pub max_delegation_bytes: u64,
+    /// Bytes one peer may hold in the store: the entries it appended
+    /// (`Data`, `Cancel`) to delegations still stored, open or retained
+    /// after their terminal, less those trimmed by `max_log_entries`. Freed
+    /// when a delegation is dropped (`finished_ttl_ms` after its terminal).
+    /// Overflow: the entry that would pass it is refused
+    /// ([`Budget::Peer`]), nothing is stored. `Open` frames are not counted
+    /// here (they are bounded by the open-delegation caps times the payload
+    /// limit), only in their delegation's budget.
+    pub max_peer_bytes: u64,
 }
+
+/// Default [`Retention::max_delegation_bytes`]: 128 MiB, about 128 frames
+/// at the default 1 MiB payload limit, or the whole 10,000-entry log at
+/// 13 KiB a frame.
+pub const DEFAULT_MAX_DELEGATION_BYTES: u64 = 128 << 20;
+/// Default [`Retention::max_peer_bytes`]: 512 MiB per peer, so a single
+/// peer cannot fill a store sized for a few dozen peers.
+pub const DEFAULT_MAX_PEER_BYTES: u64 = 512 << 20;
 
 impl Default for Retention {
     fn default() -> Self {
         Retention {
             max_log_entries: 10_000,
             finished_ttl_ms: 24 * 3600 * 1000,
+            max_delegation_bytes: DEFAULT_MAX_DELEGATION_BYTES,
+            max_peer_bytes: DEFAULT_MAX_PEER_BYTES,
         }
     }
 }
@@ -184,10 +219,17 @@ pub enum OpenOutcome {
 }
 
 /// Who originates an entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
-    /// The sending peer; for up entries its instance (recorded on acceptance).
-    Peer(InstanceId),
+    /// A peer: the store accepts it only from the party that sends on the
+    /// log (down: the caller, up: the callee), else
+    /// [`AppendOutcome::NotParty`].
+    Peer {
+        /// The sending peer (the session's authenticated peer).
+        peer: PeerId,
+        /// Its instance (recorded on acceptance, for up entries).
+        instance: InstanceId,
+    },
     /// The relay itself: appended only if `seq == tail + 1` (compare-and-set).
     Relay,
 }
@@ -245,11 +287,30 @@ pub enum AppendOutcome {
     },
     /// No such delegation.
     Unknown,
+    /// The sending peer is not the party that sends on this log (down: the
+    /// caller, up: the callee). Nothing was stored. Answered to the peer
+    /// exactly like [`AppendOutcome::Unknown`], so that delegations of other
+    /// peers cannot be probed.
+    NotParty,
+    /// Storing the entry would pass a byte budget: nothing was stored.
+    OverBudget {
+        /// Which budget.
+        budget: Budget,
+    },
     /// The part of the store holding this delegation did not answer (one
     /// shard of a Redis Cluster down): nothing was stored for this entry;
     /// resend later. The other entries of the same call have their own
     /// outcomes, so a shard outage stalls only the delegations on it.
     Unavailable,
+}
+
+/// The byte budgets of [`Retention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// [`Retention::max_delegation_bytes`].
+    Delegation,
+    /// [`Retention::max_peer_bytes`].
+    Peer,
 }
 
 /// What a read found.
@@ -312,6 +373,15 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
         &self,
         key: &DelegationKey,
     ) -> impl Future<Output = Result<Option<DelegationMeta>, StoreError>> + Send;
+
+    /// The delegation's callee, if it exists: the one field needed to tell
+    /// whether a peer is a party. Costs the same whether the delegation
+    /// exists or not (one short read), so a lookup for a peer that turns out
+    /// not to be a party takes as long as one for a missing delegation.
+    fn callee_of(
+        &self,
+        key: &DelegationKey,
+    ) -> impl Future<Output = Result<Option<PeerId>, StoreError>> + Send;
 
     /// Delegations where `peer` is caller or callee that still exist (open, or
     /// finished and not yet expired).

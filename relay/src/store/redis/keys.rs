@@ -12,7 +12,7 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""` |
+//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`) |
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
 //! | `oab:p:{<peer>}:dlg` | set | delegation keys (`<caller>#<rid>`) where the peer is caller or callee |
@@ -20,6 +20,7 @@
 //! | `oab:deadlines` | zset (all scores 0) | `<deadline, 20 digits>\|<caller>#<rid>` of open delegations |
 //! | `oab:finished` | zset (all scores 0) | `<terminal ms, 20 digits>\|<caller>#<rid>\|<callee>` |
 //! | `oab:desc:{<peer>}` | string | the peer's descriptor |
+//! | `oab:pb:{<peer>}` | hash | the peer's byte budget (`max_peer_bytes`): `total`, and per delegation it sent entries to, `<caller>#<rid>` = bytes charged; a member is removed when its delegation is dropped, the hash when `total` is zero |
 //! | `oab:epoch` | string | random non-zero u64, `SET NX` on first use |
 //!
 //! The two index zsets are ordered lexicographically (`ZRANGEBYLEX`) instead of
@@ -98,6 +99,11 @@ pub(super) fn peer_set_key(peer: &PeerId) -> String {
 /// reads, so its cost does not grow with the finished ones.
 pub(super) fn peer_open_key(peer: &PeerId) -> String {
     format!("oab:p:{{{peer}}}:open")
+}
+
+/// The peer's byte budget hash.
+pub(super) fn peer_bytes_key(peer: &PeerId) -> String {
+    format!("oab:pb:{{{peer}}}")
 }
 
 pub(super) fn descriptor_key(peer: &PeerId) -> String {

@@ -117,7 +117,7 @@ use self::cluster::pipeline;
 use self::keys::{
     DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key,
     finished_member, lex_upper_bound, meta_field, parse_deadline_member, parse_finished_member,
-    parse_key, peer_open_key, peer_set_key,
+    parse_key, peer_bytes_key, peer_open_key, peer_set_key,
 };
 use self::replies::{
     Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
@@ -445,16 +445,27 @@ impl RedisStore {
         }
         let metas = self.metas(&keys).await?;
         let mut out = Vec::with_capacity(keys.len());
+        let mut gone = Vec::new();
         for (key, meta) in keys.into_iter().zip(metas) {
             match meta {
                 Some(meta) if meta.involves(peer) && !(open_only && meta.terminal.is_some()) => {
                     out.push(meta);
                 }
+                // Finished, in the index of open ones: it stays stored.
+                Some(meta) if meta.involves(peer) => {
+                    stale.push(Value::BulkString(key.to_string().into_bytes()));
+                }
                 // Expired (by Redis or `expire_finished`), or a newer
                 // delegation with the same key and another callee.
-                _ => stale.push(Value::BulkString(key.to_string().into_bytes())),
+                _ => {
+                    stale.push(Value::BulkString(key.to_string().into_bytes()));
+                    gone.push(key);
+                }
             }
         }
+        // Their bytes leave the peer's budget (a repair: `expire_finished`
+        // does it, unless the finished index missed the delegation).
+        self.uncharge(gone.iter().map(|key| (peer, key, None))).await;
         if !stale.is_empty() {
             let mut cmd = redis::cmd("SREM");
             cmd.arg(set);
@@ -467,6 +478,134 @@ impl RedisStore {
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
+    }
+
+    /// Charges each peer entry of an append batch to its sender's byte
+    /// budget (`charge` script, before the append scripts: the budget hash
+    /// and the delegation are in different hash slots). First one `charge`
+    /// per sending peer for all its entries (a batch comes from one
+    /// session, so usually one command); only a peer whose entries do not
+    /// all fit is charged again entry by entry, in order, which gives each
+    /// entry the answer it would get alone.
+    async fn charge(&self, reqs: &[AppendRequest]) -> Result<Vec<Charge>, StoreError> {
+        let mut charges: Vec<Charge> = reqs
+            .iter()
+            .map(|r| match r.origin {
+                Origin::Relay => Charge::Exempt,
+                Origin::Peer { .. } => Charge::Skipped,
+            })
+            .collect();
+        let mut peers: Vec<(&PeerId, Vec<usize>)> = Vec::new();
+        for (i, req) in reqs.iter().enumerate() {
+            if let Origin::Peer { peer, .. } = &req.origin {
+                match peers.iter_mut().find(|(p, _)| *p == peer) {
+                    Some((_, entries)) => entries.push(i),
+                    None => peers.push((peer, vec![i])),
+                }
+            }
+        }
+        if peers.is_empty() {
+            return Ok(charges);
+        }
+        let command = |peer: &PeerId, entries: &[usize]| {
+            let mut cmd = evalsha(&self.scripts.charge, &[&peer_bytes_key(peer)]);
+            cmd.arg(self.retention.max_peer_bytes);
+            for &i in entries {
+                if let Some(req) = reqs.get(i) {
+                    cmd.arg(req.key.to_string()).arg(req.frame.len());
+                }
+            }
+            cmd
+        };
+        let mut pipe = pipeline();
+        for (peer, entries) in &peers {
+            pipe.add_command(command(peer, entries));
+        }
+        let Some(replies) = self.charge_replies(pipe).await? else {
+            return Ok(charges);
+        };
+        let mut one_by_one = Vec::new();
+        for ((peer, entries), reply) in peers.iter().zip(replies) {
+            match reply {
+                Ok(v) if u64_of(&v) == Some(1) => {
+                    for &i in entries {
+                        if let Some(c) = charges.get_mut(i) {
+                            *c = Charge::Charged;
+                        }
+                    }
+                }
+                Ok(_) => one_by_one.extend(entries.iter().map(|&i| (*peer, i))),
+                Err(_) => {}
+            }
+        }
+        if one_by_one.is_empty() {
+            return Ok(charges);
+        }
+        let mut pipe = pipeline();
+        for (peer, i) in &one_by_one {
+            pipe.add_command(command(peer, &[*i]));
+        }
+        let Some(replies) = self.charge_replies(pipe).await? else {
+            return Ok(charges);
+        };
+        for ((_, i), reply) in one_by_one.iter().zip(replies) {
+            if let (Some(c), Ok(v)) = (charges.get_mut(*i), reply) {
+                *c = if u64_of(&v) == Some(1) {
+                    Charge::Charged
+                } else {
+                    Charge::Refused
+                };
+            }
+        }
+        Ok(charges)
+    }
+
+    /// Runs a pipeline of `charge` commands: `None` when, on a cluster, no
+    /// budget shard answered (the entries then go uncharged, see
+    /// [`Charge::Skipped`]); a single server that does not answer fails the
+    /// append as it would anyway.
+    async fn charge_replies(
+        &self,
+        pipe: Pipeline,
+    ) -> Result<Option<Vec<Result<Value, StoreError>>>, StoreError> {
+        match self
+            .eval_batch_each(&self.scripts.charge, pipe, false, "append")
+            .await
+        {
+            Ok(replies) => Ok(Some(replies)),
+            Err(e) if !self.is_cluster() => Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "peer byte budgets unavailable; appending uncharged");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Gives bytes back to peers' budgets: `(peer, delegation, bytes)`,
+    /// `None` for everything the delegation holds of that peer's budget. A
+    /// failure is only logged: the budget then stays charged (the safe
+    /// side) until the delegation is dropped.
+    async fn uncharge<'a>(
+        &self,
+        items: impl Iterator<Item = (&'a PeerId, &'a DelegationKey, Option<u64>)>,
+    ) {
+        let mut pipe = pipeline();
+        for (peer, key, bytes) in items {
+            let mut cmd = evalsha(&self.scripts.uncharge, &[&peer_bytes_key(peer)]);
+            cmd.arg(key.to_string())
+                .arg(bytes.map(|b| b.to_string()).unwrap_or_default());
+            pipe.add_command(cmd);
+        }
+        if pipe.is_empty() {
+            return;
+        }
+        let result = self
+            .eval_batch(&self.scripts.uncharge, pipe, false, "uncharge")
+            .await
+            .and_then(|values| first_error(&values, "uncharge"));
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "giving bytes back to a peer budget failed");
+        }
     }
 
     /// Metas of `keys` (None where gone), one round trip.
@@ -494,6 +633,23 @@ impl RedisStore {
             })
             .collect()
     }
+}
+
+/// What the peer budget said about one entry of an append batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Charge {
+    /// A relay entry: not charged.
+    Exempt,
+    /// Charged; given back if the entry is not appended.
+    Charged,
+    /// The budget is full: the append script refuses the entry (after its
+    /// own checks, so a resend is still a `Duplicate`).
+    Refused,
+    /// The budget's shard (a Redis Cluster node) did not answer: the entry
+    /// is appended uncharged, held to its delegation's budget only, so that
+    /// a shard outage stalls only the delegations on that shard, not every
+    /// peer whose budget lives there.
+    Skipped,
 }
 
 /// A delay in whole milliseconds, as the cluster client's retry settings take it.
@@ -542,8 +698,9 @@ impl EventStore for RedisStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
+        let charges = self.charge(&reqs).await?;
         let mut pipe = pipeline();
-        for req in &reqs {
+        for (req, charge) in reqs.iter().zip(&charges) {
             let keys = DelegationKeys::new(&req.key);
             let (log, other) = keys.logs(req.dir);
             let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, log, other]);
@@ -552,32 +709,69 @@ impl EventStore for RedisStore {
                 Direction::Up => "u",
             })
             .arg(req.seq);
-            match req.origin {
-                Origin::Relay => cmd.arg("r"),
-                Origin::Peer(instance) => cmd.arg(instance.to_hex()),
+            let sender = match &req.origin {
+                Origin::Relay => {
+                    cmd.arg("r");
+                    ""
+                }
+                Origin::Peer { peer, instance } => {
+                    cmd.arg(instance.to_hex());
+                    peer.as_str()
+                }
             };
             cmd.arg(req.terminal.map_or("", Outcome::name))
                 .arg(req.frame.as_ref())
                 .arg(req.now_ms)
                 .arg(self.maxlen)
                 .arg(self.ttl_ms)
-                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
+                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
+                .arg(sender)
+                .arg(req.key.caller.as_str())
+                .arg(self.retention.max_delegation_bytes)
+                .arg(if *charge == Charge::Refused { "0" } else { "1" });
             pipe.add_command(cmd);
         }
-        let replies = self
-            .eval_batch_each(&self.scripts.append, pipe, false, "append")
-            .await?;
+        let mut replies = if pipe.is_empty() {
+            Vec::new()
+        } else {
+            self.eval_batch_each(&self.scripts.append, pipe, false, "append")
+                .await?
+        }
+        .into_iter();
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut finished = Vec::new();
-        for (req, reply) in reqs.iter().zip(replies) {
-            let Ok(reply) = reply else {
-                // Its shard did not answer; the others went on.
+        let mut give_back = Vec::new();
+        for (req, charge) in reqs.iter().zip(charges) {
+            let Some(Ok(reply)) = replies.next() else {
+                // Its shard did not answer; the others went on. A charge
+                // taken for it stays until its delegation is dropped (the
+                // entry may be stored).
                 outcomes.push(AppendOutcome::Unavailable);
                 continue;
             };
-            let (outcome, fin) = parse_append(req, reply)?;
+            let (outcome, fin, trimmed) = parse_append(req, reply)?;
+            if charge == Charge::Charged {
+                match outcome {
+                    AppendOutcome::Appended { .. } if trimmed > 0 => {
+                        give_back.push((req, Some(trimmed)));
+                    }
+                    AppendOutcome::Appended { .. } => {}
+                    _ => give_back.push((req, Some(req.frame.len() as u64))),
+                }
+            }
             outcomes.push(outcome);
             finished.extend(fin);
+        }
+        if !give_back.is_empty() {
+            self.uncharge(
+                give_back
+                    .iter()
+                    .filter_map(|(req, bytes)| match &req.origin {
+                        Origin::Peer { peer, .. } => Some((peer, &req.key, *bytes)),
+                        Origin::Relay => None,
+                    }),
+            )
+            .await;
         }
         if !finished.is_empty() {
             self.index_finished(&finished).await;
@@ -620,6 +814,19 @@ impl EventStore for RedisStore {
             return Ok(None);
         }
         parse_meta(key, &fields).map(Some)
+    }
+
+    async fn callee_of(&self, key: &DelegationKey) -> Result<Option<PeerId>, StoreError> {
+        let mut cmd = redis::cmd("HGET");
+        cmd.arg(DelegationKeys::new(key).meta)
+            .arg(meta_field::CALLEE);
+        match self.query(&cmd, true, "HGET").await? {
+            Value::Nil => Ok(None),
+            v => str_of(&v)
+                .and_then(|s| PeerId::new(s).ok())
+                .map(Some)
+                .ok_or_else(|| corrupt(format!("delegation {key}: bad callee {}", excerpt(&v)))),
+        }
     }
 
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
@@ -722,6 +929,7 @@ impl EventStore for RedisStore {
             // the delegation is gone), then the peer sets if it is.
             let mut cleanup = pipeline();
             let mut counted = Vec::with_capacity(parsed.len());
+            let mut dropped = Vec::new();
             for (member, target) in parsed {
                 let position = cleanup.len();
                 cleanup.zrem(FINISHED_KEY, member);
@@ -739,10 +947,18 @@ impl EventStore for RedisStore {
                         .srem(peer_set_key(&key.caller), &k)
                         .srem(peer_set_key(&callee), &k);
                     counted.push(position);
+                    dropped.push((key, callee));
                 }
             }
             let removed = self.query_pipeline(&cleanup, true, "expire").await?;
             first_error(&removed, "expire")?;
+            // The dropped delegations' bytes leave their peers' budgets.
+            self.uncharge(
+                dropped
+                    .iter()
+                    .flat_map(|(key, callee)| [(&key.caller, key, None), (callee, key, None)]),
+            )
+            .await;
             // Count an entry once, by whoever removed it from the index.
             expired += counted
                 .into_iter()

@@ -14,7 +14,7 @@ use redis::{RedisError, ServerErrorKind, Value};
 
 use super::keys::{LEFT_SUFFIX, meta_field};
 use crate::store::{
-    AppendOutcome, AppendRequest, DelegationMeta, Liveness, ReadOutcome, StoreError,
+    AppendOutcome, AppendRequest, Budget, DelegationMeta, Liveness, ReadOutcome, StoreError,
 };
 
 pub(super) fn unavailable(context: &str, e: &RedisError) -> StoreError {
@@ -168,11 +168,12 @@ pub(super) struct Finished {
     pub(super) callee: PeerId,
 }
 
-/// Parses one `append` script reply.
+/// Parses one `append` script reply: the outcome, the index work if it set
+/// the terminal, and the bytes the log's trim dropped.
 pub(super) fn parse_append(
     req: &AppendRequest,
     v: Value,
-) -> Result<(AppendOutcome, Option<Finished>), StoreError> {
+) -> Result<(AppendOutcome, Option<Finished>, u64), StoreError> {
     let items = reply_array(v, "append")?;
     let code = items.first().and_then(str_of);
     let num = |i: usize| -> Result<u64, StoreError> {
@@ -182,7 +183,9 @@ pub(super) fn parse_append(
             .ok_or_else(|| corrupt(format!("append reply {code:?} lacks a number")))
     };
     let outcome = match code {
-        Some("A") => AppendOutcome::Appended { seq: req.seq },
+        Some("A") => {
+            return Ok((AppendOutcome::Appended { seq: req.seq }, None, num(1)?));
+        }
         Some("F") => {
             let deadline_ms = num(1)?;
             let callee = items
@@ -196,7 +199,11 @@ pub(super) fn parse_append(
                 terminal_ms: req.now_ms,
                 callee,
             };
-            return Ok((AppendOutcome::Appended { seq: req.seq }, Some(finished)));
+            return Ok((
+                AppendOutcome::Appended { seq: req.seq },
+                Some(finished),
+                num(3)?,
+            ));
         }
         Some("D") => AppendOutcome::Duplicate { tail: num(1)? },
         Some("H") => AppendOutcome::Hole { tail: num(1)? },
@@ -207,9 +214,17 @@ pub(super) fn parse_append(
             outcome: parse_terminal(items.get(1))?.unwrap_or(Outcome::Unknown),
         },
         Some("U") => AppendOutcome::Unknown,
+        Some("P") => AppendOutcome::NotParty,
+        Some("B") => AppendOutcome::OverBudget {
+            budget: match items.get(1).and_then(str_of) {
+                Some("d") => Budget::Delegation,
+                Some("p") => Budget::Peer,
+                other => return Err(corrupt(format!("append: unknown budget {other:?}"))),
+            },
+        },
         other => return Err(corrupt(format!("append: unexpected reply {other:?}"))),
     };
-    Ok((outcome, None))
+    Ok((outcome, None, 0))
 }
 
 /// Parses a `read` script reply.

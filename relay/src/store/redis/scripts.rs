@@ -28,12 +28,35 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// terminal (outcome name or empty), frame, now, maxlen, ttl, wake channel
 /// (or empty: when set, an appended entry is also published there as
 /// `W<frame>`, atomically with the append, so a wake-up is never lost
-/// between the two).
+/// between the two), sender peer, the delegation's caller,
+/// `max_delegation_bytes`, `1` if the sender's bytes were charged to its
+/// peer budget (`charge`) or `0` if that budget refused them.
 ///
-/// Returns `{'A'}` appended, `{'F', deadline, callee}` appended and it set
-/// the terminal, `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
-/// `{'T', outcome or ''}` (already terminal) or `{'U'}` (unknown).
+/// A peer's entry is refused `{'P'}` unless the sender is the caller (down)
+/// or the meta's callee (up); then the sequence checks; then `{'B', 'd'}`
+/// if the two logs' held bytes (`db` + `ub`) plus the frame pass
+/// `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
+/// Every append adds the frame to its log's held bytes and takes off what
+/// `MAXLEN` trimmed.
+///
+/// Returns `{'A', trimmed}` appended, `{'F', deadline, callee, trimmed}`
+/// appended and it set the terminal (`trimmed`: bytes the trim dropped from
+/// this log), `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
+/// `{'T', outcome or ''}` (already terminal), `{'P'}`, `{'B', 'd'|'p'}` or
+/// `{'U'}` (unknown).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
+
+/// `charge`: KEYS the peer's byte budget hash; ARGV `max_peer_bytes`, then
+/// pairs of delegation member (`<caller>#<rid>`) and bytes. Adds every
+/// pair's bytes to its member and their sum to `total`, unless `total`
+/// would pass the budget: then nothing. Returns 1 if charged, 0 if refused.
+const CHARGE_LUA: &str = include_str!("lua/charge.lua");
+
+/// `uncharge`: KEYS the peer's byte budget hash; ARGV delegation member,
+/// bytes (empty: everything the member holds). Gives back at most what the
+/// member holds, drops the member at zero and the hash when `total` is
+/// zero. Returns 1.
+const UNCHARGE_LUA: &str = include_str!("lua/uncharge.lua");
 
 /// `read`: KEYS meta, log; ARGV tail field, after, after + 1, limit.
 /// Returns `{'U'}`, `{'L', tail, term}`, `{'T', first, term}` or
@@ -83,6 +106,8 @@ pub(super) struct Scripts {
     pub(super) append: Script,
     pub(super) read: Script,
     pub(super) expire: Script,
+    pub(super) charge: Script,
+    pub(super) uncharge: Script,
 }
 
 impl Scripts {
@@ -92,6 +117,8 @@ impl Scripts {
             append: Script::new(APPEND_LUA),
             read: Script::new(READ_LUA),
             expire: Script::new(EXPIRE_LUA),
+            charge: Script::new(CHARGE_LUA),
+            uncharge: Script::new(UNCHARGE_LUA),
         }
     }
 }
@@ -147,6 +174,8 @@ impl RedisStore {
             &self.scripts.append,
             &self.scripts.read,
             &self.scripts.expire,
+            &self.scripts.charge,
+            &self.scripts.uncharge,
         ] {
             s.load_async(&mut conn)
                 .await
@@ -167,11 +196,21 @@ mod tests {
     #[test]
     fn scripts_keep_their_sha1_names() {
         for (name, text, sha1) in [
-            ("open", OPEN_LUA, "47f201094a3c3cf1be723f924ae62bd3124270c8"),
+            ("open", OPEN_LUA, "b4c42765be162ecda44f3b15da83bf144b3b7c09"),
             (
                 "append",
                 APPEND_LUA,
-                "c6a9bee7bcf280be8eb130edb6efeae6c2c3b14f",
+                "6cdd28957c47136d3bbcda77b2541bcd4975af29",
+            ),
+            (
+                "charge",
+                CHARGE_LUA,
+                "5eefbc9586d4caea5df5f095b47433bb7a7ed6dd",
+            ),
+            (
+                "uncharge",
+                UNCHARGE_LUA,
+                "e6220f8204f3e0f0575c91cb3380492f46fa0fa1",
             ),
             ("read", READ_LUA, "f9d709c25643464a26e803ebdd14e33ad4f36b11"),
             (
