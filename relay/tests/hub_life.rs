@@ -343,7 +343,10 @@ fn terminal_request(request: &str) -> oab_relay::store::AppendRequest {
         dir: Direction::Up,
         seq: 1,
         terminal: Some(Outcome::Completed),
-        origin: oab_relay::store::Origin::Peer(oab_wire::InstanceId::random()),
+        origin: oab_relay::store::Origin::Peer {
+            peer: open_request(request).callee,
+            instance: oab_wire::InstanceId::random(),
+        },
         frame: oab_wire::encode(&data(
             request,
             Direction::Up,
