@@ -45,6 +45,9 @@ pub struct ConnectorRole {
     pub facade_listen: Option<SocketAddr>,
     /// `a2a.driver_url` (callee side): the local A2A server.
     pub driver_url: Option<String>,
+    /// `a2a.default_timeout_ms`: the deadline of the delegations the
+    /// facade starts.
+    pub default_timeout_ms: u64,
 }
 
 /// A running `oab-connector run` child.
@@ -205,8 +208,9 @@ fn config_text(
          max_deadline_ms = 3600000\n\n\
          [a2a]\n\
          default_capabilities = [\"read:repo\"]\n\
-         default_timeout_ms = 600000\n",
+         default_timeout_ms = {timeout}\n",
         n = role.max_concurrent,
+        timeout = role.default_timeout_ms,
     );
     if let Some(addr) = role.facade_listen {
         let _ = writeln!(text, "facade_listen = \"{addr}\"");
@@ -234,6 +238,7 @@ mod tests {
             max_concurrent: 64,
             facade_listen: Some("127.0.0.1:7070".parse().unwrap()),
             driver_url: Some("http://127.0.0.1:9999".into()),
+            default_timeout_ms: 30_000,
         };
         let text = config_text(
             &setup,
@@ -248,6 +253,7 @@ mod tests {
         assert_eq!(c.peers.len(), 1);
         assert_eq!(c.policy.max_concurrent, 64);
         assert!(c.a2a.facade_listen.is_some() && c.a2a.driver_url.is_some());
+        assert_eq!(c.a2a.default_timeout_ms, Some(30_000));
     }
 
     #[test]

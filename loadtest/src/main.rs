@@ -95,8 +95,9 @@ Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
   oab-loadtest --check cross-instance --rounds 1 --seconds 1 --latency-seconds 1 --node-lease-ms 1500
 
-The short soak (about a minute in a debug build; needs oab-connector built):
-  oab-loadtest --check soak --delegations 20000 --finished-ttl-ms 3000 --probe 500
+The short soak (about 90 s in a debug build; needs oab-connector built):
+  oab-loadtest --check soak --delegations 10000 --finished-ttl-ms 3000 --probe 500 \
+      --in-flight 8 --facade-in-flight 64
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation

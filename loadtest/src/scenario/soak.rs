@@ -72,9 +72,9 @@ pub const MAX_BYTES_PER_DELEGATION: f64 = 50.0;
 /// The value is a chosen margin, not a measured one: on the code this
 /// scenario was written against every process still grows by kilobytes per
 /// delegation, so the noise of a flat process could not be measured yet;
-/// narrow it once it can. With it, a short run of 20,000 delegations
-/// (10,000 in its second half) flags growth above ~210 B per delegation,
-/// a full run of 200,000 anything above 50 B.
+/// narrow it once it can. With it, the short test's 10,000 delegations
+/// (5,000 in the second half) flag growth above ~420 B per delegation, a
+/// full run of 200,000 anything above 50 B.
 pub const RSS_NOISE_BYTES: u64 = 2 << 20;
 
 /// `state_dir` growth below this never fails `--check`, bytes: a few state
@@ -103,6 +103,16 @@ pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// without a bound it would finish its half first and leave the second half
 /// of the run to the facade alone.
 const PACE_LEAD: u64 = 64;
+
+/// The deadline of every soak delegation (library and facade). A callee
+/// keeps each request in its replay cache until the request's deadline
+/// (`oab_connector::nonce`, 65,536 live requests by default, then it
+/// refuses new ones as `saturated`), so the finish rate times the deadline
+/// must stay under that: 30 s allows about 2,000 delegations/s. The
+/// delegations themselves end in milliseconds. (With the benchmarks' usual
+/// 600 s deadline, connector B refused every delegation after about
+/// 65,000 at ~400/s.)
+pub const DELEGATION_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Failure messages kept for the report (the count is always exact).
 const MAX_FAILURE_SAMPLES: usize = 8;
@@ -260,8 +270,10 @@ impl Load {
     /// Delegate, wait for the terminal, verify it.
     async fn library_one(&self, i: u64) -> Result<(), String> {
         let caller = self.library.caller();
+        let mut spec = new_delegation(format!("soak {i}"));
+        spec.deadline = DELEGATION_DEADLINE;
         let h = caller
-            .delegate(&self.callee, new_delegation(format!("soak {i}")))
+            .delegate(&self.callee, spec)
             .await
             .map_err(|e| format!("library #{i}: delegate: {e}"))?;
         let t = caller
@@ -651,6 +663,7 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
             max_concurrent: CONNECTOR_MAX_CONCURRENT,
             facade_listen: None,
             driver_url: Some(agent.url().to_string()),
+            default_timeout_ms: DELEGATION_DEADLINE.as_millis() as u64,
         },
     )?;
     let mut a = ConnectorProcess::start(
@@ -664,6 +677,7 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
             max_concurrent: CONNECTOR_MAX_CONCURRENT,
             facade_listen: Some(facade_addr),
             driver_url: None,
+            default_timeout_ms: DELEGATION_DEADLINE.as_millis() as u64,
         },
     )?;
     let http = reqwest::Client::new();
@@ -956,6 +970,7 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
                 "finished_ttl_ms": opts.finished_ttl_ms,
                 "max_log_entries": common.tuning.max_log_entries,
                 "delegation_timeout_s": opts.delegation_timeout.as_secs_f64(),
+                "delegation_deadline_s": DELEGATION_DEADLINE.as_secs_f64(),
                 "connector_bin": opts.connector_bin.display().to_string(),
                 "thresholds": {
                     "max_bytes_per_delegation": MAX_BYTES_PER_DELEGATION,
