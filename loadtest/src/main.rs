@@ -318,7 +318,7 @@ enum Command {
     /// delegations (store.finished_ttl_ms plus 10 s at most) and a last
     /// sample. --check fails when a delegation did not complete, or when
     /// a process's RSS grows by 50 B or more per delegation over the second
-    /// half or from the end of the probe to idle, or a state_dir or Redis
+    /// half or from the start of the second half to idle, or a state_dir or Redis
     /// is not back at idle within 50 B per delegation (growth under a
     /// noise floor never fails).
     Soak(SoakArgs),
