@@ -13,11 +13,11 @@
 //! cargo build -p oab-relay -p oab-connector && cargo test -p oab-loadtest --test soak
 //! ```
 //!
-//! Size: a debug build does about 130 delegations/s on 2 shared cores
+//! Size: a debug build does 130-230 delegations/s on 2 shared cores
 //! (relay, both connectors, Redis and this process on them), so 10,000
-//! plus the probe take about 80 s; 20,000 took 161 s, over the 2 minutes a
+//! plus the probe take 60-80 s; 20,000 took 161 s, over the 2 minutes a
 //! test in `scripts/test` may take. A release build would run 20,000 in
-//! 40 s but costs a second full build of the workspace. With 5,000
+//! 40 s but costs a second full build of the workspace (13 minutes here). With 5,000
 //! delegations in the second half and the 2 MiB RSS noise floor, this run
 //! flags a process growing by more than ~420 B per delegation (today's
 //! leaks are 2-25 KB); the full run (200,000 delegations, release build,
