@@ -114,6 +114,16 @@ pub fn start_caller(setup: &Setup, relay: SocketAddr) -> anyhow::Result<Connecto
     )
 }
 
+/// Starts a caller-only connector for `id` (one of the [`Setup`]'s extra
+/// callers) dialing `relay`.
+pub fn start_caller_as(
+    setup: &Setup,
+    id: &Identity,
+    relay: SocketAddr,
+) -> anyhow::Result<Connector> {
+    start(setup, link_settings(setup, id, relay), None, None, None)
+}
+
 /// Starts a connector for the run's caller dialing `relay` that keeps its
 /// delegations in the state folder `state` (a later connector on the same
 /// folder takes them back with `restore()`, as a restarted process does).

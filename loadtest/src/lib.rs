@@ -13,14 +13,18 @@
 //! | [`traffic`] | benchmark frames, their stamps, and the receivers' correctness checks |
 //! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
 //! | [`connectors`] | real connectors against the relay under test: options, requests, a waitable audit sink |
-//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer`, `cross-instance` |
+//! | [`connector_process`] | a connector as its own process: the `oab-connector` binary on a generated config, its RSS and `state_dir` size |
+//! | [`a2a_agent`] | an A2A agent that answers every message with a completed task at once, behind a connector's driver |
+//! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer`, `cross-instance`, `soak` |
 //! | [`report`] | tables, JSON documents, violations |
 //! | [`chart`] | an SVG chart of the throughput and latency results |
 //!
 //! The binary `oab-loadtest` parses flags and calls [`scenario`]; `--help`
 //! explains each scenario.
 
+pub mod a2a_agent;
 pub mod chart;
+pub mod connector_process;
 pub mod connectors;
 pub mod direct;
 pub mod endpoint;

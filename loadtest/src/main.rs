@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use oab_loadtest::connector_process::find_connector_bin;
 use oab_loadtest::relay::{
     RedisPersistence, RelayMode, SharedStoreKind, StoreKind, find_relay_bin,
 };
@@ -18,6 +20,7 @@ use oab_loadtest::scenario::latency::LatencyOptions;
 use oab_loadtest::scenario::reconnect_storm::{LinkFault, ReconnectStormOptions};
 use oab_loadtest::scenario::sessions::SessionsOptions;
 use oab_loadtest::scenario::slow_consumer::SlowConsumerOptions;
+use oab_loadtest::scenario::soak::SoakOptions;
 use oab_loadtest::scenario::throughput::ThroughputOptions;
 use oab_loadtest::scenario::{self, Common};
 use oab_loadtest::setup::Tuning;
@@ -73,6 +76,13 @@ Scenarios:
               throughput and round-trip latency with caller and callee on
               one instance against one on each, in the same run, with
               ratios
+  soak        200,000 delegations (library caller and A2A facade ->
+              relay on Redis -> connector B's A2A driver -> an agent
+              answering at once), relay and both connectors as their own
+              processes: RSS of each, both state_dirs, Redis keys and
+              used_memory at checkpoints; growth per delegation over the
+              second half and back at idle; Redis bytes per finished
+              delegation
   chart       an SVG of throughput.json and latency.json (no scenario)
 
 Short correctness smoke runs (each well under 20 s in a debug build):
@@ -85,12 +95,16 @@ Short correctness smoke runs (each well under 20 s in a debug build):
   oab-loadtest --check slow-consumer --pairs 2 --stall-seconds 2
   oab-loadtest --check cross-instance --rounds 1 --seconds 1 --latency-seconds 1 --node-lease-ms 1500
 
+The short soak (about 90 s in a debug build; needs oab-connector built):
+  oab-loadtest --check soak --delegations 10000 --finished-ttl-ms 3000 --probe 500 \
+      --in-flight 8 --facade-in-flight 64
+
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
 without exactly one verified terminal, or without its terminal at the
 caller by a deadline; caller, callee and the relay's log disagreeing; an
 event lost, duplicated, reordered or never emitted; an executor run twice;
-never a timing); 2 the run could not be carried out; 130 interrupted.";
+a footprint growing with the delegations in soak; never a timing); 2 the run could not be carried out; 130 interrupted.";
 
 #[derive(Debug, Parser)]
 #[command(name = "oab-loadtest", version, about = ABOUT, long_about = LONG_ABOUT)]
@@ -100,7 +114,9 @@ struct Cli {
     /// without exactly one verified terminal (or without its terminal at the
     /// caller by a deadline), caller, callee and the relay's log disagreeing
     /// on it, an event lost, duplicated, reordered or never emitted, or an
-    /// executor run more than once. Timings never fail a run.
+    /// executor run more than once; in `soak`, a process's memory, a
+    /// `state_dir` or Redis growing with the number of delegations. Timings
+    /// never fail a run.
     #[arg(long, global = true)]
     check: bool,
     /// Where to write the JSON results [default: loadtest-results/<scenario>.json].
@@ -285,6 +301,59 @@ enum Command {
     /// p50/p99 per offered load, relay vs direct. Runs nothing; --out is
     /// the SVG file.
     Chart(ChartArgs),
+    /// Many delegations through the relay and two connector processes:
+    /// does anything grow with their number?
+    ///
+    /// The relay (oab-relay, Redis store) and two `oab-connector run`
+    /// processes: connector A serves the A2A facade, connector B drives an
+    /// agent inside this process that answers every message with a
+    /// completed task at once. Half the delegations go through a library
+    /// connector in this process (delegate, wait, verify, --in-flight
+    /// workers), half are blocking A2A SendMessage requests (with the
+    /// delegation profile) to connector A's facade (--facade-in-flight
+    /// workers). First a retention probe (--probe delegations,
+    /// sampled at once: Redis keys and bytes and state_dir files and bytes
+    /// per finished delegation), then --delegations sampled at
+    /// --checkpoints points, then idle until Redis has dropped the finished
+    /// delegations (store.finished_ttl_ms plus 10 s at most) and a last
+    /// sample. --check fails when a delegation did not complete, or when
+    /// a process's RSS grows by 50 B or more per delegation over the second
+    /// half or from the start of the second half to idle, or a state_dir or Redis
+    /// is not back at idle within 50 B per delegation (growth under a
+    /// noise floor never fails).
+    Soak(SoakArgs),
+}
+
+#[derive(Debug, Args)]
+struct SoakArgs {
+    /// Delegations of the main run, both paths together.
+    #[arg(long, default_value_t = 200_000)]
+    delegations: u64,
+    /// Library-path workers, one delegation in flight each.
+    #[arg(long, default_value_t = 16)]
+    in_flight: usize,
+    /// Facade-path workers, one blocking SendMessage in flight each.
+    #[arg(long, default_value_t = 128)]
+    facade_in_flight: usize,
+    /// Samples during the main run.
+    #[arg(long, default_value_t = 20)]
+    checkpoints: u32,
+    /// Delegations of the retention probe before the main run (keep it
+    /// short of --finished-ttl-ms, so all of them are still retained when
+    /// it is sampled).
+    #[arg(long, default_value_t = 2_000)]
+    probe: u64,
+    /// The relay's store.finished_ttl_ms: how long Redis keeps a finished
+    /// delegation. Keep it well under half the run, so Redis is at its
+    /// plateau in the second half.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    finished_ttl_ms: u64,
+    /// The oab-connector binary [default: next to this executable].
+    #[arg(long, value_name = "PATH")]
+    connector_bin: Option<PathBuf>,
+    /// How long one delegation may take before it counts as failed.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    delegation_timeout_seconds: f64,
 }
 
 #[derive(Debug, Args)]
@@ -832,6 +901,25 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 node_lease_ms: a.node_lease_ms,
             };
             scenario::cross_instance::run(&opts, common).await
+        }
+        Command::Soak(a) => {
+            positive("--delegation-timeout-seconds", a.delegation_timeout_seconds)
+                .map_err(anyhow::Error::msg)?;
+            let connector_bin = find_connector_bin(a.connector_bin.as_deref()).context(
+                "the oab-connector binary is not next to this executable: build it \
+                 (cargo build --release -p oab-connector) or pass --connector-bin",
+            )?;
+            let opts = SoakOptions {
+                delegations: a.delegations.max(1),
+                in_flight: a.in_flight.max(1),
+                facade_in_flight: a.facade_in_flight.max(1),
+                checkpoints: a.checkpoints.max(2),
+                probe: a.probe,
+                finished_ttl_ms: a.finished_ttl_ms.max(1),
+                connector_bin,
+                delegation_timeout: Duration::from_secs_f64(a.delegation_timeout_seconds),
+            };
+            scenario::soak::run(&opts, common).await
         }
         Command::Chart(_) => anyhow::bail!("chart runs no scenario"),
     }

@@ -398,6 +398,19 @@ impl RelayUnderTest {
         r.context("restarting redis-server")
     }
 
+    /// Keys and memory of the relay's own `redis-server` (`DBSIZE`,
+    /// `INFO memory`). Fails on the memory store.
+    pub async fn redis_footprint(&self) -> anyhow::Result<RedisFootprint> {
+        let server = self
+            ._redis
+            .as_ref()
+            .context("the relay runs on no redis-server of its own")?;
+        let mut s = tokio::net::UnixStream::connect(server.socket_path())
+            .await
+            .context("connecting to redis-server")?;
+        redis_footprint(&mut s).await
+    }
+
     /// The tail of the child's log (stderr), for error messages.
     pub fn log_tail(&self) -> String {
         match &self.running {
@@ -763,6 +776,37 @@ fn parse_resp(buf: &[u8]) -> anyhow::Result<Option<(Resp, usize)>> {
         }
         _ => bail!("unexpected redis reply {line:?}"),
     }
+}
+
+/// What a `redis-server` holds: its key count and its allocator's view of
+/// its memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RedisFootprint {
+    /// `DBSIZE`.
+    pub keys: u64,
+    /// `used_memory` from `INFO memory`, bytes.
+    pub used_memory: u64,
+}
+
+/// `DBSIZE` and `INFO memory` on a Redis connection.
+async fn redis_footprint<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+) -> anyhow::Result<RedisFootprint> {
+    let Resp::Int(keys) = redis_command(s, &["DBSIZE"]).await? else {
+        bail!("DBSIZE answered something other than a number");
+    };
+    let Resp::Text(body) = redis_command(s, &["INFO", "memory"]).await? else {
+        bail!("INFO memory answered something other than text");
+    };
+    let used_memory = body
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .context("INFO memory without used_memory")?;
+    Ok(RedisFootprint {
+        keys: u64::try_from(keys).unwrap_or(0),
+        used_memory,
+    })
 }
 
 /// `used_cpu_sys + used_cpu_user` from `INFO cpu` on a Redis connection.

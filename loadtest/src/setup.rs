@@ -98,6 +98,9 @@ pub struct Setup {
     /// Extra (caller, callee) peers, each with a route caller -> callee
     /// (the `slow-consumer` scenario's independent pairs).
     pub pairs: Vec<(Identity, Identity)>,
+    /// Extra callers of the benchmark callee, each with a route to it (the
+    /// `soak` scenario's library caller, beside the facade's connector).
+    pub extra_callers: Vec<Identity>,
     /// The settings changed from the relay's defaults.
     pub tuning: Tuning,
 }
@@ -121,6 +124,11 @@ pub fn pair_peer_ids(i: usize) -> (String, String) {
     (format!("pair/c{i:04}"), format!("pair/e{i:04}"))
 }
 
+/// The peer id of extra caller `i` (routed to [`CALLEE`]).
+pub fn extra_caller_peer_id(i: usize) -> String {
+    format!("bench/caller-{i}")
+}
+
 /// The peer id of idle peer `i`.
 pub fn idle_peer_id(i: usize) -> String {
     format!("idle/p{i:06}")
@@ -136,6 +144,17 @@ impl Setup {
     /// As [`Setup::new`], plus `pairs` extra (caller, callee) peers, each
     /// pair with its own route.
     pub fn with_pairs(idle_peers: usize, pairs: usize, tuning: Tuning) -> anyhow::Result<Setup> {
+        Setup::with_callers(idle_peers, pairs, 0, tuning)
+    }
+
+    /// As [`Setup::with_pairs`], plus `extra_callers` peers that each have
+    /// a route to the benchmark callee.
+    pub fn with_callers(
+        idle_peers: usize,
+        pairs: usize,
+        extra_callers: usize,
+        tuning: Tuning,
+    ) -> anyhow::Result<Setup> {
         oab_relay::tls::install_crypto_provider();
         let dir = tempfile::Builder::new()
             .prefix("oab-loadtest-")
@@ -159,6 +178,14 @@ impl Setup {
                 Ok((
                     Identity::generate(peer(&c)?, key_id.clone()),
                     Identity::generate(peer(&e)?, key_id.clone()),
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let extra_callers = (0..extra_callers)
+            .map(|i| {
+                Ok(Identity::generate(
+                    peer(&extra_caller_peer_id(i))?,
+                    key_id.clone(),
                 ))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
@@ -209,6 +236,7 @@ impl Setup {
             .chain(std::iter::once(&callee))
             .chain(idle.iter())
             .chain(pairs.iter().flat_map(|(c, e)| [c, e]))
+            .chain(extra_callers.iter())
         {
             let _ = write!(
                 text,
@@ -223,6 +251,14 @@ impl Setup {
             "\n[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\nmax_open = 100000\n\
              ceiling = [\"read:*\"]\n"
         );
+        for c in &extra_callers {
+            let _ = write!(
+                text,
+                "\n[[routes]]\nfrom = \"{}\"\nto = \"{CALLEE}\"\nmax_open = 100000\n\
+                 ceiling = [\"read:*\"]\n",
+                c.peer
+            );
+        }
         for (c, e) in &pairs {
             let _ = write!(
                 text,
@@ -248,6 +284,7 @@ impl Setup {
             callee,
             idle,
             pairs,
+            extra_callers,
             tuning,
         })
     }
@@ -281,5 +318,19 @@ mod tests {
         assert_eq!(s.config.limits.slow_consumer_ms, 500);
         assert_eq!(s.config.relay.heartbeat_ms, 100);
         assert_eq!(s.pairs[1].1.peer.as_str(), "pair/e0001");
+    }
+
+    #[test]
+    fn extra_callers_are_routed_to_the_callee() {
+        let s = Setup::with_callers(0, 0, 2, Tuning::default()).unwrap();
+        assert_eq!(s.config.peers.len(), 4);
+        assert_eq!(s.config.routes.len(), 3);
+        assert_eq!(s.extra_callers[1].peer.as_str(), "bench/caller-1");
+        assert!(
+            s.config
+                .routes
+                .iter()
+                .any(|r| r.from.as_str() == "bench/caller-1" && r.to.as_str() == CALLEE)
+        );
     }
 }

@@ -12,6 +12,7 @@
 //! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
 //! | [`reconnect_storm`] | link cuts, resets, stalls and away faults on both links, relay kills, Redis kills, caller restarts, library or A2A path: every delegation ends once at the caller, nothing lost, repeated or rerun |
 //! | [`cross_instance`] | two relay instances over one Redis: cross-instance throughput and latency against one instance, ratios |
+//! | [`soak`] | hundreds of thousands of delegations through the relay (Redis) and two connector processes, library and A2A paths: RSS, `state_dir` and Redis at checkpoints, growth per delegation, the idle plateau |
 
 pub mod cancel_race;
 pub mod cross_instance;
@@ -20,6 +21,7 @@ pub mod latency;
 pub mod reconnect_storm;
 pub mod sessions;
 pub mod slow_consumer;
+pub mod soak;
 pub mod throughput;
 
 use std::time::Duration;
