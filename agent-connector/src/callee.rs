@@ -106,7 +106,7 @@ impl StopReason {
             StopReason::Refusal(m) => Some(format!("refused: {m}")),
             StopReason::LimitExceeded(m) => Some(format!("limit exceeded: {m}")),
             StopReason::Error(m) => Some(m.clone()),
-            StopReason::Deadline => Some("deadline passed".into()),
+            StopReason::Deadline => Some(oab_wire::EXPIRED_REASON.into()),
             StopReason::Cancelled => Some("cancelled".into()),
             StopReason::Rejected(m) => Some(format!("rejected: {m}")),
             StopReason::EndTurn => None,

@@ -1074,8 +1074,16 @@ async fn open_delegations_of_lists_only_those_without_a_terminal<S: EventStore>(
     created(s, open_req(&ab, "acme/b", 5_000, 1)).await;
     created(s, open_req(&ab2, "acme/b", 5_000, 1)).await;
     created(s, open_req(&ca, "acme/a", 5_000, 1)).await;
-    append1(s, terminal_entry(&ab, 1, Outcome::Completed, 20)).await;
-    append1(s, terminal_entry(&ca, 1, Outcome::Failed, 20)).await;
+    append1(
+        s,
+        sent_by(terminal_entry(&ab, 1, Outcome::Completed, 20), "acme/b"),
+    )
+    .await;
+    append1(
+        s,
+        sent_by(terminal_entry(&ca, 1, Outcome::Failed, 20), "acme/a"),
+    )
+    .await;
     let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
     // Caller side and callee side; the finished ones are left out.
     assert_eq!(

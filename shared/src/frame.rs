@@ -150,6 +150,11 @@ impl Direction {
     }
 }
 
+/// The reason an `expired` terminal carries, whoever wrote it (the relay's
+/// sweeper, or the callee when the deadline stopped its worker): which of the
+/// two wins is a race, so a caller sees the same reason either way.
+pub const EXPIRED_REASON: &str = "the deadline passed with no terminal";
+
 /// The one terminal outcome of a delegation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -131,18 +131,21 @@ impl TerminalView {
             verified: None,
             reason: terminal.reason.clone(),
         };
+        let ended = |reason: &str| {
+            agent_text_message(&format!(
+                "the delegation ended {}: {reason}",
+                outcome.name()
+            ))
+        };
         if terminal.relay_origin {
-            let text = format!(
-                "the delegation ended {}: {}",
-                outcome.name(),
-                terminal
-                    .reason
-                    .as_deref()
-                    .unwrap_or("reported by the relay")
-            );
             return TerminalView {
                 state,
-                message: Some(agent_text_message(&text)),
+                message: Some(ended(
+                    terminal
+                        .reason
+                        .as_deref()
+                        .unwrap_or("reported by the relay"),
+                )),
                 artifacts: Vec::new(),
                 message_response: false,
                 end,
@@ -167,6 +170,20 @@ impl TerminalView {
             }
         };
         end.verified = Some(true);
+        if outcome == Outcome::Expired {
+            // Expiry reads the same whether the callee or the relay's sweeper
+            // wrote it (which one wins is a race): the relay's reason and
+            // text, not whatever the local agent said when it was stopped.
+            // What the callee produced before the deadline is kept.
+            end.reason = Some(oab_wire::EXPIRED_REASON.to_string());
+            return TerminalView {
+                state,
+                message: Some(ended(oab_wire::EXPIRED_REASON)),
+                artifacts: result.artifacts.iter().map(artifact_to_a2a).collect(),
+                message_response: false,
+                end,
+            };
+        }
         let a2a = result.output.as_ref().and_then(|o| o.get("a2a"));
         if outcome == Outcome::Failed
             && a2a
@@ -1048,5 +1065,58 @@ mod tests {
             json!(true),
             "{task}"
         );
+    }
+}
+
+#[cfg(test)]
+mod expiry_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::profile::tests::{identity, sample_request, sample_result};
+
+    /// An `expired` terminal reads the same to the A2A client whether the
+    /// relay's sweeper wrote it or the callee did when the deadline stopped
+    /// its worker (which one wins is a race that differs with the store).
+    #[test]
+    fn an_expiry_reads_the_same_whoever_wrote_it() {
+        let by_relay = TerminalView::new(
+            &Terminal {
+                outcome: Outcome::Expired,
+                relay_origin: true,
+                envelope: None,
+                reason: Some(oab_wire::EXPIRED_REASON.to_string()),
+            },
+            Err(CallerError::Timeout),
+        );
+        let callee = identity("acme/callee", "k1", 7);
+        let req = sample_request(oab_wire::identity::now_ms());
+        let mut result = sample_result(&req, oab_wire::Digest::of(b"r"), &callee);
+        result.outcome = Outcome::Expired;
+        result.error = Some(oab_wire::EXPIRED_REASON.to_string());
+        // What an A2A agent says when the driver cancels it at the deadline.
+        result.output = Some(serde_json::json!({"a2a": {"state": "TASK_STATE_CANCELED",
+            "message": {"role": "ROLE_AGENT", "messageId": "m1",
+                "parts": [{"text": "canceled on request"}]}}}));
+        let by_callee = TerminalView::new(
+            &Terminal {
+                outcome: Outcome::Expired,
+                relay_origin: false,
+                envelope: None,
+                reason: None,
+            },
+            Ok(result),
+        );
+        assert_eq!(by_relay.state, by_callee.state);
+        assert_eq!(by_callee.state, TaskState::Failed);
+        // The message's words (its id is minted per message).
+        let text = |v: &TerminalView| {
+            let m = v.message.as_ref().unwrap();
+            serde_json::to_string(&(&m["role"], &m["parts"])).unwrap()
+        };
+        assert_eq!(text(&by_relay), text(&by_callee));
+        assert!(text(&by_callee).contains(oab_wire::EXPIRED_REASON));
+        assert_eq!(by_relay.end.reason, by_callee.end.reason);
+        assert_eq!(by_relay.end.outcome, by_callee.end.outcome);
     }
 }

@@ -327,7 +327,7 @@ impl<S: EventStore> Hub<S> {
                     &key,
                     Direction::Up,
                     Some(Outcome::Expired),
-                    "the deadline passed with no terminal",
+                    oab_wire::EXPIRED_REASON,
                 )
                 .await
             {

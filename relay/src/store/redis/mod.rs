@@ -465,7 +465,8 @@ impl RedisStore {
         }
         // Their bytes leave the peer's budget (a repair: `expire_finished`
         // does it, unless the finished index missed the delegation).
-        self.uncharge(gone.iter().map(|key| (peer, key, None))).await;
+        self.uncharge(gone.iter().map(|key| (peer, key, None)))
+            .await;
         if !stale.is_empty() {
             let mut cmd = redis::cmd("SREM");
             cmd.arg(set);
