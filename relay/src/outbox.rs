@@ -63,9 +63,10 @@ struct Shared {
     /// The last progress (ms since `epoch`): the writer's last take, or the
     /// moment the lanes went from empty to non-empty.
     progress_ms: AtomicU64,
-    /// Replays waiting for byte room; woken when the writer takes a frame.
+    /// Replays waiting for byte room, and a reader waiting for control
+    /// room; woken when the writer takes a frame.
     room: Notify,
-    /// How many replays wait on `room` (the writer notifies only then).
+    /// How many wait on `room` (the writer notifies only then).
     room_waiters: AtomicUsize,
     epoch: Instant,
     stall: Duration,
@@ -380,6 +381,34 @@ impl Outbox {
     /// Whether the session was closed.
     pub fn is_closed(&self) -> bool {
         self.cancel.is_cancelled() || self.data.is_closed()
+    }
+
+    /// Control frames waiting in their lane.
+    pub fn control_depth(&self) -> usize {
+        self.control.max_capacity() - self.control.capacity()
+    }
+
+    /// Waits until at most `depth` control frames wait, or the session is
+    /// closed. The session's reader calls it before reading more frames, so
+    /// a peer that does not read its acks is back-pressured (not cut) until
+    /// the stall clock runs out.
+    pub async fn control_room(&self, depth: usize) {
+        if self.control_depth() <= depth {
+            return;
+        }
+        let _waiter = RoomWaiter::new(&self.shared);
+        loop {
+            let room = self.shared.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if self.control_depth() <= depth || self.cancel.is_cancelled() {
+                return;
+            }
+            tokio::select! {
+                () = room => {}
+                () = self.cancel.cancelled() => return,
+            }
+        }
     }
 
     /// Data frames waiting in the queue.

@@ -55,6 +55,11 @@ const MAX_BATCH: usize = 256;
 pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
 /// Frames written before a flush.
 const MAX_WRITE_BATCH: usize = 256;
+/// The reader reads the next batch only while at most this many control
+/// frames wait: a batch of [`MAX_BATCH`] frames queues at most one reply
+/// each, so the peer's own acks and errors never overflow the control lane;
+/// a peer that does not read them is back-pressured instead of cut.
+const READ_CONTROL_DEPTH: usize = crate::outbox::CONTROL_CAPACITY - MAX_BATCH;
 /// How long a closing session gets to write its last control frames and the
 /// close frame; then the connection is dropped whether or not the peer
 /// reads (a peer that stopped reading would otherwise hold it forever).
@@ -467,6 +472,15 @@ impl<S: EventStore> Session<S> {
         let cancel = self.me.outbox.cancel_token();
         let mut last_rx = tokio::time::Instant::now();
         loop {
+            if self.me.outbox.control_depth() > READ_CONTROL_DEPTH {
+                // Back-pressure: the peer's replies are not being taken.
+                tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return End::Cancelled,
+                    () = self.me.outbox.control_room(READ_CONTROL_DEPTH) => {}
+                }
+                last_rx = tokio::time::Instant::now();
+            }
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => return End::Cancelled,
