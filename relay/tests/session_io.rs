@@ -209,7 +209,9 @@ async fn wait_replay_stalled(relay: &TestRelay) -> u64 {
 
 /// Item: heavy delivery towards a peer must not starve reading that
 /// peer's own frames: its `Data` is acknowledged while a long replay is
-/// still flowing to it.
+/// still flowing to it. The peer reads more slowly than the relay writes
+/// (the scenario: its socket, not the relay, is the bottleneck), so the
+/// relay always has replayed frames waiting to be written.
 async fn reads_under_heavy_delivery<S: EventStore>(store: Arc<S>) {
     let env = TestEnv::new("");
     let relay = TestRelay::start(&env, store).await;
@@ -221,8 +223,10 @@ async fn reads_under_heavy_delivery<S: EventStore>(store: Arc<S>) {
         recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
     }
     a.close().await;
-    const TOTAL: u64 = 8_000;
-    stream_up(&relay, &mut b, "heavy", (1, TOTAL), 4 * 1024, 1_000, "").await;
+    // 47 MiB: far more than the socket buffers between the relay and `a`.
+    const TOTAL: u64 = 3_000;
+    const LEN: usize = 16 * 1024;
+    stream_up(&relay, &mut b, "heavy", (1, TOTAL), LEN, 500, "").await;
     let mut a = relay.client(&env.caller).await;
     a.send(&Frame::Resume(Resume {
         key: key("heavy"),
@@ -231,12 +235,15 @@ async fn reads_under_heavy_delivery<S: EventStore>(store: Arc<S>) {
     }))
     .await
     .unwrap();
-    // Once the replay flows, send a frame of our own and count how much of
-    // the replay arrives before its ack.
+    // Once the replay fills the path to us (200 frames in, read slowly),
+    // send a frame of our own and count how much of the replay arrives
+    // before its ack.
     let mut last = 0;
-    while last == 0 {
+    while last < 200 {
         if let Frame::Data(d) = recv(&mut a).await {
+            assert_eq!(d.seq, last + 1, "in order");
             last = d.seq;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
     a.send(&data("mine", Direction::Down, 2, None, payload(2)))
@@ -248,6 +255,8 @@ async fn reads_under_heavy_delivery<S: EventStore>(store: Arc<S>) {
             Frame::Data(d) => {
                 assert_eq!(d.seq, last + 1, "in order");
                 last = d.seq;
+                // A reader slower than the relay's writer.
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             Frame::Ack(ack) if ack.key == mine && ack.direction == Direction::Down => {
                 assert_eq!(ack.seq, 2);
@@ -256,6 +265,7 @@ async fn reads_under_heavy_delivery<S: EventStore>(store: Arc<S>) {
             _ => {}
         }
     };
+    println!("own frame acknowledged after {acked_at} of {TOTAL} replayed frames");
     assert!(
         acked_at < TOTAL / 2,
         "own frame acknowledged only after {acked_at} of {TOTAL} replayed frames"
