@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{FutureExt as _, SinkExt as _, StreamExt as _};
 use governor::DefaultKeyedRateLimiter;
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
@@ -397,8 +398,24 @@ impl<S: EventStore> Session<S> {
     /// read and acknowledged, and a peer that stops reading never stops the
     /// reader, the idle timer or the close signal. Whichever ends first
     /// closes the outbox; the other stops at its next frame boundary.
-    async fn run<IO>(mut self, ws: WebSocketStream<IO>, limits: Limits)
+    ///
+    /// Not an `async fn`: the socket is split before the future is built, so
+    /// the future holds the two halves, not a second copy of the socket
+    /// (idle sessions stay small).
+    fn run<IO>(self, ws: WebSocketStream<IO>, limits: Limits) -> impl Future<Output = ()>
     where
+        IO: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let (sink, stream) = ws.split();
+        self.run_split(sink, stream, limits)
+    }
+
+    async fn run_split<IO>(
+        mut self,
+        mut sink: SplitSink<WebSocketStream<IO>, Message>,
+        mut stream: SplitStream<WebSocketStream<IO>>,
+        limits: Limits,
+    ) where
         IO: AsyncRead + AsyncWrite + Unpin + Send,
     {
         let Some(mut inbox) = self.inbox.take() else {
@@ -407,7 +424,6 @@ impl<S: EventStore> Session<S> {
         let hub = self.hub.clone();
         let outbox = self.me.outbox.clone();
         let stall = Duration::from_millis(hub.config.limits.slow_consumer_ms);
-        let (mut sink, mut stream) = ws.split();
         let (read_end, write_end) = tokio::join!(
             async {
                 let end = self.read_loop(&mut stream, &limits).await;
@@ -429,7 +445,7 @@ impl<S: EventStore> Session<S> {
         };
         // The receiver resumes delegation frames from the log: free them now.
         inbox.discard_data();
-        let reason = match end {
+        match end {
             End::Closed(..) | End::Shutdown => {
                 let drain = matches!(end, End::Shutdown).then(|| oab_wire::Drain {
                     reconnect_after_ms: hub.config.relay.reconnect_hint_ms,
@@ -442,21 +458,34 @@ impl<S: EventStore> Session<S> {
                     ),
                 };
                 info!(code = code.as_u16(), reason = %reason, "closing session");
-                if let Ok(mut ws) = sink.reunite(stream) {
-                    let closing = close_with_control(&mut ws, &mut inbox, drain, code, &reason);
-                    if tokio::time::timeout(CLOSE_DEADLINE, closing).await.is_err() {
+                // Counted when decided: the close below may take up to
+                // CLOSE_DEADLINE on a peer that is not reading.
+                hub.metrics
+                    .disconnects
+                    .with_label_values(&[code.name()])
+                    .inc();
+                if let Ok(ws) = sink.reunite(stream) {
+                    // Boxed: the reunited socket and the close's state are
+                    // then not reserved in the session's future for its
+                    // whole (mostly idle) life.
+                    let closing = close_with_control(ws, &mut inbox, drain, code, &reason);
+                    if tokio::time::timeout(CLOSE_DEADLINE, Box::pin(closing))
+                        .await
+                        .is_err()
+                    {
                         debug!("close deadline passed; dropping the connection");
                     }
                 }
-                code.name()
             }
             End::Transport | End::Cancelled => {
                 debug!("connection ended");
-                "transport"
+                hub.metrics
+                    .disconnects
+                    .with_label_values(&["transport"])
+                    .inc();
             }
-        };
+        }
         drop(inbox);
-        hub.metrics.disconnects.with_label_values(&[reason]).inc();
         self.hub.unregister(&self.me);
     }
 
@@ -1033,7 +1062,10 @@ where
             return End::Transport;
         };
         inbox.taken(first.len());
-        if let Err(end) = write_batch(sink, inbox, first, stall, hub).await {
+        // Boxed per batch (one allocation for up to MAX_WRITE_BATCH frames):
+        // the write's state (its deadline timer) then lives only while a
+        // batch is written, not for the whole idle life of the session.
+        if let Err(end) = Box::pin(write_batch(sink, inbox, first, stall, hub)).await {
             return end;
         }
     }
@@ -1095,7 +1127,7 @@ fn write_error(e: tokio_tungstenite::tungstenite::Error) -> End {
 /// control frames (acks, errors), then the close frame. The caller bounds
 /// it with [`CLOSE_DEADLINE`].
 async fn close_with_control<IO>(
-    ws: &mut WebSocketStream<IO>,
+    mut ws: WebSocketStream<IO>,
     inbox: &mut Inbox,
     drain: Option<oab_wire::Drain>,
     code: CloseCode,
@@ -1114,5 +1146,5 @@ async fn close_with_control<IO>(
             return;
         }
     }
-    close_ws(ws, code, reason).await;
+    close_ws(&mut ws, code, reason).await;
 }
