@@ -150,12 +150,20 @@ impl Inbox {
 
     /// Takes the next queued frame without waiting, control lane first.
     pub fn try_next(&mut self) -> Option<Bytes> {
-        let f = match self.control.try_recv() {
-            Ok(f) => f,
-            Err(_) => self.data.try_recv().ok()?,
-        };
+        let f = self.try_take()?;
         self.taken(f.len());
         Some(f)
+    }
+
+    /// Takes the next queued frame without waiting, control lane first,
+    /// without recording it: the caller reports the bytes it took with
+    /// [`Inbox::taken`] (once per batch: one update of the shared counters
+    /// instead of one per frame).
+    pub fn try_take(&mut self) -> Option<Bytes> {
+        match self.control.try_recv() {
+            Ok(f) => Some(f),
+            Err(_) => self.data.try_recv().ok(),
+        }
     }
 
     /// Records that the writer took a frame of `len` bytes off a lane

@@ -1084,13 +1084,21 @@ where
 {
     let mut bytes = first.len();
     bounded_write(sink.feed(Message::Binary(first)), &inbox.cancel, stall).await?;
+    // Frames taken since the last report to the queues' counters.
+    let mut untold = 0;
     for _ in 1..MAX_WRITE_BATCH {
-        let Some(frame) = inbox.try_next() else {
+        let Some(frame) = inbox.try_take() else {
             break;
         };
         bytes += frame.len();
-        bounded_write(sink.feed(Message::Binary(frame)), &inbox.cancel, stall).await?;
+        untold += frame.len();
+        let feed = bounded_write(sink.feed(Message::Binary(frame)), &inbox.cancel, stall).await;
+        if feed.is_err() {
+            inbox.taken(untold);
+            return feed;
+        }
     }
+    inbox.taken(untold);
     hub.metrics.hot.bytes_out.inc_by(bytes as u64);
     bounded_write(sink.flush(), &inbox.cancel, stall).await
 }
