@@ -212,6 +212,7 @@ impl Setup {
              {heartbeat}\n\
              [limits]\n\
              max_payload = {max_payload}\n\
+             session_queue_bytes = {queue_bytes}\n\
              {slow_consumer}\n\
              [rate]\n\
              peer_frames_per_second = {fps}\n\
@@ -227,6 +228,9 @@ impl Setup {
             idle_timeout = t.idle_timeout_ms,
             handshake_timeout = t.handshake_timeout_ms,
             max_payload = t.max_payload,
+            // The relay's default (16 MiB), or room for two largest frames
+            // when the payloads benchmarked are larger.
+            queue_bytes = (16usize << 20).max(2 * (t.max_payload as usize + 64 * 1024) + 64 * 1024),
             fps = t.peer_frames_per_second,
             cps = t.connects_per_second_per_ip,
             max_log = t.max_log_entries,

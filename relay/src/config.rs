@@ -162,8 +162,20 @@ pub struct LimitsSection {
     /// receiver's pace (nothing is dropped); see `slow_consumer_ms`.
     #[serde(default = "default_session_queue")]
     pub session_queue: usize,
-    /// A session whose full queue drains nothing for this long is closed
-    /// with `slow_consumer` (4001); it resumes from its cursor later, ms.
+    /// Bytes queued towards one session, both queues together (control
+    /// and delegation frames). Overflow policy: as for `session_queue`, a
+    /// live delegation frame over the budget is delivered from the log
+    /// instead; control frames (acks, errors, peer lists) keep
+    /// one largest frame plus `outbox::CONTROL_HEADROOM_BYTES` of it, and a
+    /// control frame over the whole budget closes the session with
+    /// `slow_consumer` (4001). At least two largest frames plus that
+    /// headroom.
+    #[serde(default = "default_session_queue_bytes")]
+    pub session_queue_bytes: usize,
+    /// A session with queued frames that takes none of them for this long is
+    /// closed with `slow_consumer` (4001), and so is one whose socket takes
+    /// no bytes of a pending write for this long; it resumes from its cursor
+    /// later, ms. The clock runs only while something waits to be written.
     #[serde(default = "default_slow_consumer_ms")]
     pub slow_consumer_ms: u64,
     /// Open (non-terminal) delegations per caller peer.
@@ -398,6 +410,9 @@ fn default_max_in_flight() -> u32 {
 fn default_session_queue() -> usize {
     1_024
 }
+fn default_session_queue_bytes() -> usize {
+    16 * 1024 * 1024
+}
 fn default_slow_consumer_ms() -> u64 {
     10_000
 }
@@ -480,6 +495,7 @@ section_default!(LimitsSection {
     max_payload: default_max_payload,
     max_in_flight: default_max_in_flight,
     session_queue: default_session_queue,
+    session_queue_bytes: default_session_queue_bytes,
     slow_consumer_ms: default_slow_consumer_ms,
     max_open_per_peer: default_max_open_per_peer,
     max_descriptor: default_max_descriptor,
@@ -721,6 +737,18 @@ impl Config {
                 "limits.max_payload"
             };
             err(field.into(), m);
+        }
+        let max_frame = self.wire_limits().max_frame();
+        let least = 2 * max_frame + crate::outbox::CONTROL_HEADROOM_BYTES;
+        if self.limits.session_queue_bytes < least {
+            err(
+                "limits.session_queue_bytes".into(),
+                format!(
+                    "must be at least {least} bytes: one largest frame for delegation frames, \
+                     one more and {} for control frames",
+                    crate::outbox::CONTROL_HEADROOM_BYTES
+                ),
+            );
         }
         if self.limits.max_in_flight == 0 {
             err(

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{FutureExt as _, SinkExt as _, StreamExt as _};
 use governor::DefaultKeyedRateLimiter;
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
@@ -47,6 +48,7 @@ use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
 use crate::outbox::{Inbox, outbox};
 use crate::refusal::Refusal;
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
+use tokio_util::sync::CancellationToken;
 
 /// Frames read from the socket before a batch is processed.
 const MAX_BATCH: usize = 256;
@@ -55,6 +57,15 @@ const MAX_BATCH: usize = 256;
 pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
 /// Frames written before a flush.
 const MAX_WRITE_BATCH: usize = 256;
+/// The reader reads the next batch only while at most this many control
+/// frames wait: a batch of [`MAX_BATCH`] frames queues at most one reply
+/// each, so the peer's own acks and errors never overflow the control lane;
+/// a peer that does not read them is back-pressured instead of cut.
+const READ_CONTROL_DEPTH: usize = crate::outbox::CONTROL_CAPACITY - MAX_BATCH;
+/// How long a closing session gets to write its last control frames and the
+/// close frame; then the connection is dropped whether or not the peer
+/// reads (a peer that stopped reading would otherwise hold it forever).
+pub const CLOSE_DEADLINE: Duration = Duration::from_secs(1);
 
 /// What a connection needs besides the hub.
 #[derive(Debug, Clone)]
@@ -237,6 +248,8 @@ where
     };
     let (out, inbox) = outbox(
         hub.config.limits.session_queue,
+        hub.config.limits.session_queue_bytes,
+        limits.max_frame() + crate::outbox::CONTROL_HEADROOM_BYTES,
         Duration::from_millis(hub.config.limits.slow_consumer_ms),
         &hub.shutdown,
     );
@@ -357,7 +370,7 @@ where
         hub: hub.clone(),
         env: env.clone(),
         me,
-        inbox,
+        inbox: Some(inbox),
         pending: Vec::new(),
         acks: Vec::new(),
         batch_at: (Instant::now(), oab_wire::identity::now_ms()),
@@ -376,7 +389,8 @@ struct Session<S> {
     hub: Arc<Hub<S>>,
     env: SessionEnv,
     me: SessionRef,
-    inbox: Inbox,
+    /// The receiving side of the queues; `run` hands it to the writer.
+    inbox: Option<Inbox>,
     pending: Vec<Pending>,
     acks: Vec<(DelegationKey, Direction, u64)>,
     /// When the current batch was read (monotonic, and ms since the epoch).
@@ -388,59 +402,166 @@ struct Session<S> {
 }
 
 enum End {
+    /// Close the connection with this code and reason.
     Closed(CloseCode, String),
+    /// The relay is shutting down: `Drain`, then close with `going_away`.
+    Shutdown,
+    /// The connection is gone (or unusable): drop it.
     Transport,
+    /// Someone closed the session (see `Inbox::close_reason`).
+    Cancelled,
+}
+
+impl End {
+    /// Closes the session's queues (and so stops the other half of the
+    /// session) for this end; the first reason recorded wins.
+    fn close(&self, outbox: &crate::outbox::Outbox) {
+        match self {
+            End::Closed(code, reason) => outbox.close(*code, reason),
+            End::Shutdown | End::Transport => outbox.close(CloseCode::GoingAway, "session ended"),
+            End::Cancelled => {}
+        }
+    }
 }
 
 impl<S: EventStore> Session<S> {
-    async fn run<IO>(mut self, mut ws: WebSocketStream<IO>, limits: Limits)
+    /// Runs the session until it ends, then closes the connection within
+    /// [`CLOSE_DEADLINE`].
+    ///
+    /// The socket is split: the reader (`read_loop`, this session's frames)
+    /// and the writer (`write_loop`, the queues) run side by side in this
+    /// task, so heavy delivery never stops the peer's own frames from being
+    /// read and acknowledged, and a peer that stops reading never stops the
+    /// reader, the idle timer or the close signal. Whichever ends first
+    /// closes the outbox; the other stops at its next frame boundary.
+    ///
+    /// Not an `async fn`: the socket is split before the future is built, so
+    /// the future holds the two halves, not a second copy of the socket
+    /// (idle sessions stay small).
+    fn run<IO>(self, ws: WebSocketStream<IO>, limits: Limits) -> impl Future<Output = ()>
     where
         IO: AsyncRead + AsyncWrite + Unpin + Send,
     {
+        let (sink, stream) = ws.split();
+        self.run_split(sink, stream, limits)
+    }
+
+    async fn run_split<IO>(
+        mut self,
+        mut sink: SplitSink<WebSocketStream<IO>, Message>,
+        mut stream: SplitStream<WebSocketStream<IO>>,
+        limits: Limits,
+    ) where
+        IO: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let Some(mut inbox) = self.inbox.take() else {
+            return;
+        };
+        let hub = self.hub.clone();
+        let outbox = self.me.outbox.clone();
+        let stall = Duration::from_millis(hub.config.limits.slow_consumer_ms);
+        let (read_end, write_end) = tokio::join!(
+            async {
+                let end = self.read_loop(&mut stream, &limits).await;
+                end.close(&outbox);
+                end
+            },
+            async {
+                let end = write_loop(&mut sink, &mut inbox, stall, &hub).await;
+                end.close(&outbox);
+                end
+            },
+        );
+        let end = match (read_end, write_end) {
+            (End::Cancelled, End::Cancelled) => match inbox.close_reason() {
+                Some((code, reason)) => End::Closed(code, reason),
+                None => End::Shutdown,
+            },
+            (End::Cancelled, end) | (end, _) => end,
+        };
+        // The receiver resumes delegation frames from the log: free them now.
+        inbox.discard_data();
+        match end {
+            End::Closed(..) | End::Shutdown => {
+                let drain = matches!(end, End::Shutdown).then(|| oab_wire::Drain {
+                    reconnect_after_ms: hub.config.relay.reconnect_hint_ms,
+                });
+                let (code, reason) = match end {
+                    End::Closed(code, reason) => (code, reason),
+                    _ => (
+                        CloseCode::GoingAway,
+                        "relay shutting down; reconnect".to_string(),
+                    ),
+                };
+                info!(code = code.as_u16(), reason = %reason, "closing session");
+                // Counted when decided: the close below may take up to
+                // CLOSE_DEADLINE on a peer that is not reading.
+                hub.metrics
+                    .disconnects
+                    .with_label_values(&[code.name()])
+                    .inc();
+                if let Ok(ws) = sink.reunite(stream) {
+                    // Boxed: the reunited socket and the close's state are
+                    // then not reserved in the session's future for its
+                    // whole (mostly idle) life.
+                    let closing = close_with_control(ws, &mut inbox, drain, code, &reason);
+                    if tokio::time::timeout(CLOSE_DEADLINE, Box::pin(closing))
+                        .await
+                        .is_err()
+                    {
+                        debug!("close deadline passed; dropping the connection");
+                    }
+                }
+            }
+            End::Transport | End::Cancelled => {
+                debug!("connection ended");
+                hub.metrics
+                    .disconnects
+                    .with_label_values(&["transport"])
+                    .inc();
+            }
+        }
+        drop(inbox);
+        self.hub.unregister(&self.me);
+    }
+
+    /// Reads and processes the peer's frames until the peer goes away, a
+    /// frame ends the session, the idle timeout passes or the session is
+    /// closed (`End::Cancelled`). Stops only between batches.
+    async fn read_loop<R>(&mut self, stream: &mut R, limits: &Limits) -> End
+    where
+        R: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+            + Unpin,
+    {
         let idle = Duration::from_millis(self.hub.config.relay.idle_timeout_ms);
+        let cancel = self.me.outbox.cancel_token();
         let mut last_rx = tokio::time::Instant::now();
-        let end = loop {
+        loop {
+            if self.me.outbox.control_depth() > READ_CONTROL_DEPTH {
+                // Back-pressure: the peer's replies are not being taken.
+                tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return End::Cancelled,
+                    () = self.me.outbox.control_room(READ_CONTROL_DEPTH) => {}
+                }
+                last_rx = tokio::time::Instant::now();
+            }
             tokio::select! {
                 biased;
-                () = self.inbox.cancel.cancelled() => {
-                    break match self.inbox.close_reason() {
-                        Some((code, reason)) => End::Closed(code, reason),
-                        None => {
-                            // Relay shutdown: tell the peer to come back later.
-                            let drain = oab_wire::Drain { reconnect_after_ms: self.hub.config.relay.reconnect_hint_ms };
-                            if let Ok(b) = encode(&Frame::Drain(drain)) {
-                                let _ = ws.send(Message::Binary(b)).await;
-                            }
-                            End::Closed(CloseCode::GoingAway, "relay shutting down; reconnect".into())
-                        }
-                    };
-                }
-                out = self.inbox.control.recv() => {
-                    let Some(frame) = out else { break End::Transport };
-                    if write_batch(&mut ws, &mut self.inbox, frame, &self.hub).await.is_err() {
-                        break End::Transport;
-                    }
-                }
-                out = self.inbox.data.recv() => {
-                    let Some(frame) = out else { break End::Transport };
-                    self.inbox.taken();
-                    if write_batch(&mut ws, &mut self.inbox, frame, &self.hub).await.is_err() {
-                        break End::Transport;
-                    }
-                }
-                msg = ws.next() => {
+                () = cancel.cancelled() => return End::Cancelled,
+                msg = stream.next() => {
                     last_rx = tokio::time::Instant::now();
                     let mut batch = Vec::with_capacity(8);
-                    match self.decode_into_batch(msg, &limits, &mut batch) {
+                    match self.decode_into_batch(msg, limits, &mut batch) {
                         Ok(true) => {}
-                        Ok(false) => break End::Transport,
-                        Err(end) => break end,
+                        Ok(false) => return End::Transport,
+                        Err(end) => return end,
                     }
                     // Take whatever else is already buffered, without waiting.
                     let mut stop = None;
                     while batch.len() < MAX_BATCH {
-                        let Some(msg) = ws.next().now_or_never() else { break };
-                        match self.decode_into_batch(msg, &limits, &mut batch) {
+                        let Some(msg) = stream.next().now_or_never() else { break };
+                        match self.decode_into_batch(msg, limits, &mut batch) {
                             Ok(true) => {}
                             Ok(false) => { stop = Some(End::Transport); break; }
                             Err(end) => { stop = Some(end); break; }
@@ -463,38 +584,14 @@ impl<S: EventStore> Session<S> {
                     // session.
                     Box::pin(self.process(batch)).await;
                     if let Some(end) = stop {
-                        break end;
+                        return end;
                     }
                 }
                 () = tokio::time::sleep_until(last_rx + idle) => {
-                    break End::Closed(CloseCode::IdleTimeout, "no frame within the idle timeout".into());
+                    return End::Closed(CloseCode::IdleTimeout, "no frame within the idle timeout".into());
                 }
             }
-        };
-        let reason = match &end {
-            End::Closed(code, reason) => {
-                info!(code = code.as_u16(), reason = %reason, "closing session");
-                // Flush what is queued (acks, errors) before the close frame.
-                while let Some(frame) = self.inbox.try_next() {
-                    if ws.feed(Message::Binary(frame)).await.is_err() {
-                        break;
-                    }
-                }
-                close_ws(&mut ws, *code, reason).await;
-                code.name()
-            }
-            End::Transport => {
-                debug!("connection ended");
-                "transport"
-            }
-        };
-        self.hub
-            .metrics
-            .disconnects
-            .with_label_values(&[reason])
-            .inc();
-        self.me.outbox.close(CloseCode::GoingAway, "session ended");
-        self.hub.unregister(&self.me);
+        }
     }
 
     /// Decodes one read result into the batch. `Ok(false)`: the peer went away.
@@ -1015,25 +1112,116 @@ impl<S: EventStore> Session<S> {
     }
 }
 
+/// Writes the session's queues, control lane first, until the session is
+/// closed (`End::Cancelled`), the socket fails (`End::Transport`) or a write
+/// makes no progress for `stall` (`slow_consumer`). Every write is raced
+/// against that deadline and the close signal.
+async fn write_loop<W, S>(sink: &mut W, inbox: &mut Inbox, stall: Duration, hub: &Hub<S>) -> End
+where
+    W: futures_util::Sink<Message, Error = tokio_tungstenite::tungstenite::Error> + Unpin,
+{
+    loop {
+        let first = tokio::select! {
+            biased;
+            () = inbox.cancel.cancelled() => return End::Cancelled,
+            out = inbox.control.recv() => out,
+            out = inbox.data.recv() => out,
+        };
+        let Some(first) = first else {
+            return End::Transport;
+        };
+        inbox.taken(first.len());
+        // Boxed per batch (one allocation for up to MAX_WRITE_BATCH frames):
+        // the write's state (its deadline timer) then lives only while a
+        // batch is written, not for the whole idle life of the session.
+        if let Err(end) = Box::pin(write_batch(sink, inbox, first, stall, hub)).await {
+            return end;
+        }
+    }
+}
+
 /// Writes one frame and whatever else is queued, then flushes once.
-async fn write_batch<IO, S>(
-    ws: &mut WebSocketStream<IO>,
+async fn write_batch<W, S>(
+    sink: &mut W,
     inbox: &mut Inbox,
     first: Bytes,
+    stall: Duration,
     hub: &Hub<S>,
-) -> Result<(), tokio_tungstenite::tungstenite::Error>
+) -> Result<(), End>
 where
-    IO: AsyncRead + AsyncWrite + Unpin + Send,
+    W: futures_util::Sink<Message, Error = tokio_tungstenite::tungstenite::Error> + Unpin,
 {
     let mut bytes = first.len();
-    ws.feed(Message::Binary(first)).await?;
+    bounded_write(sink.feed(Message::Binary(first)), &inbox.cancel, stall).await?;
+    // Frames taken since the last report to the queues' counters.
+    let mut untold = 0;
     for _ in 1..MAX_WRITE_BATCH {
-        let Some(frame) = inbox.try_next() else {
+        let Some(frame) = inbox.try_take() else {
             break;
         };
         bytes += frame.len();
-        ws.feed(Message::Binary(frame)).await?;
+        untold += frame.len();
+        let feed = bounded_write(sink.feed(Message::Binary(frame)), &inbox.cancel, stall).await;
+        if feed.is_err() {
+            inbox.taken(untold);
+            return feed;
+        }
     }
+    inbox.taken(untold);
     hub.metrics.hot.bytes_out.inc_by(bytes as u64);
-    ws.flush().await
+    bounded_write(sink.flush(), &inbox.cancel, stall).await
+}
+
+/// Runs one write (a feed or a flush): at once when the socket takes it,
+/// else until it completes, the session is closed, or `stall` passes with
+/// the socket taking nothing.
+async fn bounded_write<F>(write: F, cancel: &CancellationToken, stall: Duration) -> Result<(), End>
+where
+    F: std::future::Future<Output = Result<(), tokio_tungstenite::tungstenite::Error>>,
+{
+    tokio::pin!(write);
+    // The common case, a socket with room, needs no timer.
+    if let Some(done) = (&mut write).now_or_never() {
+        return done.map_err(write_error);
+    }
+    tokio::select! {
+        biased;
+        done = &mut write => done.map_err(write_error),
+        () = cancel.cancelled() => Err(End::Cancelled),
+        () = tokio::time::sleep(stall) => Err(End::Closed(
+            CloseCode::SlowConsumer,
+            "the connection took nothing for slow_consumer_ms; reconnect and resume".into(),
+        )),
+    }
+}
+
+fn write_error(e: tokio_tungstenite::tungstenite::Error) -> End {
+    debug!(error = %e, "write failed");
+    End::Transport
+}
+
+/// The last words of a closing session: `Drain` (on shutdown), the queued
+/// control frames (acks, errors), then the close frame. The caller bounds
+/// it with [`CLOSE_DEADLINE`].
+async fn close_with_control<IO>(
+    mut ws: WebSocketStream<IO>,
+    inbox: &mut Inbox,
+    drain: Option<oab_wire::Drain>,
+    code: CloseCode,
+    reason: &str,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    if let Some(drain) = drain
+        && let Ok(b) = encode(&Frame::Drain(drain))
+        && ws.feed(Message::Binary(b)).await.is_err()
+    {
+        return;
+    }
+    while let Some(frame) = inbox.try_next() {
+        if ws.feed(Message::Binary(frame)).await.is_err() {
+            return;
+        }
+    }
+    close_ws(&mut ws, code, reason).await;
 }

@@ -95,7 +95,8 @@ impl WaitingSnapshot {
 
 impl<S: EventStore> Hub<S> {
     /// The `Peers` payload for `peer`: every peer it may reach, its online
-    /// state and its published descriptor.
+    /// state and its published descriptor, within `limits.max_payload`
+    /// bytes (see [`bounded_peers_payload`]).
     pub async fn peers_payload(&self, peer: &PeerId) -> Bytes {
         let targets: Vec<PeerId> = self.directory.reachable_from(peer).into_iter().collect();
         let elsewhere: Vec<bool> = if self.fleet.enabled {
@@ -127,7 +128,10 @@ impl<S: EventStore> Hub<S> {
                 descriptor,
             });
         }
-        Bytes::from(serde_json::to_vec(&entries).unwrap_or_default())
+        Bytes::from(bounded_peers_payload(
+            entries,
+            self.config.limits.max_payload as usize,
+        ))
     }
 
     /// Pushes a fresh `Peers` frame to every online peer that may reach
@@ -207,5 +211,102 @@ impl<S: EventStore> Hub<S> {
                 return;
             }
         }
+    }
+}
+
+/// The JSON of `entries` in at most `max` bytes, so a `Peers` frame always
+/// fits the payload limit the relay announces and the session's write
+/// buffer. Over it, the largest descriptors are left out first (their
+/// entries stay, without a descriptor: the peer is still listed with its
+/// online state); entries are dropped from the end only if the list without
+/// descriptors is still too long.
+fn bounded_peers_payload(mut entries: Vec<PeerEntry>, max: usize) -> Vec<u8> {
+    let mut payload = serde_json::to_vec(&entries).unwrap_or_default();
+    if payload.len() <= max {
+        return payload;
+    }
+    let listed = entries.len();
+    let mut sizes: Vec<(usize, usize)> = entries
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| {
+            let d = e.descriptor.as_ref()?;
+            Some((serde_json::to_vec(d).map_or(0, |v| v.len()), i))
+        })
+        .collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut over = payload.len() - max;
+    let mut left_out = 0usize;
+    for (size, i) in sizes {
+        if over == 0 {
+            break;
+        }
+        if let Some(e) = entries.get_mut(i) {
+            e.descriptor = None;
+            left_out += 1;
+        }
+        // The descriptor and its `,"descriptor":` go.
+        over = over.saturating_sub(size + 14);
+    }
+    payload = serde_json::to_vec(&entries).unwrap_or_default();
+    while payload.len() > max && !entries.is_empty() {
+        let keep = (entries.len() * max / payload.len()).min(entries.len() - 1);
+        entries.truncate(keep);
+        payload = serde_json::to_vec(&entries).unwrap_or_default();
+    }
+    warn!(
+        listed,
+        kept = entries.len(),
+        descriptors_left_out = left_out,
+        max,
+        "peer list over the payload limit; descriptors left out"
+    );
+    payload
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, descriptor_len: usize) -> PeerEntry {
+        PeerEntry {
+            peer: PeerId::new(name).unwrap(),
+            online: true,
+            descriptor: (descriptor_len > 0)
+                .then(|| serde_json::json!({ "card": "x".repeat(descriptor_len) })),
+        }
+    }
+
+    #[test]
+    fn a_peer_list_over_the_limit_leaves_out_the_largest_descriptors_first() {
+        let entries = vec![
+            entry("acme/a", 100),
+            entry("acme/b", 5_000),
+            entry("acme/c", 200),
+        ];
+        let out = bounded_peers_payload(entries, 2_000);
+        assert!(out.len() <= 2_000);
+        let back: Vec<PeerEntry> = serde_json::from_slice(&out).unwrap();
+        assert_eq!(back.len(), 3, "every peer is still listed");
+        assert!(back[1].descriptor.is_none());
+        assert!(back[0].descriptor.is_some() && back[2].descriptor.is_some());
+    }
+
+    #[test]
+    fn a_list_too_long_even_without_descriptors_is_cut_to_the_limit() {
+        let entries: Vec<PeerEntry> = (0..1_000)
+            .map(|i| entry(&format!("acme/p{i}"), 0))
+            .collect();
+        let out = bounded_peers_payload(entries, 4_096);
+        assert!(out.len() <= 4_096);
+        let back: Vec<PeerEntry> = serde_json::from_slice(&out).unwrap();
+        assert!(!back.is_empty() && back.len() < 1_000);
+    }
+
+    #[test]
+    fn a_list_within_the_limit_is_unchanged() {
+        let entries = vec![entry("acme/a", 100)];
+        let whole = serde_json::to_vec(&entries).unwrap();
+        assert_eq!(bounded_peers_payload(entries, 1 << 20), whole);
     }
 }

@@ -72,7 +72,13 @@ pub(super) async fn redis_hub(redis: &RedisServer) -> Arc<Hub<RedisStore>> {
 }
 
 pub(super) fn session(name: &str) -> (SessionRef, Inbox) {
-    let (out, inbox) = outbox(64, Duration::from_secs(10), &CancellationToken::new());
+    let (out, inbox) = outbox(
+        64,
+        16 << 20,
+        2 << 20,
+        Duration::from_secs(10),
+        &CancellationToken::new(),
+    );
     let me = SessionRef {
         id: SessionId::random(),
         peer: peer(name),
