@@ -55,9 +55,6 @@ fn bin(name: &str) -> PathBuf {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails until the relay and connector leaks of issue #12 are fixed: every process's \
-            RSS grows by kilobytes per delegation and connector A keeps a state file per \
-            delegation (BENCHMARKS.md, Soak)"]
 async fn short_soak_keeps_memory_disk_and_redis_flat() {
     oab_relay::tls::install_crypto_provider();
     let common = Common {

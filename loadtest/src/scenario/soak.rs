@@ -31,7 +31,9 @@
 //! main run, and the growth from the start of the second half (the plateau
 //! a process reaches once its bounded caches are full: the callee's replay
 //! cache fills for one [`DELEGATION_DEADLINE`]) to idle per delegation, are
-//! under [`MAX_BYTES_PER_DELEGATION`]; each `state_dir` and
+//! under [`MAX_BYTES_PER_DELEGATION`]; connector A's `state_dir`, which
+//! keeps the newest finished delegations within the link's retention, is
+//! judged the same way on its plateau; connector B's `state_dir` and
 //! Redis's `used_memory` at idle are back to the first sample within the same
 //! bound per delegation, and Redis's key count within
 //! [`REDIS_IDLE_KEYS_SLACK`]. Growth under a noise floor (per kind, below)
@@ -498,8 +500,8 @@ pub struct Growth {
     pub second_half_bytes_per_delegation: Option<f64>,
     /// That slope times the second half's delegations, bytes.
     pub second_half_growth_bytes: Option<f64>,
-    /// Idle value minus the reference (for RSS the first sample of the
-    /// second half, for disk and Redis the first sample), bytes.
+    /// Idle value minus the reference (for a plateau the first sample of
+    /// the second half, otherwise the first sample), bytes.
     pub idle_growth_bytes: f64,
     /// The same per delegation through it since the reference.
     pub idle_bytes_per_delegation: f64,
@@ -514,10 +516,14 @@ struct Footprint {
     value: fn(&Checkpoint) -> u64,
     /// Delegations that went through it.
     through: fn(&Checkpoint) -> u64,
-    /// A process: judged on its slope over the second half, and idle
-    /// against the start of the second half (its plateau). Otherwise (disk,
-    /// Redis, bounded by retention) idle against the first sample.
-    process: bool,
+    /// Holds a bounded working set that fills during warm-up (a process's
+    /// heap; connector A's `state_dir`, which keeps the newest finished
+    /// delegations within `LinkSettings::max_finished`, 1,000 files, and
+    /// `max_finished_bytes`): judged on its slope over the second half, and
+    /// idle against the start of the second half (its plateau). Otherwise
+    /// (what retention empties: connector B's `state_dir`, Redis) idle
+    /// against the first sample.
+    plateau: bool,
     noise: u64,
 }
 
@@ -526,49 +532,49 @@ const FOOTPRINTS: &[Footprint] = &[
         what: "relay RSS",
         value: |c| c.relay_rss,
         through: |c| c.delegations,
-        process: true,
+        plateau: true,
         noise: RSS_NOISE_BYTES,
     },
     Footprint {
         what: "connector A RSS (facade)",
         value: |c| c.connector_a_rss,
         through: |c| c.facade,
-        process: true,
+        plateau: true,
         noise: RSS_NOISE_BYTES,
     },
     Footprint {
         what: "connector B RSS (driver)",
         value: |c| c.connector_b_rss,
         through: |c| c.delegations,
-        process: true,
+        plateau: true,
         noise: RSS_NOISE_BYTES,
     },
     Footprint {
         what: "library caller RSS (oab-loadtest)",
         value: |c| c.loadtest_rss,
         through: |c| c.library,
-        process: true,
+        plateau: true,
         noise: RSS_NOISE_BYTES,
     },
     Footprint {
         what: "connector A state_dir",
         value: |c| c.state_a.bytes,
         through: |c| c.facade,
-        process: false,
+        plateau: true,
         noise: STATE_NOISE_BYTES,
     },
     Footprint {
         what: "connector B state_dir",
         value: |c| c.state_b.bytes,
         through: |c| c.delegations,
-        process: false,
+        plateau: false,
         noise: STATE_NOISE_BYTES,
     },
     Footprint {
         what: "Redis used_memory",
         value: |c| c.redis.used_memory,
         through: |c| c.delegations,
-        process: false,
+        plateau: false,
         noise: REDIS_NOISE_BYTES,
     },
 ];
@@ -580,7 +586,7 @@ fn judge(
     load: &[Checkpoint],
     idle: &Checkpoint,
 ) -> Growth {
-    let (second_half, growth, reference) = if f.process {
+    let (second_half, growth, reference) = if f.plateau {
         let last = load.last().map_or(0, |c| (f.through)(c));
         let first = (f.through)(probe);
         let half = first + (last.saturating_sub(first)) / 2;
@@ -941,8 +947,8 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
         ),
         format!(
             "--check: every footprint under {MAX_BYTES_PER_DELEGATION} B per delegation \
-             through it (RSS: slope over the second half, and its start -> idle; state_dir \
-             and Redis: first sample -> idle), growth under the noise floors (RSS {}, \
+             through it (RSS and connector A's state_dir: slope over the second half, and \
+             its start -> idle; connector B's state_dir and Redis: first sample -> idle), growth under the noise floors (RSS {}, \
              state_dir {}, Redis {}) never fails",
             fmt_bytes(RSS_NOISE_BYTES),
             fmt_bytes(STATE_NOISE_BYTES),
