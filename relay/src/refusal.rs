@@ -79,6 +79,9 @@ pub enum Refusal {
     },
     /// An `Open`, `Data` or `Cancel` in a batch over the peer's frame rate.
     RateLimited,
+    /// A `Resume`, `PeersQuery` or `Publish` over the peer's request rate
+    /// (`rate.peer_requests_per_second`, `rate.peer_requests_burst`).
+    RequestRateLimited,
     /// An `Open` whose deadline is in the past or further away than the
     /// route's `max_deadline_ms`.
     InvalidDeadline {
@@ -121,7 +124,7 @@ impl Refusal {
             Refusal::SequenceGap => ErrorCode::SequenceGap,
             Refusal::TooManyDelegations => ErrorCode::TooManyDelegations,
             Refusal::PayloadTooLarge | Refusal::OverBudget { .. } => ErrorCode::PayloadTooLarge,
-            Refusal::RateLimited => ErrorCode::RateLimited,
+            Refusal::RateLimited | Refusal::RequestRateLimited => ErrorCode::RateLimited,
             Refusal::InvalidDeadline { .. } => ErrorCode::InvalidDeadline,
             Refusal::DepthExceeded { .. } => ErrorCode::DepthExceeded,
             Refusal::DigestMismatch => ErrorCode::DigestMismatch,
@@ -170,6 +173,7 @@ impl Refusal {
                 budget: Budget::Peer,
             } => "this peer's stored bytes would pass the relay's budget",
             Refusal::RateLimited => "frame rate over quota; resend later",
+            Refusal::RequestRateLimited => "request rate over quota; ask again later",
             Refusal::DigestMismatch => "digest is not the SHA-256 of the payload",
             Refusal::StoreUnavailable => "store unavailable; resend later",
             Refusal::StoreUnavailableOnResume => "store unavailable; resume later",
@@ -280,6 +284,11 @@ mod tests {
                 "frame rate over quota; resend later",
             ),
             (
+                R::RequestRateLimited,
+                C::RateLimited,
+                "request rate over quota; ask again later",
+            ),
+            (
                 R::InvalidDeadline {
                     max_deadline_ms: 90_000,
                 },
@@ -359,9 +368,10 @@ mod tests {
             Refusal::OverBudget {
                 budget: Budget::Peer,
             } => 22,
+            Refusal::RequestRateLimited => 23,
         }
     }
-    const VARIANTS: usize = 23;
+    const VARIANTS: usize = 24;
 
     #[test]
     fn the_table_names_every_refusal() {

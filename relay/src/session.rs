@@ -1030,7 +1030,7 @@ impl<S: EventStore> Session<S> {
         let hub = self.hub.clone();
         if !hub.meter_request(&self.me.peer, crate::hub::RESUME_COST) {
             // The peer asks again later (its resume is refused, not lost).
-            self.refuse(Refusal::RateLimited, Some(&key), dir, after);
+            self.refuse(Refusal::RequestRateLimited, Some(&key), dir, after);
             return;
         }
         loop {
@@ -1083,7 +1083,7 @@ impl<S: EventStore> Session<S> {
             .hub
             .meter_request(&self.me.peer, crate::hub::PEERS_REQUEST_COST)
         {
-            self.refuse(Refusal::RateLimited, None, Direction::Down, 0);
+            self.refuse(Refusal::RequestRateLimited, None, Direction::Down, 0);
             return;
         }
         self.hub.send_peers(&self.me.peer);
@@ -1092,7 +1092,7 @@ impl<S: EventStore> Session<S> {
     async fn publish(&mut self, descriptor: Bytes) {
         let hub = self.hub.clone();
         if !hub.meter_request(&self.me.peer, crate::hub::PEERS_REQUEST_COST) {
-            self.refuse(Refusal::RateLimited, None, Direction::Down, 0);
+            self.refuse(Refusal::RequestRateLimited, None, Direction::Down, 0);
             return;
         }
         if descriptor.len() > hub.config.limits.max_descriptor {
