@@ -59,9 +59,16 @@ pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
 const MAX_WRITE_BATCH: usize = 256;
 /// The reader reads the next batch only while at most this many control
 /// frames wait: a batch of [`MAX_BATCH`] frames queues at most one reply
-/// each, so the peer's own acks and errors never overflow the control lane;
-/// a peer that does not read them is back-pressured instead of cut.
-const READ_CONTROL_DEPTH: usize = crate::outbox::CONTROL_CAPACITY - MAX_BATCH;
+/// each, and [`HUB_CONTROL_HEADROOM`] is left for what the hub queues on its
+/// own meanwhile, so the peer's own acks and errors never overflow the
+/// control lane; a peer that does not read them is back-pressured instead
+/// of cut.
+const READ_CONTROL_DEPTH: usize =
+    crate::outbox::CONTROL_CAPACITY - MAX_BATCH - HUB_CONTROL_HEADROOM;
+/// Control frames the hub may queue for a session between two of its read
+/// batches without a request of its own: at most one `Peers` snapshot
+/// (coalesced), and `Gap`s and errors of replays.
+const HUB_CONTROL_HEADROOM: usize = 64;
 /// How long a closing session gets to write its last control frames and the
 /// close frame; then the connection is dropped whether or not the peer
 /// reads (a peer that stopped reading would otherwise hold it forever).

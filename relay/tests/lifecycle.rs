@@ -55,6 +55,12 @@ async fn deadline<S: EventStore>(store: Arc<S>) {
     .await;
     assert_eq!(expired.terminal, Some(Outcome::Expired));
     assert_eq!(expired.seq, 2);
+    // The same outcome and reason on every store (and the reason a callee
+    // stopped by its deadline signs: `oab_wire::EXPIRED_REASON`).
+    let entry: serde_json::Value = serde_json::from_slice(&expired.payload).unwrap();
+    assert_eq!(entry["origin"], "relay");
+    assert_eq!(entry["outcome"], "expired");
+    assert_eq!(entry["reason"], oab_wire::EXPIRED_REASON);
     assert_ne!(
         expired.flags & FLAG_RELAY_ORIGIN,
         0,

@@ -130,6 +130,20 @@ pub(crate) fn rand_epoch() -> u64 {
 }
 
 impl Inner {
+    /// The metas of the delegations in a peer index, sorted by key.
+    fn metas_in<'a>(
+        &self,
+        index: Option<impl IntoIterator<Item = &'a DelegationKey>>,
+    ) -> Vec<DelegationMeta> {
+        let mut out: Vec<DelegationMeta> = index
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.delegations.get(k).map(|d| d.meta.clone()))
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
+    }
+
     fn append_one(&mut self, req: AppendRequest, retention: &Retention) -> AppendOutcome {
         let Some(d) = self.delegations.get_mut(&req.key) else {
             return AppendOutcome::Unknown;
@@ -353,28 +367,12 @@ impl EventStore for MemoryStore {
 
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
-        let mut out: Vec<DelegationMeta> = inner
-            .by_peer
-            .get(peer)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| inner.delegations.get(k).map(|d| d.meta.clone()))
-            .collect();
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        Ok(inner.metas_in(inner.by_peer.get(peer)))
     }
 
     async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
-        let mut out: Vec<DelegationMeta> = inner
-            .open_by_peer
-            .get(peer)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| inner.delegations.get(k).map(|d| d.meta.clone()))
-            .collect();
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        Ok(inner.metas_in(inner.open_by_peer.get(peer)))
     }
 
     async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {
