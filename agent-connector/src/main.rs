@@ -251,15 +251,17 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         r = connector.connected() => { r?; tracing::info!("connected to the relay"); }
         () = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("still connecting to the relay"),
     }
-    if let Some(d) = &driver {
-        match d.agent_card().await {
-            Ok(card) => connector.publish(&card).await?,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not read the local A2A server's card; not published")
-            }
+    // The card is published once the local A2A server answers, however
+    // long after this connector it starts; a signal stops the retries.
+    let published = async {
+        if let Some(d) = &driver {
+            oab_connector::a2a::publish_card(&connector, d).await;
         }
+    };
+    tokio::select! {
+        () = published => wait_for_signal().await,
+        () = wait_for_signal() => {}
     }
-    wait_for_signal().await;
     shutdown.cancel();
     connector.shutdown().await;
     Ok(())

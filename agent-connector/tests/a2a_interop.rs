@@ -330,3 +330,61 @@ async fn progress_around_a_cancel_reaches_the_caller_through_the_driver() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// Connector B started before its local A2A server: the card is published
+/// once the server answers (retried with backoff), and the caller sees it;
+/// before, one failed read left the caller's facade with a stand-in card
+/// until connector B restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_card_is_published_once_an_agent_that_starts_later_answers() {
+    use common::{CALLEE, connector};
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let driver = oab_connector::a2a::A2aDriver::new(oab_connector::a2a::DriverOptions::new(
+        format!("http://127.0.0.1:{port}"),
+    ))
+    .unwrap();
+    assert!(
+        driver.agent_card().await.is_err(),
+        "no agent answers on the port yet"
+    );
+    let b = connector(
+        &env,
+        &env.callee,
+        relay.addr,
+        Some(Arc::new(driver.clone())),
+    );
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let seen = async {
+        // The first attempt has failed by now; the agent comes up later.
+        let (agent, _) = sample_agent_at(port).await;
+        let until = tokio::time::Instant::now() + STEP;
+        loop {
+            let peers = a.caller().list_peers().await.unwrap();
+            if let Some(d) = peers
+                .iter()
+                .find(|p| p.peer.as_str() == CALLEE)
+                .and_then(|p| p.descriptor.clone())
+            {
+                return (agent, d);
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "the card never reached the caller: {peers:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let ((mut agent, descriptor), ()) =
+        tokio::join!(seen, oab_connector::a2a::publish_card(&b, &driver));
+    assert_eq!(descriptor["name"], "OAB interop sample agent");
+    agent.kill().await.unwrap();
+    a.shutdown().await;
+    b.shutdown().await;
+}

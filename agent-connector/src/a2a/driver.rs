@@ -165,6 +165,44 @@ impl A2aDriver {
     }
 }
 
+/// First pause between attempts of [`publish_card`].
+const PUBLISH_RETRY_INITIAL: Duration = Duration::from_secs(1);
+/// Longest pause between attempts of [`publish_card`]: a local A2A server
+/// that comes up later is published within this.
+const PUBLISH_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Publishes the local A2A server's card through `connector` (its callers'
+/// facades then show it instead of a stand-in), retrying with backoff
+/// ([`PUBLISH_RETRY_INITIAL`] doubling to [`PUBLISH_RETRY_MAX`]) while the
+/// server cannot be read or the relay does not take it: a connector started
+/// before its A2A server publishes the card once the server answers.
+/// Returns once the card is published; the first failure is logged as a
+/// warning, the following ones at debug.
+pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
+    let mut pause = PUBLISH_RETRY_INITIAL;
+    let mut failures = 0u64;
+    loop {
+        let failure = match driver.agent_card().await {
+            Ok(card) => match connector.publish(&card).await {
+                Ok(()) => {
+                    tracing::info!(attempts = failures + 1, "agent card published");
+                    return;
+                }
+                Err(e) => format!("the relay did not take it: {e}"),
+            },
+            Err(e) => format!("could not read the local A2A server's card: {e}"),
+        };
+        failures += 1;
+        if failures == 1 {
+            tracing::warn!(error = %failure, retry_in_ms = pause.as_millis(), "agent card not published yet; retrying until it is");
+        } else {
+            tracing::debug!(error = %failure, attempts = failures, "agent card still not published");
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(PUBLISH_RETRY_MAX);
+    }
+}
+
 impl TaskExecutor for A2aDriver {
     fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>> {
         let inner = self.inner.clone();

@@ -30,7 +30,7 @@ pub mod profile;
 pub mod server;
 mod tasks;
 
-pub use driver::{A2aDriver, DriverError, DriverOptions};
+pub use driver::{A2aDriver, DriverError, DriverOptions, publish_card};
 pub use facade::{DelegationDefaults, Facade, FacadeOptions, FacadeToken, TokenError};
 pub use jsonrpc::A2aError;
 pub use profile::PROFILE_URI;

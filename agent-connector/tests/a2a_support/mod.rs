@@ -309,10 +309,17 @@ pub fn python() -> std::path::PathBuf {
 
 /// Starts the official-SDK sample server; returns it and its port.
 pub async fn sample_agent() -> (tokio::process::Child, u16) {
+    sample_agent_at(0).await
+}
+
+/// Starts the official-SDK sample server on `port` (0: a free one);
+/// returns it and its port.
+pub async fn sample_agent_at(port: u16) -> (tokio::process::Child, u16) {
     use tokio::io::AsyncBufReadExt as _;
     let script = repo().join("agent-connector/tests/interop/sample_agent.py");
     let mut child = tokio::process::Command::new(python())
         .arg(script)
+        .arg(format!("--port={port}"))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)

@@ -253,10 +253,11 @@ async def emitted(request: Request) -> JSONResponse:
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
     args = parser.parse_args()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, 0))
+    sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     base = f"http://{args.host}:{port}"
     card = AgentCard(
