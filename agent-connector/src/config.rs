@@ -105,7 +105,12 @@ pub struct ConnectorSection {
     pub relay_id: Option<RelayId>,
     /// This host's identity file (written by `oab-connector keygen`).
     pub identity: PathBuf,
-    /// PEM CA (or self-signed certificate) that signs the relay's certificate.
+    /// PEM certificate of the private CA that signs the relay's certificate.
+    /// The relay's own certificate must be an end-entity certificate
+    /// (`CA:FALSE`, the relay's host name in `subjectAltName`): a certificate
+    /// made with a plain `openssl req -x509` is a CA certificate and is
+    /// refused (`CaUsedAsEndEntity`). To trust one self-signed relay
+    /// certificate without a CA, pin it with `relay_pin_sha256` instead.
     #[serde(default)]
     pub relay_ca: Option<PathBuf>,
     /// SHA-256 pin of the relay's certificate (`sha256:<hex>`).

@@ -26,6 +26,9 @@ use tracing::{info, warn};
 use super::relay_url::relay_request;
 use super::{EventError, Link, LinkError, LinkState};
 
+/// What to check when the relay's certificate is refused.
+const CERTIFICATE_HINT: &str = "check connector.relay_ca (the PEM of the CA that signed the relay's certificate) or relay_pin_sha256; the relay's certificate must be an end-entity certificate (CA:FALSE) naming the relay's host in subjectAltName";
+
 type Ws = WebSocketStream<
     tokio_util::either::Either<tokio_rustls::client::TlsStream<TcpStream>, TcpStream>,
 >;
@@ -80,7 +83,13 @@ impl Link {
                         .min(self.settings.backoff_max);
                     // Full jitter; a drain hint sets the floor.
                     let wait = self.drain_hint.take().unwrap_or_default() + jitter(cap);
-                    info!(%reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
+                    if reason.contains("certificate") {
+                        // Retrying will not help until the configuration
+                        // or the relay's certificate changes: say so loudly.
+                        warn!(%reason, attempt, wait_ms = wait.as_millis() as u64, hint = CERTIFICATE_HINT, "the relay's certificate was refused; reconnecting");
+                    } else {
+                        info!(%reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
+                    }
                     let _ = self.state.send(LinkState::Connecting { attempt });
                     if !self.wait_offline(wait, &shutdown).await {
                         break;
