@@ -103,6 +103,9 @@ fn main() -> anyhow::Result<()> {
                         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
                 )
                 .with_writer(std::io::stderr)
+                // Colour only on a terminal: logs redirected to a file or
+                // a journal stay plain text that `grep` matches.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(run(config))

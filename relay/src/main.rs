@@ -126,9 +126,12 @@ fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
 fn init_tracing(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only on a terminal: logs redirected to a file or a journal stay
+    // plain text that `grep` matches.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if format == "json" {
         builder.json().init();
     } else {

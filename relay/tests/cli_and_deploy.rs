@@ -104,3 +104,57 @@ fn unknown_fields_are_refused_by_name() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("listen_addr"));
 }
+
+/// Logs written to a pipe or a file (not a terminal) carry no colour codes,
+/// so `grep` on a log file matches what the docs show.
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    use std::io::{BufRead as _, BufReader};
+    // The development relay keeps its files in the working directory.
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .current_dir(dir.path())
+        .args([
+            "--set",
+            "relay.listen=127.0.0.1:0",
+            "--set",
+            "relay.admin_listen=127.0.0.2:0",
+        ])
+        .env("OAB_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    // The reader ends when the relay is killed, so a relay that never logs
+    // its listening line fails the assertion below instead of hanging.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+    {
+        let done = line.contains("relay listening");
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        seen.iter().any(|l| l.contains("relay listening")),
+        "no listening line: {seen:?}"
+    );
+    assert!(
+        seen.iter().all(|l| !l.contains('\u{1b}')),
+        "colour codes in a piped log: {seen:?}"
+    );
+}
