@@ -134,7 +134,10 @@ pub struct PeerConfig {
     pub keys: Vec<PeerKey>,
 }
 
-/// `[policy]`: the callee side's limits.
+/// `[policy]`: the callee side's limits for delegations this host serves,
+/// and also this host's own grant for the delegations it starts (through
+/// the facade, the OpenAB endpoint or the library): a capability it does
+/// not list here cannot be requested from another host either.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicySection {
@@ -207,6 +210,31 @@ pub enum ConfigError {
 }
 
 impl ConnectorConfig {
+    /// `[policy]` is also this host's own grant for the delegations it
+    /// starts: a facade whose default capabilities the policy does not
+    /// cover would have every delegation refused (`capability_denied`), so
+    /// that is a configuration error, not a surprise at the first request.
+    fn facade_grant_problems(&self) -> Vec<String> {
+        use crate::authority::{Capability, CapabilitySet};
+        if self.a2a.facade_listen.is_none() {
+            return Vec::new();
+        }
+        let Ok(grant) = CapabilitySet::parse(&self.policy.allowed_capabilities) else {
+            return Vec::new(); // reported as policy.allowed_capabilities
+        };
+        self.a2a
+            .default_capabilities
+            .iter()
+            .filter(|c| Capability::new(c).is_ok_and(|cap| !grant.covers(&cap)))
+            .map(|c| {
+                format!(
+                    "a2a.default_capabilities: {c:?} is not in policy.allowed_capabilities, which is \
+                     also this host's own grant for the delegations it starts; every delegation \
+                     from the facade would be refused (capability_denied)"
+                )
+            })
+            .collect()
+    }
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
@@ -269,6 +297,10 @@ impl ConnectorConfig {
                     .into(),
             );
         }
+        if let Err(e) = crate::authority::CapabilitySet::parse(&self.policy.allowed_capabilities) {
+            errors.push(format!("policy.allowed_capabilities: {e}"));
+        }
+        errors.extend(self.facade_grant_problems());
         if self.a2a.input_timeout_ms == Some(0) {
             errors.push("a2a.input_timeout_ms: must be greater than 0".into());
         }

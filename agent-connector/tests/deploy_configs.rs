@@ -14,3 +14,50 @@ fn every_example_connector_config_in_deploy_is_valid() {
     }
     assert!(checked > 0, "no example configs found in {}", dir.display());
 }
+
+/// A facade whose default capabilities `[policy]` does not grant (the
+/// policy is also this host's own grant for what it delegates) would have
+/// every delegation refused: `check-config` says so and exits 2, instead of
+/// "ok".
+#[test]
+fn check_config_refuses_a_facade_its_policy_does_not_grant() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |policy: &str| {
+        format!(
+            r#"[connector]
+relay_url = "wss://relay.example.com/"
+identity = "/etc/oab/connector.identity.toml"
+
+[[peers]]
+id = "acme/callee"
+keys = [{{ key_id = "k1", public_key = "ed25519:VLiJKgQnc1IQU02UPmeG3NtDWkYNa-6PPFtlGxj6oKI" }}]
+{policy}
+[a2a]
+facade_listen = "127.0.0.1:7070"
+default_capabilities = ["read:repo"]
+"#
+        )
+    };
+    let check = |text: String| {
+        let path = dir.path().join("connector.toml");
+        std::fs::write(&path, text).unwrap();
+        std::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+            .arg("check-config")
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let out = check(config(""));
+    assert_eq!(out.status.code(), Some(2), "no [policy]: refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a2a.default_capabilities") && err.contains("policy.allowed_capabilities"),
+        "names both fields: {err}"
+    );
+    let out = check(config("\n[policy]\nallowed_capabilities = [\"read:*\"]\n"));
+    assert!(
+        out.status.success(),
+        "a policy that grants them: ok ({})",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
