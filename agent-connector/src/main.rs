@@ -58,6 +58,18 @@ enum Cmd {
         /// The TOML file.
         file: PathBuf,
     },
+    /// Delegate one task from `dev/alice` to `dev/bob` through a running
+    /// development relay (`cargo run -p oab-relay` in this folder first) and
+    /// print its progress and its verified result.
+    Demo {
+        /// The folder the development relay wrote.
+        #[arg(long, default_value = ".oab-dev")]
+        dev_dir: PathBuf,
+        /// The relay URL (default: `wss://localhost:<port>/` from the
+        /// folder's `relay.toml`).
+        #[arg(long)]
+        relay_url: Option<String>,
+    },
     /// Run the connector with a configuration file until SIGTERM/SIGINT.
     Run {
         /// The TOML file.
@@ -96,6 +108,16 @@ fn main() -> anyhow::Result<()> {
                 std::process::exit(2);
             }
         },
+        Cmd::Demo { dev_dir, relay_url } => {
+            let options = oab_connector::demo::DemoOptions { dev_dir, relay_url };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let mut out = std::io::stdout();
+            if let Err(e) = runtime.block_on(oab_connector::demo::run(&options, &mut out)) {
+                eprintln!("demo failed: {e}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Cmd::Run { config } => {
             tracing_subscriber::fmt()
                 .with_env_filter(

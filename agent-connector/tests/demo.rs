@@ -1,0 +1,135 @@
+//! `oab-connector demo` end to end: the real `oab-relay` binary in
+//! development mode in a fresh folder, then the real `oab-connector demo` in
+//! that folder, which must print the progress events and a verified
+//! completed result and exit 0.
+//!
+//! The relay binary comes from this profile's target folder: `cargo test
+//! --workspace` builds it; running this test alone needs
+//! `cargo build -p oab-relay` first.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead as _, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+/// The folder `cargo` puts this profile's binaries in (this test runs from
+/// its `deps/` subfolder).
+fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|profile| profile.join(name))
+        .unwrap();
+    assert!(
+        path.is_file(),
+        "no {name} binary at {path:?}: build it first (cargo build -p oab-relay)"
+    );
+    path
+}
+
+/// Kills the relay when the test ends, however it ends.
+struct Relay(Child);
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a development relay in `dir` on a port the OS picks; returns it
+/// once it listens, with its port (read from its "listening on" line).
+fn start_dev_relay(dir: &std::path::Path) -> (Relay, u16) {
+    // The admin listener must differ from relay.listen, and both `:0`
+    // would be equal: take a free port for it (only the metrics endpoint,
+    // which this test does not use, could lose the race).
+    let admin = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = Command::new(bin("oab-relay"))
+        .current_dir(dir)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen"])
+        .arg(admin.to_string())
+        .env_remove("OAB_RELAY_CONFIG")
+        .env_remove("OAB_RELAY_DEV_DIR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let relay = Relay(child);
+    let mut seen = String::new();
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if let Some(rest) = line.split("listening on wss://127.0.0.1:").nth(1) {
+            let port = rest.trim().parse().unwrap();
+            // Keep reading what it prints: a closed pipe would fail its
+            // next `println!` and stop it.
+            std::thread::spawn(move || lines.for_each(drop));
+            return (relay, port);
+        }
+    }
+    panic!("the relay exited before listening; it printed:\n{seen}");
+}
+
+#[test]
+fn demo_delegates_through_the_dev_relay_and_prints_a_verified_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_relay, port) = start_dev_relay(dir.path());
+    let out = Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .current_dir(dir.path())
+        .args(["demo", "--relay-url"])
+        .arg(format!("wss://localhost:{port}/"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "demo failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    for step in 1..=oab_connector::demo::PROGRESS_STEPS {
+        let want = format!(
+            "progress TASK_STATE_WORKING step {step} of {}",
+            oab_connector::demo::PROGRESS_STEPS
+        );
+        assert!(stdout.contains(&want), "no {want:?} in:\n{stdout}");
+    }
+    for want in [
+        "dev/bob connected",
+        "dev/alice connected",
+        "terminal completed",
+        "verified result",
+        "outcome:         completed",
+        "executor:        dev/bob key dev-1 (ed25519:",
+        "capabilities:    read:repo (read-only: true)",
+        "request digest:  sha256:",
+        "result digest:   sha256:",
+        "dev/bob read the task",
+    ] {
+        assert!(stdout.contains(want), "no {want:?} in:\n{stdout}");
+    }
+    // Events print in order: every progress event before the terminal.
+    let last_progress = stdout.rfind("progress TASK_STATE_WORKING").unwrap();
+    assert!(last_progress < stdout.find("terminal completed").unwrap());
+}
+
+#[test]
+fn demo_without_a_dev_setup_says_to_start_the_relay() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .current_dir(dir.path())
+        .arg("demo")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cargo run -p oab-relay"), "{stderr}");
+    assert!(stderr.contains("relay.toml is missing"), "{stderr}");
+}
