@@ -179,25 +179,34 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(serve(cli.run))
 }
 
-#[allow(clippy::print_stdout)]
+/// Prints a line of the startup banner on stdout. A stdout whose reader went
+/// away (`oab-relay | head -1`, a closed pipe) does not stop the relay: unlike
+/// `println!`, which panics, a failed write is ignored.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let path = match &args.config {
         Some(p) => p.clone(),
         None => {
             let dev = oab_relay::dev::prepare(&args.dev_dir)
                 .context("preparing the development setup")?;
-            println!(
+            say!(
                 "development relay ({}) in {}",
                 if dev.created { "created" } else { "reused" },
                 dev.dir.display()
             );
-            println!("  config:      {}", dev.config.display());
-            println!(
+            say!("  config:      {}", dev.config.display());
+            say!(
                 "  certificate: {} (self-signed; trust it in connectors)",
                 dev.cert.display()
             );
             for (peer, file) in &dev.identities {
-                println!("  identity:    {peer} -> {}", file.display());
+                say!("  identity:    {peer} -> {}", file.display());
             }
             dev.config
         }
@@ -227,12 +236,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding relay.admin_listen {}", config.relay.admin_listen))?;
     let scheme = if tls.is_some() { "wss" } else { "ws" };
-    println!(
+    say!(
         "relay {} listening on {scheme}://{}",
         config.relay.id,
         listener.local_addr()?
     );
-    println!(
+    say!(
         "admin (metrics, health) on http://{}/metrics",
         admin.local_addr()?
     );
@@ -245,12 +254,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     });
     let retention = config.retention();
     if config.store.url == "memory" {
-        println!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
+        say!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
         let store = Arc::new(MemoryStore::new(retention));
         oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
     } else {
         let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
-        println!(
+        say!(
             "store: {}",
             if store.is_cluster() {
                 "redis cluster"

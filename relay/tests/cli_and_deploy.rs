@@ -158,3 +158,38 @@ fn logs_to_a_pipe_carry_no_colour_codes() {
         "colour codes in a piped log: {seen:?}"
     );
 }
+
+/// A relay whose stdout reader is gone (`oab-relay | head -1`, a closed
+/// pipe) still starts and serves: its startup banner is best effort.
+#[test]
+fn a_closed_stdout_does_not_stop_the_relay() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .current_dir(dir.path())
+        .args([
+            "--set",
+            "relay.listen=127.0.0.1:0",
+            "--set",
+            "relay.admin_listen=127.0.0.2:0",
+        ])
+        .env("OAB_LOG", "info")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    // Ends with the relay's stderr: a relay that died fails below instead
+    // of hanging the test.
+    let listening = BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.contains("relay listening"));
+    let still_running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    child.wait().unwrap();
+    assert!(listening, "the relay never listened");
+    assert!(still_running, "the relay exited after listening");
+}
