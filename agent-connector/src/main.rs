@@ -31,11 +31,26 @@ use oab_wire::{Digest, KeyId, PeerId};
 
 /// The OAB connector: dials out to an OAB relay, keeps the session alive,
 /// and delegates tasks to (and serves tasks from) other OAB hosts.
+///
+/// Any config value can be overridden with `--set section.field=value` or
+/// `OAB_CONNECTOR__SECTION__FIELD=value` (`run` and `check-config`).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(version = oab_ops::build::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
+    /// Log format (on stderr).
+    #[arg(long, global = true, env = "OAB_LOG_FORMAT", default_value = "text")]
+    log_format: oab_ops::logging::LogFormat,
+}
+
+/// Config overrides: `OAB_CONNECTOR__*` variables, then each `--set` in order.
+fn overrides(sets: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = oab_ops::overrides::env_overrides(oab_connector::config::ENV_PREFIX);
+    for s in sets {
+        out.push(oab_ops::overrides::parse_set(s)?);
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Subcommand)]
@@ -57,6 +72,24 @@ enum Cmd {
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
+        /// Override any value: `section.field=value` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        set: Vec<String>,
+    },
+    /// Print a running connector's status (link, relay, published
+    /// descriptor, open delegations) from its admin endpoint's `/status`
+    /// (`[admin] listen` in its configuration).
+    Status {
+        /// The connector's admin address (`admin.listen`).
+        #[arg(
+            long,
+            env = "OAB_CONNECTOR_ADMIN_URL",
+            default_value = "http://127.0.0.1:9444"
+        )]
+        admin: String,
+        /// Print the JSON as served instead of tables.
+        #[arg(long)]
+        json: bool,
     },
     /// Delegate one task from `dev/alice` to `dev/bob` through a running
     /// development relay (`cargo run -p oab-relay` in this folder first) and
@@ -75,6 +108,9 @@ enum Cmd {
         /// The TOML file.
         #[arg(long, short, env = "OAB_CONNECTOR_CONFIG")]
         config: PathBuf,
+        /// Override any value: `section.field=value` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        set: Vec<String>,
     },
 }
 
@@ -98,16 +134,25 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Cmd::CheckConfig { file } => match ConnectorConfig::load(&file) {
-            Ok(c) => {
-                println!("{}: ok ({} peers)", file.display(), c.peers.len());
-                Ok(())
+        Cmd::Status { admin, json } => {
+            if let Err(e) = print_status(&admin, json) {
+                eprintln!("oab-connector status: {e:#}");
+                std::process::exit(1);
             }
-            Err(e) => {
-                eprintln!("{e}");
-                std::process::exit(2);
+            Ok(())
+        }
+        Cmd::CheckConfig { file, set } => {
+            match ConnectorConfig::load_with_overrides(&file, &overrides(&set)?) {
+                Ok(c) => {
+                    println!("{}: ok ({} peers)", file.display(), c.peers.len());
+                    Ok(())
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    std::process::exit(2);
+                }
             }
-        },
+        }
         Cmd::Demo { dev_dir, relay_url } => {
             let options = oab_connector::demo::DemoOptions { dev_dir, relay_url };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -118,25 +163,48 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Run { config } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                // Colour only on a terminal: logs redirected to a file or
-                // a journal stay plain text that `grep` matches.
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .init();
+        Cmd::Run { config, set } => {
+            oab_ops::logging::init(cli.log_format);
+            let overrides = overrides(&set)?;
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(run(config))
+            runtime.block_on(run(config, overrides))
         }
     }
 }
 
-async fn run(path: PathBuf) -> anyhow::Result<()> {
-    let config = ConnectorConfig::load(&path)?;
+/// `oab-connector status`: fetches `/status` and prints it.
+#[allow(clippy::print_stdout)]
+fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let url = oab_ops::admin_client::join(admin, "/status");
+    let resp = runtime
+        .block_on(oab_ops::admin_client::get(&url, Duration::from_secs(10)))
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (is the connector running with [admin] listen set, and is --admin that address?)"
+            )
+        })?;
+    anyhow::ensure!(
+        resp.status == 200,
+        "{url}: HTTP {}: {}",
+        resp.status,
+        String::from_utf8_lossy(&resp.body)
+    );
+    if json {
+        println!("{}", String::from_utf8_lossy(&resp.body));
+        return Ok(());
+    }
+    let status: oab_connector::status::ConnectorStatus = serde_json::from_slice(&resp.body)
+        .with_context(|| format!("{url}: not the /status of this connector version"))?;
+    print!("{}", status.render());
+    Ok(())
+}
+
+async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<()> {
+    let config = ConnectorConfig::load_with_overrides(&path, &overrides)?;
     let c = &config.connector;
     let identity = oab_connector::keyfile::load(&c.identity)?;
     let trust = match (&c.relay_ca, &c.relay_pin_sha256) {
@@ -208,6 +276,20 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         },
     })?;
     let shutdown = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = config.admin.listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding admin.listen {addr}"))?;
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "admin endpoint off loopback: /status names peers and delegations");
+        }
+        tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz, /status)");
+        tokio::spawn(oab_connector::admin::serve(
+            listener,
+            connector.link().clone(),
+            shutdown.child_token(),
+        ));
+    }
     if let (Some(endpoint), Some(addr)) = (&openab, config.openab.listen) {
         endpoint.set_caller(connector.caller().clone());
         let listener = tokio::net::TcpListener::bind(addr)

@@ -17,6 +17,7 @@
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`status`] | `/status` on the admin port, its page, and `oab-relay status`'s tables |
 //! | [`dev`] | the quick start: development certificate, identities, config |
 //!
 //! Never: parses or rewrites a delegation frame's payload. The relay stores,
@@ -34,6 +35,7 @@ pub mod outbox;
 pub mod refusal;
 pub mod server;
 pub mod session;
+pub mod status;
 pub mod store;
 pub mod tls;
 

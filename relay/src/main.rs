@@ -14,6 +14,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use oab_relay::config::{Config, TlsMode, env_overrides};
+use oab_relay::store::EventStore as _;
 use oab_relay::store::{MemoryStore, RedisStore};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +42,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// L4 load balancer: give each its own `--set fleet.node=NAME`, the same
 /// config otherwise (docs/scale-out.md).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(version = oab_ops::build::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -55,6 +56,20 @@ enum Command {
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
+    },
+    /// Print a running relay's status (peers online, open delegations per
+    /// route, fleet members, store health) from its admin port's `/status`.
+    Status {
+        /// The relay's admin address (`relay.admin_listen`).
+        #[arg(
+            long,
+            env = "OAB_RELAY_ADMIN_URL",
+            default_value = "http://127.0.0.1:9443"
+        )]
+        admin: String,
+        /// Print the JSON as served instead of tables.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -85,8 +100,8 @@ struct RunArgs {
     #[arg(long, env = "OAB_RELAY_WORKER_THREADS", value_parser = parse_threads)]
     worker_threads: Option<Threads>,
     /// Log format.
-    #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
-    log_format: String,
+    #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text")]
+    log_format: oab_ops::logging::LogFormat,
 }
 
 /// A worker thread count; empty (an empty environment variable) means the default.
@@ -115,34 +130,54 @@ fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
         }
     }
     for s in &args.set {
-        let (k, v) = s
-            .split_once('=')
-            .with_context(|| format!("--set {s:?}: expected PATH=VALUE"))?;
-        out.push((k.trim().to_string(), v.trim().to_string()));
+        out.push(oab_ops::overrides::parse_set(s)?);
     }
     Ok(out)
 }
 
-fn init_tracing(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour only on a terminal: logs redirected to a file or a journal stay
-    // plain text that `grep` matches.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
+/// `oab-relay status`: fetches `/status` and prints it.
+#[allow(clippy::print_stdout)]
+fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let url = oab_ops::admin_client::join(admin, "/status");
+    let resp = runtime
+        .block_on(oab_ops::admin_client::get(
+            &url,
+            std::time::Duration::from_secs(10),
+        ))
+        .map_err(|e| {
+            anyhow::anyhow!("{e} (is the relay running, and is --admin its relay.admin_listen?)")
+        })?;
+    anyhow::ensure!(
+        resp.status == 200,
+        "{url}: HTTP {}: {}",
+        resp.status,
+        String::from_utf8_lossy(&resp.body)
+    );
+    if json {
+        println!("{}", String::from_utf8_lossy(&resp.body));
+        return Ok(());
     }
+    let status: oab_relay::status::RelayStatus = serde_json::from_slice(&resp.body)
+        .with_context(|| format!("{url}: not the /status of this relay version"))?;
+    print!("{}", status.render());
+    Ok(())
 }
 
 #[allow(clippy::print_stdout)]
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     oab_relay::tls::install_crypto_provider();
+    if let Some(Command::Status { admin, json }) = &cli.command {
+        if let Err(e) = print_status(admin, *json) {
+            eprintln!("oab-relay status: {e:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Some(Command::CheckConfig { file }) = &cli.command {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("cannot read {}", file.display()))?;
@@ -167,7 +202,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    init_tracing(&cli.run.log_format);
+    oab_ops::logging::init(cli.run.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(Threads(Some(n))) = cli.run.worker_threads {
         builder.worker_threads(n);
@@ -259,14 +294,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
     } else {
         let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
-        say!(
-            "store: {}",
-            if store.is_cluster() {
-                "redis cluster"
-            } else {
-                "redis"
-            }
-        );
+        say!("store: {}", store.kind());
         oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
     }
     Ok(())

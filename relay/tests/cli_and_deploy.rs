@@ -193,3 +193,40 @@ fn a_closed_stdout_does_not_stop_the_relay() {
     assert!(listening, "the relay never listened");
     assert!(still_running, "the relay exited after listening");
 }
+
+/// `--version` names the version, the git commit built and the build date.
+#[test]
+fn version_names_the_commit_and_the_build_date() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let expected_commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or_else(
+            || "unknown".to_string(),
+            |o| String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        );
+    assert!(
+        text.starts_with(&format!(
+            "oab-relay {} (commit {expected_commit}, built ",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    // ... built 2026-12-01T07:30:00Z)
+    let date = text
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .trim_end_matches(')');
+    assert_eq!(date.len(), 20, "{text}");
+    assert!(date.ends_with('Z') && date.as_bytes()[10] == b'T', "{text}");
+}

@@ -659,6 +659,14 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 impl EventStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        if self.is_cluster() {
+            "redis cluster"
+        } else {
+            "redis"
+        }
+    }
+
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
         let keys = DelegationKeys::new(&req.key);
         let mut cmd = evalsha(&self.scripts.open, &[&keys.meta, &keys.down, &keys.up]);
