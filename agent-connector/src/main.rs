@@ -69,6 +69,24 @@ enum Cmd {
         /// folder's `relay.toml`).
         #[arg(long)]
         relay_url: Option<String>,
+        /// The same through the A2A facade and driver: dev/alice's facade
+        /// (from `dev-alice.connector.toml`), dev/bob's driver towards a demo
+        /// A2A agent (at the address of `dev-bob.connector.toml`'s
+        /// `a2a.driver_url`), the demo as an A2A client of the facade.
+        #[arg(long)]
+        a2a: bool,
+        /// With --a2a: keep the facade up after the delegation, for any A2A
+        /// client, until Ctrl-C.
+        #[arg(long, requires = "a2a")]
+        keep: bool,
+        /// With --a2a: where the facade listens (default: dev/alice's
+        /// `a2a.facade_listen`, 127.0.0.1:7070).
+        #[arg(long, requires = "a2a")]
+        facade_listen: Option<std::net::SocketAddr>,
+        /// With --a2a: where the demo A2A agent listens (default: the address
+        /// of dev/bob's `a2a.driver_url`, 127.0.0.1:7080).
+        #[arg(long, requires = "a2a")]
+        agent_listen: Option<std::net::SocketAddr>,
     },
     /// Run the connector with a configuration file until SIGTERM/SIGINT.
     Run {
@@ -108,11 +126,30 @@ fn main() -> anyhow::Result<()> {
                 std::process::exit(2);
             }
         },
-        Cmd::Demo { dev_dir, relay_url } => {
-            let options = oab_connector::demo::DemoOptions { dev_dir, relay_url };
+        Cmd::Demo {
+            dev_dir,
+            relay_url,
+            a2a,
+            keep,
+            facade_listen,
+            agent_listen,
+        } => {
+            let options = oab_connector::demo::DemoOptions {
+                dev_dir,
+                relay_url,
+                facade_listen,
+                agent_listen,
+            };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let mut out = std::io::stdout();
-            if let Err(e) = runtime.block_on(oab_connector::demo::run(&options, &mut out)) {
+            let done = runtime.block_on(async {
+                if a2a {
+                    oab_connector::demo::a2a::run(&options, keep, wait_for_signal(), &mut out).await
+                } else {
+                    oab_connector::demo::run(&options, &mut out).await
+                }
+            });
+            if let Err(e) = done {
                 eprintln!("demo failed: {e}");
                 std::process::exit(1);
             }

@@ -208,6 +208,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             for (peer, file) in &dev.identities {
                 say!("  identity:    {peer} -> {}", file.display());
             }
+            for file in &dev.connector_configs {
+                say!("  connector:   {}", file.display());
+            }
+            say!("  try it:      cargo run -p oab-connector -- demo  (or demo --a2a)");
             dev.config
         }
     };
