@@ -15,6 +15,7 @@
 //! | [`audit`] | the audit trail |
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
+//! | [`lockout`] | configurations that validate but cannot delegate or lock callers out: `check-config` warnings |
 //! | [`demo`] | `oab-connector demo`: one delegation between `dev/alice` and `dev/bob` over a development relay |
 //! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
 //! | [`openab`] | an OpenAB control-plane endpoint on loopback: OAB runtimes delegate through it unmodified |
@@ -35,6 +36,7 @@ pub mod demo;
 pub mod events;
 pub mod keyfile;
 pub mod link;
+pub mod lockout;
 pub mod nonce;
 pub mod openab;
 pub mod profile;

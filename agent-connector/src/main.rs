@@ -119,6 +119,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::CheckConfig { file } => match ConnectorConfig::load(&file) {
             Ok(c) => {
                 println!("{}: ok ({} peers)", file.display(), c.peers.len());
+                // Valid, but cannot delegate or locks callers out: said, exit 0.
+                for w in oab_connector::lockout::warnings(&c, oab_wire::identity::now_ms()) {
+                    eprintln!("warning: {w}");
+                }
                 Ok(())
             }
             Err(e) => {
@@ -174,6 +178,9 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(path: PathBuf) -> anyhow::Result<()> {
     let config = ConnectorConfig::load(&path)?;
+    for w in oab_connector::lockout::warnings(&config, oab_wire::identity::now_ms()) {
+        tracing::warn!("{w}");
+    }
     let c = &config.connector;
     let identity = oab_connector::keyfile::load(&c.identity)?;
     let trust = match (&c.relay_ca, &c.relay_pin_sha256) {

@@ -155,11 +155,9 @@ fn dev_setup_writes_connector_configs_that_check_config_accepts() {
             .arg(&file)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{file:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{file:?}: {stderr}");
+        assert!(!stderr.contains("warning:"), "{file:?}: {stderr}");
     }
 }
 
