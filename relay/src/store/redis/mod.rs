@@ -282,7 +282,7 @@ impl RedisStore {
             ttl_ms: retention.finished_ttl_ms.min(MAX_TTL_MS),
         };
         store.load_scripts().await?;
-        store.warn_unless_noeviction().await;
+        store.warn_about_durability().await;
         Ok(store)
     }
 
@@ -326,7 +326,7 @@ impl RedisStore {
     /// Eviction silently loses logs, and without the AOF a Redis restart
     /// loses everything acknowledged since the last snapshot: say so at
     /// start. Best effort: where `CONFIG GET` is refused nothing is said.
-    async fn warn_unless_noeviction(&self) {
+    async fn warn_about_durability(&self) {
         let policy = self.config_value("maxmemory-policy").await;
         let appendonly = self.config_value("appendonly").await;
         for warning in durability_warnings(policy.as_deref(), appendonly.as_deref()) {
