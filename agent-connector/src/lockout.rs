@@ -11,6 +11,7 @@
 use oab_wire::identity::KeyWindow;
 
 use crate::a2a::DelegationDefaults;
+use crate::authority::{Capability, CapabilitySet};
 use crate::config::ConnectorConfig;
 
 /// Below this, `[policy] max_deadline_ms` cuts most real tasks short (the
@@ -116,6 +117,30 @@ pub fn warnings(config: &ConnectorConfig, now_ms: u64) -> Vec<String> {
             openab.max_deadline_secs, policy.max_deadline_ms
         ));
     }
+    if let Ok(grant) = CapabilitySet::parse(&policy.allowed_capabilities) {
+        for (i, t) in openab.targets.iter().enumerate() {
+            let refused: Vec<&str> = t
+                .capabilities
+                .iter()
+                .filter(|c| Capability::new(c).is_ok_and(|cap| !grant.covers(&cap)))
+                .map(String::as_str)
+                .collect();
+            if !refused.is_empty() {
+                out.push(format!(
+                    "openab.targets[{i}].capabilities: {refused:?} not in \
+                     policy.allowed_capabilities, which is also this host's own grant: every \
+                     cp/delegate to this target is refused (capability_denied)"
+                ));
+            }
+            if !t.read_only && !policy.allow_writes {
+                out.push(format!(
+                    "openab.targets[{i}].read_only: false, but policy.allow_writes is false: \
+                     this host may start read-only delegations only, so every cp/delegate to \
+                     this target is refused"
+                ));
+            }
+        }
+    }
     if a2a.driver_url.is_some()
         && let Some(ms) = a2a.input_timeout_ms
         && ms < MIN_INPUT_TIMEOUT_MS
@@ -185,6 +210,19 @@ mod tests {
         for (extra, want) in cases {
             assert_eq!(fields(extra), *want, "{extra}");
         }
+    }
+
+    #[test]
+    fn openab_targets_the_grant_does_not_cover_are_named() {
+        let extra = "[policy]\nallowed_capabilities = [\"read:*\"]\n\n\
+            [openab]\nlisten = \"127.0.0.1:7071\"\n\n\
+            [[openab.targets]]\nname = \"t\"\npeer = \"acme/b\"\nremote = { name = \"r\" }\n\
+            capabilities = [\"read:repo\", \"run:tests\"]\nread_only = false\n";
+        let w = warnings(&config(extra), 1_000_000);
+        assert_eq!(w.len(), 2, "{w:#?}");
+        assert!(w[0].starts_with("openab.targets[0].capabilities") && w[0].contains("run:tests"));
+        assert!(!w[0].contains("read:repo"));
+        assert!(w[1].starts_with("openab.targets[0].read_only"));
     }
 
     #[test]
