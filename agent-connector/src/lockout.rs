@@ -242,3 +242,308 @@ mod tests {
         assert!(warnings(&c, 1_000_000)[0].starts_with("peers: no [[peers]]"));
     }
 }
+
+/// Whether two capability patterns (`name` or `name:*`) have a capability
+/// in common.
+fn overlap(a: &str, b: &str) -> bool {
+    let prefix = |p: &str| p.strip_suffix(":*").map(|base| format!("{base}:"));
+    match (prefix(a), prefix(b)) {
+        (None, None) => a == b,
+        (Some(pa), None) => b.len() > pa.len() && b.starts_with(&pa),
+        (None, Some(pb)) => a.len() > pb.len() && a.starts_with(&pb),
+        (Some(pa), Some(pb)) => pa.starts_with(&pb) || pb.starts_with(&pa),
+    }
+}
+
+/// Whether the patterns `set` cover the capability name `cap`.
+fn covered(set: &[String], cap: &str) -> bool {
+    set.iter().any(|p| match p.strip_suffix(":*") {
+        Some(base) => cap.len() > base.len() + 1 && cap.starts_with(&format!("{base}:")),
+        None => p == cap,
+    })
+}
+
+/// A route of the relay's configuration, as far as this check reads it.
+struct Route {
+    index: usize,
+    from: String,
+    to: String,
+    ceiling: Vec<String>,
+}
+
+/// Checks `config`, the configuration of peer `me` (whose key is `my_key`
+/// when its identity file could be read), against the relay's configuration
+/// `relay_toml`: what the relay would refuse that this file alone cannot
+/// show. Reads only the relay file's `[[peers]]` and `[[routes]]`; `Err`
+/// when it is not TOML of that shape.
+pub fn against_relay(
+    config: &ConnectorConfig,
+    me: &str,
+    my_key: Option<(&str, &str)>,
+    relay_toml: &str,
+) -> Result<Vec<String>, String> {
+    let doc: toml::Table = toml::from_str(relay_toml).map_err(|e| e.message().to_string())?;
+    let strings = |v: Option<&toml::Value>| -> Vec<String> {
+        v.and_then(toml::Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let table_array = |name: &str| -> Vec<toml::Table> {
+        doc.get(name)
+            .and_then(toml::Value::as_array)
+            .map(|a| a.iter().filter_map(|t| t.as_table().cloned()).collect())
+            .unwrap_or_default()
+    };
+    let str_of =
+        |t: &toml::Table, k: &str| t.get(k).and_then(toml::Value::as_str).map(str::to_string);
+    // The relay's keys per peer: (key_id, public_key).
+    let mut relay_keys: std::collections::HashMap<String, Vec<(String, String)>> =
+        std::collections::HashMap::new();
+    for p in table_array("peers") {
+        let Some(id) = str_of(&p, "id") else { continue };
+        let keys = p
+            .get("keys")
+            .and_then(toml::Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|k| {
+                        let k = k.as_table()?;
+                        Some((str_of(k, "key_id")?, str_of(k, "public_key")?))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        relay_keys.insert(id, keys);
+    }
+    let routes: Vec<Route> = table_array("routes")
+        .iter()
+        .enumerate()
+        .filter_map(|(index, r)| {
+            Some(Route {
+                index,
+                from: str_of(r, "from")?,
+                to: str_of(r, "to")?,
+                ceiling: strings(r.get("ceiling")),
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    match relay_keys.get(me) {
+        None => out.push(format!(
+            "relay: {me} is not in the relay's [[peers]]: its connection is refused \
+             (4504 auth_failed, not retried)"
+        )),
+        Some(keys) => {
+            if let Some((key_id, public_key)) = my_key
+                && !keys.iter().any(|(i, k)| i == key_id && k == public_key)
+            {
+                out.push(format!(
+                    "relay: the relay has no key {key_id} = {public_key} for {me} (this host's \
+                     identity file): its connection is refused (4504 auth_failed, not retried)"
+                ));
+            }
+        }
+    }
+    for (i, p) in config.peers.iter().enumerate() {
+        let id = p.id.as_str();
+        let Some(keys) = relay_keys.get(id) else {
+            out.push(format!(
+                "peers[{i}].id: {id} is not in the relay's [[peers]]: it cannot connect"
+            ));
+            continue;
+        };
+        for k in &p.keys {
+            let public = k.public_key.to_string();
+            if let Some((_, other)) = keys.iter().find(|(key_id, _)| key_id == k.key_id.as_str())
+                && other != &public
+            {
+                out.push(format!(
+                    "peers[{i}].keys: key {} of {id} differs from the relay's: one of the two \
+                     files has a wrong key (the relay refuses the peer, or this host refuses \
+                     what it signs)",
+                    k.key_id
+                ));
+            }
+        }
+    }
+    let known: Vec<&str> = config.peers.iter().map(|p| p.id.as_str()).collect();
+    // Callee side: what routes towards this host let callers ask for.
+    let serves = config.a2a.driver_url.is_some() || config.openab.serves();
+    if serves {
+        let towards: Vec<&Route> = routes
+            .iter()
+            .filter(|r| r.to == me && known.contains(&r.from.as_str()))
+            .collect();
+        if towards.is_empty() {
+            out.push(format!(
+                "relay: this host serves delegations, but no route of the relay leads to {me} \
+                 from a peer in [[peers]]: nobody can delegate to it"
+            ));
+        }
+        for r in towards {
+            if !r.ceiling.is_empty()
+                && !r.ceiling.iter().any(|c| {
+                    config
+                        .policy
+                        .allowed_capabilities
+                        .iter()
+                        .any(|a| overlap(c, a))
+                })
+            {
+                out.push(format!(
+                    "relay: routes[{}] ({} -> {me}) has ceiling {:?}, none of which \
+                     policy.allowed_capabilities grants: every delegation on it that asks for \
+                     a capability is refused (capability_denied)",
+                    r.index, r.from, r.ceiling
+                ));
+            }
+        }
+    }
+    // Caller side: what this host asks for, against the routes from it.
+    let from_me: Vec<&Route> = routes.iter().filter(|r| r.from == me).collect();
+    if config.a2a.facade_listen.is_some() {
+        if !from_me.iter().any(|r| known.contains(&r.to.as_str())) {
+            out.push(format!(
+                "relay: the facade is on, but no route of the relay leads from {me} to a peer in \
+                 [[peers]]: every delegation is refused (route_denied)"
+            ));
+        }
+        for r in &from_me {
+            let refused: Vec<&String> = config
+                .a2a
+                .default_capabilities
+                .iter()
+                .filter(|c| !r.ceiling.is_empty() && !covered(&r.ceiling, c))
+                .collect();
+            if !refused.is_empty() {
+                out.push(format!(
+                    "a2a.default_capabilities: {refused:?} are outside the ceiling {:?} of \
+                     routes[{}] ({me} -> {}): plain A2A clients' delegations to {} are refused",
+                    r.ceiling, r.index, r.to, r.to
+                ));
+            }
+        }
+    }
+    for (i, t) in config.openab.targets.iter().enumerate() {
+        let peer = t.peer.as_str();
+        match from_me.iter().find(|r| r.to == peer) {
+            None => out.push(format!(
+                "openab.targets[{i}].peer: the relay has no route {me} -> {peer}: every \
+                 cp/delegate to this target is refused (route_denied)"
+            )),
+            Some(r) => {
+                let refused: Vec<&String> = t
+                    .capabilities
+                    .iter()
+                    .filter(|c| !r.ceiling.is_empty() && !covered(&r.ceiling, c))
+                    .collect();
+                if !refused.is_empty() {
+                    out.push(format!(
+                        "openab.targets[{i}].capabilities: {refused:?} are outside the ceiling \
+                         {:?} of routes[{}] ({me} -> {peer}): every cp/delegate to this target \
+                         is refused",
+                        r.ceiling, r.index
+                    ));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod relay_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const KEY_A: &str = "ed25519:iojj3XQJ8ZX9UtstPLpdcspnCb8dlBIb83SIAbQPb1w";
+    const KEY_B: &str = "ed25519:VLiJKgQnc1IQU02UPmeG3NtDWkYNa-6PPFtlGxj6oKI";
+
+    fn callee(policy: &str) -> ConnectorConfig {
+        let text = format!(
+            "[connector]\nrelay_url = \"wss://r/\"\nidentity = \"/i.toml\"\n\n\
+             [[peers]]\nid = \"acme/a\"\nkeys = [{{ key_id = \"k\", public_key = \"{KEY_A}\" }}]\n\n\
+             [policy]\nallowed_capabilities = {policy}\n\n[a2a]\ndriver_url = \"http://127.0.0.1:9\"\n"
+        );
+        toml::from_str(&text).unwrap()
+    }
+
+    fn relay(ceiling: &str, b_key: &str) -> String {
+        format!(
+            "[relay]\nid = \"r\"\n\n\
+             [[peers]]\nid = \"acme/a\"\nkeys = [{{ key_id = \"k\", public_key = \"{KEY_A}\" }}]\n\n\
+             [[peers]]\nid = \"acme/b\"\nkeys = [{{ key_id = \"k\", public_key = \"{b_key}\" }}]\n\n\
+             [[routes]]\nfrom = \"acme/a\"\nto = \"acme/b\"\nceiling = {ceiling}\n"
+        )
+    }
+
+    #[test]
+    fn patterns_overlap_as_the_policy_would_grant_them() {
+        assert!(overlap("read:*", "read:repo"));
+        assert!(overlap("read:repo", "read:*"));
+        assert!(overlap("read:*", "read:repo:*"));
+        assert!(overlap("run:tests", "run:tests"));
+        assert!(!overlap("read:*", "run:tests"));
+        assert!(!overlap("read:*", "read"));
+        assert!(covered(&["read:*".into()], "read:repo"));
+        assert!(!covered(&["read:*".into()], "run:tests"));
+    }
+
+    #[test]
+    fn a_ceiling_the_callees_policy_grants_nothing_of_is_named() {
+        let me = ("k", KEY_B);
+        let ok = against_relay(
+            &callee("[\"read:*\"]"),
+            "acme/b",
+            Some(me),
+            &relay("[\"read:repo\"]", KEY_B),
+        )
+        .unwrap();
+        assert_eq!(ok, Vec::<String>::new());
+        let w = against_relay(
+            &callee("[\"read:*\"]"),
+            "acme/b",
+            Some(me),
+            &relay("[\"run:tests\"]", KEY_B),
+        )
+        .unwrap();
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(w[0].contains("routes[0] (acme/a -> acme/b)") && w[0].contains("run:tests"));
+        // No ceiling stated: nothing to say.
+        let w = against_relay(
+            &callee("[\"read:*\"]"),
+            "acme/b",
+            Some(me),
+            &relay("[]", KEY_B),
+        )
+        .unwrap();
+        assert!(w.is_empty(), "{w:#?}");
+    }
+
+    #[test]
+    fn keys_the_relay_does_not_have_and_missing_routes_are_named() {
+        let w = against_relay(
+            &callee("[\"read:*\"]"),
+            "acme/b",
+            Some(("k", KEY_A)),
+            &relay("[]", KEY_B),
+        )
+        .unwrap();
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(w[0].contains("no key k") && w[0].contains("4504"));
+        let w =
+            against_relay(&callee("[\"read:*\"]"), "acme/c", None, &relay("[]", KEY_B)).unwrap();
+        assert!(
+            w[0].contains("acme/c is not in the relay's [[peers]]"),
+            "{w:#?}"
+        );
+        assert!(
+            w[1].contains("no route of the relay leads to acme/c"),
+            "{w:#?}"
+        );
+    }
+}

@@ -53,10 +53,21 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Validate a configuration file; names every bad field.
+    /// Validate a configuration file; names every bad field. Warns (exit 0)
+    /// about values that cannot delegate or lock callers out.
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
+        /// Also check it against the relay's configuration: this host and
+        /// its peers (and their keys) known there, routes to and from it,
+        /// route ceilings against `[policy]` and the capabilities asked for.
+        #[arg(long)]
+        relay_config: Option<PathBuf>,
+        /// This host's peer id, for --relay-config (default: from the
+        /// identity file `connector.identity`, whose key is then compared
+        /// with the relay's too).
+        #[arg(long, requires = "relay_config")]
+        peer: Option<String>,
     },
     /// Delegate one task from `dev/alice` to `dev/bob` through a running
     /// development relay (`cargo run -p oab-relay` in this folder first) and
@@ -116,11 +127,26 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Cmd::CheckConfig { file } => match ConnectorConfig::load(&file) {
+        Cmd::CheckConfig {
+            file,
+            relay_config,
+            peer,
+        } => match ConnectorConfig::load(&file) {
             Ok(c) => {
                 println!("{}: ok ({} peers)", file.display(), c.peers.len());
                 // Valid, but cannot delegate or locks callers out: said, exit 0.
-                for w in oab_connector::lockout::warnings(&c, oab_wire::identity::now_ms()) {
+                let mut warnings =
+                    oab_connector::lockout::warnings(&c, oab_wire::identity::now_ms());
+                if let Some(relay) = relay_config {
+                    match against_relay(&c, &relay, peer.as_deref()) {
+                        Ok(w) => warnings.extend(w),
+                        Err(e) => {
+                            eprintln!("{e:#}");
+                            std::process::exit(2);
+                        }
+                    }
+                }
+                for w in warnings {
                     eprintln!("warning: {w}");
                 }
                 Ok(())
@@ -174,6 +200,34 @@ fn main() -> anyhow::Result<()> {
             runtime.block_on(run(config))
         }
     }
+}
+
+/// `check-config --relay-config`: `config` against the relay's file, as
+/// `peer` (else the identity file's peer, and its key).
+fn against_relay(
+    config: &ConnectorConfig,
+    relay: &std::path::Path,
+    peer: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(relay)
+        .with_context(|| format!("--relay-config: cannot read {}", relay.display()))?;
+    let (me, key) = match peer {
+        Some(p) => (PeerId::new(p).context("--peer")?.to_string(), None),
+        None => {
+            let id =
+                oab_connector::keyfile::load(&config.connector.identity).with_context(|| {
+                    "--relay-config needs this host's peer id: pass --peer, or run where \
+                 connector.identity is readable"
+                })?;
+            (
+                id.peer.to_string(),
+                Some((id.key_id.to_string(), id.public_key().to_string())),
+            )
+        }
+    };
+    let key = key.as_ref().map(|(i, k)| (i.as_str(), k.as_str()));
+    oab_connector::lockout::against_relay(config, &me, key, &text)
+        .map_err(|e| anyhow::anyhow!("--relay-config {}: {e}", relay.display()))
 }
 
 async fn run(path: PathBuf) -> anyhow::Result<()> {

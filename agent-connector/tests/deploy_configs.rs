@@ -108,3 +108,62 @@ driver_url = "http://127.0.0.1:9999"
         "{err}"
     );
 }
+
+/// `check-config --relay-config` reads the relay's file too: the deploy
+/// examples agree (the example connector is `acme/build-host`), and a route
+/// ceiling the callee's policy grants nothing of is named.
+#[test]
+fn check_config_against_the_relay_config() {
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let run = |connector: &std::path::Path, relay: &std::path::Path, peer: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+            .arg("check-config")
+            .arg(connector)
+            .arg("--relay-config")
+            .arg(relay)
+            .args(["--peer", peer])
+            .output()
+            .unwrap()
+    };
+    let out = run(
+        &deploy.join("connector/connector.toml"),
+        &deploy.join("relay/relay.toml"),
+        "acme/build-host",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("warning:"), "the examples disagree: {err}");
+    // The same relay with the route towards build-host capped at something
+    // build-host's policy does not allow.
+    let dir = tempfile::tempdir().unwrap();
+    let relay = std::fs::read_to_string(deploy.join("relay/relay.toml")).unwrap();
+    let (head, tail) = relay.split_at(relay.rfind("ceiling = [\"read:*\"]").unwrap());
+    let capped = format!(
+        "{head}ceiling = [\"write:prod\"]{}",
+        &tail["ceiling = [\"read:*\"]".len()..]
+    );
+    let path = dir.path().join("relay.toml");
+    std::fs::write(&path, capped).unwrap();
+    let out = run(
+        &deploy.join("connector/connector.toml"),
+        &path,
+        "acme/build-host",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: relay: routes[1] (acme/review-host -> acme/build-host) has ceiling [\"write:prod\"]"),
+        "{err}"
+    );
+    // A peer the relay does not know.
+    let out = run(
+        &deploy.join("connector/connector.toml"),
+        &path,
+        "acme/nobody",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("acme/nobody is not in the relay's [[peers]]"),
+        "{err}"
+    );
+}
