@@ -301,7 +301,12 @@ impl ConnectorConfig {
         let mut errors = Vec::new();
         let c = &self.connector;
         if !c.relay_url.starts_with("wss://") && !c.relay_url.starts_with("ws://") {
-            errors.push("connector.relay_url: must start with wss://".to_string());
+            errors.push(
+                "connector.relay_url: must start with wss:// (or ws://, without TLS: only for a \
+                 relay with tls_mode = \"behind-load-balancer\" reached without the load \
+                 balancer, in a test)"
+                    .to_string(),
+            );
         }
         if c.relay_ca.is_some() && c.relay_pin_sha256.is_some() {
             errors

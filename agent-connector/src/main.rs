@@ -68,13 +68,24 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Validate a configuration file; names every bad field.
+    /// Validate a configuration file; names every bad field. Warns (exit 0)
+    /// about values that cannot delegate or lock callers out.
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
         /// Override any value: `section.field=value` (repeatable).
         #[arg(long = "set", value_name = "PATH=VALUE")]
         set: Vec<String>,
+        /// Also check it against the relay's configuration: this host and
+        /// its peers (and their keys) known there, routes to and from it,
+        /// route ceilings against `[policy]` and the capabilities asked for.
+        #[arg(long)]
+        relay_config: Option<PathBuf>,
+        /// This host's peer id, for --relay-config (default: from the
+        /// identity file `connector.identity`, whose key is then compared
+        /// with the relay's too).
+        #[arg(long, requires = "relay_config")]
+        peer: Option<String>,
     },
     /// Print a running connector's status (link, relay, published
     /// descriptor, open delegations) from its admin endpoint's `/status`
@@ -102,6 +113,24 @@ enum Cmd {
         /// folder's `relay.toml`).
         #[arg(long)]
         relay_url: Option<String>,
+        /// The same through the A2A facade and driver: dev/alice's facade
+        /// (from `dev-alice.connector.toml`), dev/bob's driver towards a demo
+        /// A2A agent (at the address of `dev-bob.connector.toml`'s
+        /// `a2a.driver_url`), the demo as an A2A client of the facade.
+        #[arg(long)]
+        a2a: bool,
+        /// With --a2a: keep the facade up after the delegation, for any A2A
+        /// client, until Ctrl-C.
+        #[arg(long, requires = "a2a")]
+        keep: bool,
+        /// With --a2a: where the facade listens (default: dev/alice's
+        /// `a2a.facade_listen`, 127.0.0.1:7070).
+        #[arg(long, requires = "a2a")]
+        facade_listen: Option<std::net::SocketAddr>,
+        /// With --a2a: where the demo A2A agent listens (default: the address
+        /// of dev/bob's `a2a.driver_url`, 127.0.0.1:7080).
+        #[arg(long, requires = "a2a")]
+        agent_listen: Option<std::net::SocketAddr>,
     },
     /// Run the connector with a configuration file until SIGTERM/SIGINT.
     Run {
@@ -141,23 +170,60 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::CheckConfig { file, set } => {
-            match ConnectorConfig::load_with_overrides(&file, &overrides(&set)?) {
-                Ok(c) => {
-                    println!("{}: ok ({} peers)", file.display(), c.peers.len());
-                    Ok(())
+        Cmd::CheckConfig {
+            file,
+            set,
+            relay_config,
+            peer,
+        } => match ConnectorConfig::load_with_overrides(&file, &overrides(&set)?) {
+            Ok(c) => {
+                println!("{}: ok ({} peers)", file.display(), c.peers.len());
+                // Valid, but cannot delegate or locks callers out: said, exit 0.
+                let mut warnings =
+                    oab_connector::lockout::warnings(&c, oab_wire::identity::now_ms());
+                if let Some(relay) = relay_config {
+                    match against_relay(&c, &relay, peer.as_deref()) {
+                        Ok(w) => warnings.extend(w),
+                        Err(e) => {
+                            eprintln!("{e:#}");
+                            std::process::exit(2);
+                        }
+                    }
                 }
-                Err(e) => {
-                    eprintln!("{e}");
-                    std::process::exit(2);
+                for w in warnings {
+                    eprintln!("warning: {w}");
                 }
+                Ok(())
             }
-        }
-        Cmd::Demo { dev_dir, relay_url } => {
-            let options = oab_connector::demo::DemoOptions { dev_dir, relay_url };
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(2);
+            }
+        },
+        Cmd::Demo {
+            dev_dir,
+            relay_url,
+            a2a,
+            keep,
+            facade_listen,
+            agent_listen,
+        } => {
+            let options = oab_connector::demo::DemoOptions {
+                dev_dir,
+                relay_url,
+                facade_listen,
+                agent_listen,
+            };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let mut out = std::io::stdout();
-            if let Err(e) = runtime.block_on(oab_connector::demo::run(&options, &mut out)) {
+            let done = runtime.block_on(async {
+                if a2a {
+                    oab_connector::demo::a2a::run(&options, keep, wait_for_signal(), &mut out).await
+                } else {
+                    oab_connector::demo::run(&options, &mut out).await
+                }
+            });
+            if let Err(e) = done {
                 eprintln!("demo failed: {e}");
                 std::process::exit(1);
             }
@@ -203,8 +269,39 @@ fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `check-config --relay-config`: `config` against the relay's file, as
+/// `peer` (else the identity file's peer, and its key).
+fn against_relay(
+    config: &ConnectorConfig,
+    relay: &std::path::Path,
+    peer: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(relay)
+        .with_context(|| format!("--relay-config: cannot read {}", relay.display()))?;
+    let (me, key) = match peer {
+        Some(p) => (PeerId::new(p).context("--peer")?.to_string(), None),
+        None => {
+            let id =
+                oab_connector::keyfile::load(&config.connector.identity).with_context(|| {
+                    "--relay-config needs this host's peer id: pass --peer, or run where \
+                 connector.identity is readable"
+                })?;
+            (
+                id.peer.to_string(),
+                Some((id.key_id.to_string(), id.public_key().to_string())),
+            )
+        }
+    };
+    let key = key.as_ref().map(|(i, k)| (i.as_str(), k.as_str()));
+    oab_connector::lockout::against_relay(config, &me, key, &text)
+        .map_err(|e| anyhow::anyhow!("--relay-config {}: {e}", relay.display()))
+}
+
 async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<()> {
     let config = ConnectorConfig::load_with_overrides(&path, &overrides)?;
+    for w in oab_connector::lockout::warnings(&config, oab_wire::identity::now_ms()) {
+        tracing::warn!("{w}");
+    }
     let c = &config.connector;
     let identity = oab_connector::keyfile::load(&c.identity)?;
     let trust = match (&c.relay_ca, &c.relay_pin_sha256) {

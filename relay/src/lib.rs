@@ -7,6 +7,7 @@
 //! | module | concern |
 //! |---|---|
 //! | [`config`] | the TOML configuration, validation, peer and route lookup |
+//! | [`lockout`] | values that validate but can lock peers out: `check-config` warnings |
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
@@ -30,6 +31,7 @@ pub mod config;
 pub mod dev;
 pub mod fleet;
 pub mod hub;
+pub mod lockout;
 pub mod metrics;
 pub mod outbox;
 pub mod refusal;

@@ -35,8 +35,9 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// With no --config, runs a development relay: on first run it writes a
 /// self-signed certificate, two development identities (dev/alice, dev/bob)
 /// and a config into --dev-dir, prints where they are, and serves with the
-/// in-memory store. Any config value can be overridden with
-/// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`.
+/// in-memory store. A field of a plain section can be overridden with
+/// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`
+/// (not entries of `[[peers]]` or `[[routes]]`).
 ///
 /// Several instances over one Redis (or Redis Cluster) form a fleet behind an
 /// L4 load balancer: give each its own `--set fleet.node=NAME`, the same
@@ -91,7 +92,9 @@ struct RunArgs {
     /// `redis+unix:///path/redis.sock` or `redis-cluster://h1:p1,h2:p2,...`.
     #[arg(long, env = "OAB_RELAY_STORE")]
     store: Option<String>,
-    /// Override any value: `section.field=value` (repeatable).
+    /// Override a field of a plain section: `section.field=value`
+    /// (repeatable). Entries of `[[peers]]` and `[[routes]]` are not reachable:
+    /// edit the file for those.
     #[arg(long = "set", value_name = "PATH=VALUE")]
     set: Vec<String>,
     /// Async worker threads (default: one per CPU). One thread avoids
@@ -194,6 +197,10 @@ fn main() -> anyhow::Result<()> {
                         "redis"
                     }
                 );
+                // Values that pass but can lock peers out: said, exit 0.
+                for w in oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms()) {
+                    eprintln!("warning: {w}");
+                }
                 return Ok(());
             }
             Err(e) => {
@@ -243,6 +250,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             for (peer, file) in &dev.identities {
                 say!("  identity:    {peer} -> {}", file.display());
             }
+            for file in &dev.connector_configs {
+                say!("  connector:   {}", file.display());
+            }
+            say!("  try it:      cargo run -p oab-connector -- demo  (or demo --a2a)");
             dev.config
         }
     };
@@ -253,6 +264,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         &shown,
         &overrides(&args)?,
     )?);
+    for w in oab_relay::lockout::warnings(&config, oab_wire::identity::now_ms()) {
+        tracing::warn!(field = %w.field, "{}", w.message);
+    }
     let tls = match config.relay.tls_mode {
         TlsMode::Terminate => {
             let (Some(cert), Some(key)) = (&config.relay.tls_cert, &config.relay.tls_key) else {
