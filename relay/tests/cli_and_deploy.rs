@@ -232,6 +232,8 @@ fn version_names_the_commit_and_the_build_date() {
         .trim_end_matches(')');
     assert_eq!(date.len(), 20, "{text}");
     assert!(date.ends_with('Z') && date.as_bytes()[10] == b'T', "{text}");
+}
+
 /// The relay's stderr lines until one contains `until` (or 20 s pass, or it
 /// exits), then it is killed.
 fn relay_log_until(args: &[&str], until: &str) -> Vec<String> {
