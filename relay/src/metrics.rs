@@ -115,6 +115,9 @@ const HANDSHAKE_RESULTS: &[&str] = &[
     "upgrade",
 ];
 
+/// The `kind` values of `oab_wake_messages_total` (hub/wakeups.rs).
+const WAKE_KINDS: &[&str] = &["entry", "nudge", "claim", "presence", "resync"];
+
 /// The `op` values of `oab_store_errors_total` (`Hub::observe_store` callers).
 const STORE_OPS: &[&str] = &["append", "read", "open", "meta", "callee", "due", "expire"];
 
@@ -354,6 +357,9 @@ impl Metrics {
             self.disconnects.with_label_values(&[code.name()]);
         }
         self.disconnects.with_label_values(&["transport"]);
+        for kind in WAKE_KINDS {
+            self.wakes.with_label_values(&[kind]);
+        }
         for op in STORE_OPS {
             self.store_errors.with_label_values(&[op]);
         }
@@ -405,6 +411,7 @@ mod tests {
             "oab_connections_refused_total{reason=\"max_handshakes\"} 0",
             "oab_store_latency_seconds_bucket{op=\"append\"",
             "oab_resyncs_total{cause=",
+            "oab_wake_messages_total{kind=\"entry\"} 0",
         ] {
             assert!(text.contains(family), "{family} missing from:\n{text}");
         }
