@@ -11,7 +11,7 @@ use std::path::Path;
 
 #[test]
 fn every_example_relay_config_in_deploy_is_valid() {
-    for sub in ["relay", "fleet"] {
+    for sub in ["relay", "fleet", "k8s/relay"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../deploy")
             .join(sub);
