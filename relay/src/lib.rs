@@ -10,6 +10,7 @@
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
+//! | [`proxy_protocol`] | PROXY protocol v1/v2 headers from trusted load balancers: the real client address |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
@@ -31,6 +32,7 @@ pub mod fleet;
 pub mod hub;
 pub mod metrics;
 pub mod outbox;
+pub mod proxy_protocol;
 pub mod refusal;
 pub mod server;
 pub mod session;

@@ -17,7 +17,7 @@
 //! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,12 +38,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::admission::{
-    HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source,
-};
+use crate::admission::{HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source};
 use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
+use crate::proxy_protocol::Admission;
 use crate::session::{self, SessionEnv};
 use crate::store::{EventStore, StoreError};
 
@@ -233,7 +232,10 @@ pub async fn run<S: EventStore>(
             config.relay.source_prefix_v4,
             config.relay.source_prefix_v6,
         );
-        if ip_limiter.check_key(&source.addr()).is_err() {
+        // From a trusted load balancer, the source comes in the PROXY
+        // header: the per-source checks run once it is read.
+        let proxied = config.relay.proxy_protocol.expects_header(addr.ip());
+        if !proxied && ip_limiter.check_key(&source.addr()).is_err() {
             hub.metrics
                 .refused
                 .with_label_values(&["rate_limited"])
@@ -247,8 +249,13 @@ pub async fn run<S: EventStore>(
                 .inc();
             continue;
         };
-        let hs_permit = match handshakes.try_admit(source) {
-            Ok(p) => p,
+        let admission = if proxied {
+            handshakes.try_reserve().map(Admission::Proxied)
+        } else {
+            handshakes.try_admit(source).map(Admission::Direct)
+        };
+        let admission = match admission {
+            Ok(a) => a,
             Err(why) => {
                 hub.metrics
                     .refused
@@ -261,10 +268,19 @@ pub async fn run<S: EventStore>(
             debug!(error = %e, "socket options not set");
         }
         let (hub, env, acceptor) = (hub.clone(), env.clone(), acceptor.clone());
-        let span = tracing::debug_span!("conn", %addr);
+        let limiter = ip_limiter.clone();
+        let span = tracing::debug_span!("conn", %addr, client = tracing::field::Empty);
         let fut = async move {
             hub.metrics.connections.inc();
-            connection(hub.clone(), env, tcp, acceptor, ws_cfg, hs_permit).await;
+            let conn = Box::pin(connection(
+                hub.clone(),
+                env,
+                tcp,
+                acceptor,
+                ws_cfg,
+                (admission, addr, limiter),
+            ));
+            conn.await;
             hub.metrics.connections.dec();
             drop(conn_permit);
         }
@@ -367,13 +383,26 @@ async fn wake_loop<S: EventStore>(
 async fn connection<S: EventStore>(
     hub: Arc<Hub<S>>,
     env: SessionEnv,
-    tcp: TcpStream,
+    mut tcp: TcpStream,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     ws_cfg: WebSocketConfig,
-    hs_permit: HandshakePermit,
+    (admission, peer, limiter): (Admission, SocketAddr, Arc<DefaultKeyedRateLimiter<IpAddr>>),
 ) {
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(hub.config.relay.handshake_timeout_ms);
+    let Some(hs_permit) = crate::proxy_protocol::admit(
+        admission,
+        &mut tcp,
+        peer,
+        &hub.config.relay,
+        &limiter,
+        &hub.metrics,
+        deadline,
+    )
+    .await
+    else {
+        return;
+    };
     match acceptor {
         Some(acceptor) => {
             let tls = match tokio::time::timeout_at(deadline, Box::pin(acceptor.accept(tcp))).await
