@@ -18,6 +18,7 @@
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`client_log`] | the Redis client's log records, rate-limited into `tracing` |
 //! | [`dev`] | the quick start: development certificate, identities, config |
 //!
 //! Never: parses or rewrites a delegation frame's payload. The relay stores,
@@ -26,6 +27,7 @@
 //! capability ceiling into the `Open`'s header.
 
 pub mod admission;
+pub mod client_log;
 pub mod config;
 pub mod dev;
 pub mod fleet;

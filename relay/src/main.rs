@@ -132,10 +132,14 @@ fn init_tracing(format: &str) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if format == "json" {
-        builder.json().init();
+    let installed = if format == "json" {
+        tracing::subscriber::set_global_default(builder.json().finish())
     } else {
-        builder.init();
+        tracing::subscriber::set_global_default(builder.finish())
+    };
+    if installed.is_ok() {
+        // The Redis client's `log` records, rate-limited (oab_relay::client_log).
+        let _ = oab_relay::client_log::install();
     }
 }
 
@@ -153,11 +157,7 @@ fn main() -> anyhow::Result<()> {
                     "{shown}: ok ({} peers, {} routes, store {})",
                     c.peers.len(),
                     c.routes.len(),
-                    if c.store.url == "memory" {
-                        "memory"
-                    } else {
-                        "redis"
-                    }
+                    oab_relay::store::redis::describe_store_url(&c.store.url)
                 );
                 return Ok(());
             }
@@ -245,6 +245,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         "admin (metrics, health) on http://{}/metrics",
         admin.local_addr()?
     );
+    tokio::spawn(oab_relay::client_log::flush_every());
     let shutdown = CancellationToken::new();
     let trigger = shutdown.clone();
     tokio::spawn(async move {

@@ -526,14 +526,17 @@ async fn metrics_handler<S: EventStore>(
     )
 }
 
-async fn ready_handler<S: EventStore>(
-    State(hub): State<Arc<Hub<S>>>,
-) -> (StatusCode, &'static str) {
+/// 200 `ready`; 503 `draining`, or 503 `store unreachable: <what is down>`
+/// (on a Redis Cluster, every master that does not answer, with its slots).
+async fn ready_handler<S: EventStore>(State(hub): State<Arc<Hub<S>>>) -> (StatusCode, String) {
     if hub.shutdown.is_cancelled() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
     }
     match hub.store.ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n"),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "store unreachable\n"),
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store unreachable: {e}\n"),
+        ),
     }
 }
