@@ -272,15 +272,8 @@ pub async fn run<S: EventStore>(
         let span = tracing::debug_span!("conn", %addr, client = tracing::field::Empty);
         let fut = async move {
             hub.metrics.connections.inc();
-            let conn = Box::pin(connection(
-                hub.clone(),
-                env,
-                tcp,
-                acceptor,
-                ws_cfg,
-                (admission, addr, limiter),
-            ));
-            conn.await;
+            let admitted = (admission, addr, limiter);
+            connection(hub.clone(), env, tcp, acceptor, ws_cfg, admitted).await;
             hub.metrics.connections.dec();
             drop(conn_permit);
         }
@@ -386,6 +379,8 @@ async fn connection<S: EventStore>(
     mut tcp: TcpStream,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     ws_cfg: WebSocketConfig,
+    // How it was admitted at accept, its peer address, the per-source
+    // connection rate (applied here to a proxied connection's client).
     (admission, peer, limiter): (Admission, SocketAddr, Arc<DefaultKeyedRateLimiter<IpAddr>>),
 ) {
     let deadline =
