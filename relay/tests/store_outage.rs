@@ -34,6 +34,34 @@ async fn await_readyz(relay: &LoggedRelay, what: &str, f: impl Fn(&str) -> bool)
     );
 }
 
+/// A master that hangs (SIGSTOP: its port still accepts connections, it
+/// answers nothing) makes the instance not ready within the probe timeout,
+/// named like a dead one, and ready again once it continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_is_not_ready_until_it_continues() {
+    let mut cluster = tokio::task::spawn_blocking(RedisCluster::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let env = TestEnv::new("");
+    let relay = LoggedRelay::start(&env, &cluster.url(), &["fleet.node=relay-1"], "warn").await;
+    await_readyz(&relay, "ready", |r| r.contains(" 200 OK")).await;
+    let hung = cluster.node_urls()[1]
+        .trim_start_matches("redis://")
+        .to_owned();
+    cluster.pause_node(1).unwrap();
+    let down = await_readyz(&relay, "not ready", |r| r.contains(" 503 ")).await;
+    assert!(
+        down.contains(&format!(
+            "master {hung} (slots 5461-10921) unreachable: timed out"
+        )),
+        "{down}"
+    );
+    cluster.resume_node(1).unwrap();
+    await_readyz(&relay, "ready again", |r| r.contains(" 200 OK")).await;
+    drop(cluster);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_master_down_is_not_ready_and_logs_little() {
     let mut cluster = tokio::task::spawn_blocking(RedisCluster::start)
