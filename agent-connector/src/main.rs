@@ -230,7 +230,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Run { config, set } => {
-            oab_ops::logging::init(cli.log_format);
+            oab_ops::logging::init(cli.log_format, true);
             let overrides = overrides(&set)?;
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(run(config, overrides))

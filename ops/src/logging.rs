@@ -23,8 +23,11 @@ impl std::str::FromStr for LogFormat {
     }
 }
 
-/// Installs the global subscriber (once per process; later calls do nothing).
-pub fn init(format: LogFormat) {
+/// Installs the global subscriber (once per process; later calls do nothing
+/// and return false). With `bridge_log`, records of crates that log through
+/// the `log` crate are written too; without it the caller installs its own
+/// `log` logger (the relay rate-limits the Redis client's records).
+pub fn init(format: LogFormat, bridge_log: bool) -> bool {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour only on a terminal: logs redirected to a file or a journal stay
@@ -33,8 +36,13 @@ pub fn init(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let _ = match format {
-        LogFormat::Json => builder.json().try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
+    let installed = match format {
+        LogFormat::Json => tracing::subscriber::set_global_default(builder.json().finish()),
+        LogFormat::Text => tracing::subscriber::set_global_default(builder.finish()),
+    }
+    .is_ok();
+    if installed && bridge_log {
+        let _ = tracing_log::LogTracer::init();
+    }
+    installed
 }

@@ -124,23 +124,21 @@ impl HandshakeSlots {
 
     /// Takes a slot for `source` now, or says why not (never waits).
     pub fn try_admit(self: &Arc<Self>, source: Source) -> Result<HandshakePermit, SlotRefusal> {
+        self.try_reserve()?.assign(source)
+    }
+
+    /// Takes one of the `max_handshakes` slots for a connection whose source
+    /// is not known yet (it comes in a PROXY header); [`SlotReservation::assign`]
+    /// then charges it to the source. Never waits.
+    pub fn try_reserve(self: &Arc<Self>) -> Result<SlotReservation, SlotRefusal> {
         let total = self
             .total
             .clone()
             .try_acquire_owned()
             .map_err(|_| SlotRefusal::Full)?;
-        {
-            let mut held = self.held.lock();
-            let n = held.entry(source).or_insert(0);
-            if *n >= self.per_source {
-                return Err(SlotRefusal::SourceShare);
-            }
-            *n += 1;
-        }
-        Ok(HandshakePermit {
+        Ok(SlotReservation {
             slots: self.clone(),
-            source,
-            _total: total,
+            total,
         })
     }
 
@@ -152,6 +150,34 @@ impl HandshakeSlots {
     /// Sources holding at least one slot.
     pub fn sources(&self) -> usize {
         self.held.lock().len()
+    }
+}
+
+/// One of the total handshake slots, not yet charged to a source; dropping
+/// it frees the slot.
+#[derive(Debug)]
+pub struct SlotReservation {
+    slots: Arc<HandshakeSlots>,
+    total: OwnedSemaphorePermit,
+}
+
+impl SlotReservation {
+    /// Charges the slot to `source`, or gives it back when `source` holds
+    /// its `max_handshakes_per_source` share already.
+    pub fn assign(self, source: Source) -> Result<HandshakePermit, SlotRefusal> {
+        {
+            let mut held = self.slots.held.lock();
+            let n = held.entry(source).or_insert(0);
+            if *n >= self.slots.per_source {
+                return Err(SlotRefusal::SourceShare);
+            }
+            *n += 1;
+        }
+        Ok(HandshakePermit {
+            slots: self.slots,
+            source,
+            _total: self.total,
+        })
     }
 }
 

@@ -141,6 +141,9 @@ pub struct RelaySection {
     /// Reconnect hint sent in `Drain`, ms.
     #[serde(default = "default_reconnect_hint_ms")]
     pub reconnect_hint_ms: u32,
+    /// PROXY protocol headers from load balancers (off by default).
+    #[serde(default)]
+    pub proxy_protocol: crate::proxy_protocol::ProxyProtocol,
 }
 
 /// `[limits]`
@@ -696,6 +699,9 @@ impl Config {
             if v == 0 {
                 err(name.into(), "must be greater than 0".into());
             }
+        }
+        for (field, message) in r.proxy_protocol.problems() {
+            err(field, message);
         }
         if r.source_prefix_v4 > 32 {
             err("relay.source_prefix_v4".into(), "must be at most 32".into());

@@ -11,6 +11,7 @@
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
+//! | [`proxy_protocol`] | PROXY protocol v1/v2 headers from trusted load balancers: the real client address |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
@@ -19,6 +20,7 @@
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`status`] | `/status` on the admin port, its page, and `oab-relay status`'s tables |
+//! | [`client_log`] | the Redis client's log records, rate-limited into `tracing` |
 //! | [`dev`] | the quick start: development certificate, identities, config |
 //!
 //! Never: parses or rewrites a delegation frame's payload. The relay stores,
@@ -27,6 +29,7 @@
 //! capability ceiling into the `Open`'s header.
 
 pub mod admission;
+pub mod client_log;
 pub mod config;
 pub mod dev;
 pub mod fleet;
@@ -34,6 +37,7 @@ pub mod hub;
 pub mod lockout;
 pub mod metrics;
 pub mod outbox;
+pub mod proxy_protocol;
 pub mod refusal;
 pub mod server;
 pub mod session;

@@ -191,11 +191,7 @@ fn main() -> anyhow::Result<()> {
                     "{shown}: ok ({} peers, {} routes, store {})",
                     c.peers.len(),
                     c.routes.len(),
-                    if c.store.url == "memory" {
-                        "memory"
-                    } else {
-                        "redis"
-                    }
+                    oab_relay::store::redis::describe_store_url(&c.store.url)
                 );
                 // Values that pass but can lock peers out: said, exit 0.
                 for w in oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms()) {
@@ -209,7 +205,10 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    oab_ops::logging::init(cli.run.log_format);
+    if oab_ops::logging::init(cli.run.log_format, false) {
+        // The Redis client's `log` records, rate-limited (oab_relay::client_log).
+        let _ = oab_relay::client_log::install();
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(Threads(Some(n))) = cli.run.worker_threads {
         builder.worker_threads(n);
@@ -294,6 +293,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         "admin (metrics, health) on http://{}/metrics",
         admin.local_addr()?
     );
+    tokio::spawn(oab_relay::client_log::flush_every());
     let shutdown = CancellationToken::new();
     let trigger = shutdown.clone();
     tokio::spawn(async move {

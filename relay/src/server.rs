@@ -17,7 +17,7 @@
 //! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,12 +38,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::admission::{
-    HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source,
-};
+use crate::admission::{HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source};
 use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
+use crate::proxy_protocol::Admission;
 use crate::session::{self, SessionEnv};
 use crate::store::{EventStore, StoreError};
 
@@ -234,7 +233,10 @@ pub async fn run<S: EventStore>(
             config.relay.source_prefix_v4,
             config.relay.source_prefix_v6,
         );
-        if ip_limiter.check_key(&source.addr()).is_err() {
+        // From a trusted load balancer, the source comes in the PROXY
+        // header: the per-source checks run once it is read.
+        let proxied = config.relay.proxy_protocol.expects_header(addr.ip());
+        if !proxied && ip_limiter.check_key(&source.addr()).is_err() {
             hub.metrics
                 .refused
                 .with_label_values(&["rate_limited"])
@@ -248,8 +250,13 @@ pub async fn run<S: EventStore>(
                 .inc();
             continue;
         };
-        let hs_permit = match handshakes.try_admit(source) {
-            Ok(p) => p,
+        let admission = if proxied {
+            handshakes.try_reserve().map(Admission::Proxied)
+        } else {
+            handshakes.try_admit(source).map(Admission::Direct)
+        };
+        let admission = match admission {
+            Ok(a) => a,
             Err(why) => {
                 hub.metrics
                     .refused
@@ -262,10 +269,12 @@ pub async fn run<S: EventStore>(
             debug!(error = %e, "socket options not set");
         }
         let (hub, env, acceptor) = (hub.clone(), env.clone(), acceptor.clone());
-        let span = tracing::debug_span!("conn", %addr);
+        let limiter = ip_limiter.clone();
+        let span = tracing::debug_span!("conn", %addr, client = tracing::field::Empty);
         let fut = async move {
             hub.metrics.connections.inc();
-            connection(hub.clone(), env, tcp, acceptor, ws_cfg, hs_permit).await;
+            let admitted = (admission, addr, limiter);
+            connection(hub.clone(), env, tcp, acceptor, ws_cfg, admitted).await;
             hub.metrics.connections.dec();
             drop(conn_permit);
         }
@@ -368,13 +377,28 @@ async fn wake_loop<S: EventStore>(
 async fn connection<S: EventStore>(
     hub: Arc<Hub<S>>,
     env: SessionEnv,
-    tcp: TcpStream,
+    mut tcp: TcpStream,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     ws_cfg: WebSocketConfig,
-    hs_permit: HandshakePermit,
+    // How it was admitted at accept, its peer address, the per-source
+    // connection rate (applied here to a proxied connection's client).
+    (admission, peer, limiter): (Admission, SocketAddr, Arc<DefaultKeyedRateLimiter<IpAddr>>),
 ) {
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(hub.config.relay.handshake_timeout_ms);
+    let Some(hs_permit) = crate::proxy_protocol::admit(
+        admission,
+        &mut tcp,
+        peer,
+        &hub.config.relay,
+        &limiter,
+        &hub.metrics,
+        deadline,
+    )
+    .await
+    else {
+        return;
+    };
     match acceptor {
         Some(acceptor) => {
             let tls = match tokio::time::timeout_at(deadline, Box::pin(acceptor.accept(tcp))).await
@@ -522,14 +546,17 @@ async fn metrics_handler<S: EventStore>(
     )
 }
 
-async fn ready_handler<S: EventStore>(
-    State(hub): State<Arc<Hub<S>>>,
-) -> (StatusCode, &'static str) {
+/// 200 `ready`; 503 `draining`, or 503 `store unreachable: <what is down>`
+/// (on a Redis Cluster, every master that does not answer, with its slots).
+async fn ready_handler<S: EventStore>(State(hub): State<Arc<Hub<S>>>) -> (StatusCode, String) {
     if hub.shutdown.is_cancelled() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
     }
     match hub.store.ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n"),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "store unreachable\n"),
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store unreachable: {e}\n"),
+        ),
     }
 }

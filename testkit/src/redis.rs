@@ -458,6 +458,25 @@ impl ClusterNode {
         Ok(())
     }
 
+    /// Sends `signal` (`-STOP`, `-CONT`) with `kill(1)`; an error if it is
+    /// not running.
+    fn signal(&mut self, signal: &str) -> io::Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .map(Child::id)
+            .ok_or_else(|| io::Error::other(format!("node {} is not running", self.port)))?;
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("kill {signal} {pid}: {status}")))
+        }
+    }
+
     /// SIGKILL and reap; nothing if it is not running.
     fn kill(&mut self) -> io::Result<()> {
         if let Some(mut child) = self.child.take() {
@@ -633,6 +652,18 @@ impl RedisCluster {
     /// test expects acknowledged writes back.
     pub fn kill_node(&mut self, i: usize) -> io::Result<()> {
         self.node_mut(i)?.kill()
+    }
+
+    /// Stops node `i` with SIGSTOP: it keeps its sockets (the kernel still
+    /// accepts connections) but answers nothing until
+    /// [`resume_node`](Self::resume_node). A hung node, as opposed to a dead one.
+    pub fn pause_node(&mut self, i: usize) -> io::Result<()> {
+        self.node_mut(i)?.signal("-STOP")
+    }
+
+    /// Continues node `i` after [`pause_node`](Self::pause_node) (SIGCONT).
+    pub fn resume_node(&mut self, i: usize) -> io::Result<()> {
+        self.node_mut(i)?.signal("-CONT")
     }
 
     /// Waits until node `i` has written everything it acknowledged to its

@@ -536,3 +536,66 @@ macro_rules! both_stores {
 }
 #[allow(unused_imports)]
 pub(crate) use both_stores;
+
+/// The `oab-relay` binary as a child process with its log (stderr) in a
+/// file, for tests that check what it logs.
+pub struct LoggedRelay {
+    child: Option<std::process::Child>,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub log: std::path::PathBuf,
+}
+
+impl LoggedRelay {
+    /// Starts it on free ports with `store_url`, the `--set` overrides
+    /// `sets` and the log filter `log_filter` (`OAB_LOG`), and waits until
+    /// its admin listener accepts connections.
+    pub async fn start(
+        env: &TestEnv,
+        store_url: &str,
+        sets: &[&str],
+        log_filter: &str,
+    ) -> LoggedRelay {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let log = env.dir.path().join(format!("relay-{}.log", addr.port()));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("--config")
+            .arg(&env.config_path)
+            .args(["--listen", &addr.to_string()])
+            .args(["--admin-listen", &admin.to_string()])
+            .args(["--store", store_url])
+            .args(sets.iter().flat_map(|s| ["--set", *s]))
+            .env("OAB_LOG", log_filter)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn();
+        let relay = LoggedRelay {
+            child: Some(child.unwrap()),
+            addr,
+            admin,
+            log,
+        };
+        for _ in 0..500 {
+            if tokio::net::TcpStream::connect(admin).await.is_ok() {
+                return relay;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("relay did not start:\n{}", relay.log());
+    }
+
+    /// What it has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for LoggedRelay {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

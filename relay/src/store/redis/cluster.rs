@@ -40,13 +40,13 @@ impl RedisStore {
         context: &str,
     ) -> Result<Value, StoreError> {
         let mut conn = self.conn.clone();
+        let failed = |e: RedisError| self.failed(context, &e, first_key(cmd));
         match cmd.query_async::<Value>(&mut conn).await {
             Ok(v) => Ok(v),
-            Err(e) if idempotent && retryable(&e) => cmd
-                .query_async::<Value>(&mut conn)
-                .await
-                .map_err(|e| unavailable(context, &e)),
-            Err(e) => Err(unavailable(context, &e)),
+            Err(e) if idempotent && retryable(&e) => {
+                cmd.query_async::<Value>(&mut conn).await.map_err(failed)
+            }
+            Err(e) => Err(failed(e)),
         }
     }
 
@@ -130,9 +130,20 @@ impl RedisStore {
             }
         }
         if failed == groups.len() {
+            // Every group's error names its shard; say which were tried.
+            let causes: std::collections::BTreeSet<String> = values
+                .iter()
+                .filter_map(|v| match v {
+                    Err(StoreError::Unavailable { cause, .. }) => Some(cause.clone()),
+                    _ => None,
+                })
+                .collect();
             return Err(StoreError::unavailable(
                 context,
-                "no node of the cluster answered",
+                format!(
+                    "every shard of this batch failed: {}",
+                    causes.into_iter().collect::<Vec<_>>().join("; ")
+                ),
             ));
         }
         Ok(values)
@@ -147,13 +158,15 @@ impl RedisStore {
         context: &str,
     ) -> Result<Vec<Value>, StoreError> {
         let mut conn = self.conn.clone();
+        let key = pipe.cmd_iter().next().and_then(first_key);
+        let failed = |e: RedisError| self.failed(context, &e, key);
         let values = match pipe.query_async::<Vec<Value>>(&mut conn).await {
             Ok(v) => v,
             Err(e) if idempotent && retryable(&e) => pipe
                 .query_async::<Vec<Value>>(&mut conn)
                 .await
-                .map_err(|e| unavailable(context, &e))?,
-            Err(e) => return Err(unavailable(context, &e)),
+                .map_err(failed)?,
+            Err(e) => return Err(failed(e)),
         };
         if values.len() != pipe.len() {
             return Err(corrupt(format!(
@@ -243,6 +256,34 @@ impl RedisStore {
             .into_iter()
             .next()
             .ok_or_else(|| corrupt(format!("{context}: no reply")))
+    }
+}
+
+impl RedisStore {
+    /// The error of a command on `key` that failed with `e`. On a cluster
+    /// it names the shard: the slot of the key and the master serving it
+    /// (from a redirect the cluster connection could not follow, else from
+    /// the last slot map read), instead of the redirect or a bare
+    /// "connection refused".
+    fn failed(&self, context: &str, e: &RedisError, key: Option<&[u8]>) -> StoreError {
+        let (Some(shards), Some(key)) = (&self.shards, key) else {
+            return unavailable(context, e);
+        };
+        let slot = super::shards::slot_of(key);
+        let master = e
+            .redirect_node()
+            .map(|(addr, _)| addr.to_owned())
+            .or_else(|| shards.owner_of(slot));
+        let shard = match master {
+            Some(m) => format!("the shard of slot {slot} (master {m})"),
+            None => format!("the shard of slot {slot}"),
+        };
+        let cause = if e.redirect_node().is_some() {
+            format!("{shard} is unreachable (the cluster redirects there)")
+        } else {
+            format!("{shard} failed: {e}")
+        };
+        StoreError::unavailable(format!("redis {context}"), cause)
     }
 }
 

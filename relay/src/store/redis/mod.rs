@@ -100,9 +100,10 @@ mod fleet;
 mod keys;
 mod replies;
 mod scripts;
+mod shards;
 mod url;
 
-pub use self::url::RedactedUrl;
+pub use self::url::{RedactedUrl, describe_store_url};
 
 use std::time::Duration;
 
@@ -219,6 +220,9 @@ pub struct RedisStore {
     maxlen: u64,
     /// `finished_ttl_ms` as sent to `PEXPIRE` (clamped, see [`MAX_TTL_MS`]).
     ttl_ms: u64,
+    /// On a cluster: its masters and slots, for readiness and for errors
+    /// that name the shard that failed.
+    shards: Option<self::shards::Shards>,
 }
 
 impl RedisStore {
@@ -273,7 +277,10 @@ impl RedisStore {
                 .map_err(cannot_connect)?;
             (Conn::Single(conn), vec![url.to_owned()])
         };
+        let shards =
+            matches!(conn, Conn::Cluster(_)).then(|| self::shards::Shards::new(&pubsub_urls));
         let store = RedisStore {
+            shards,
             conn,
             pubsub_urls: RedactedUrls(pubsub_urls),
             retention,
@@ -283,6 +290,11 @@ impl RedisStore {
         };
         store.load_scripts().await?;
         store.warn_about_durability().await;
+        if let Some(shards) = &store.shards
+            && let Err(e) = shards.check().await
+        {
+            tracing::warn!(error = %e, "Redis Cluster not fully reachable");
+        }
         Ok(store)
     }
 
@@ -1028,6 +1040,10 @@ impl EventStore for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        if let Some(shards) = &self.shards {
+            // Every master that serves slots must answer: see `shards`.
+            return shards.check().await;
+        }
         let cmd = redis::cmd("PING");
         match self.query(&cmd, true, "PING").await? {
             Value::SimpleString(s) if s == "PONG" => Ok(()),

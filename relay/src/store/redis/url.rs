@@ -91,6 +91,32 @@ pub(super) fn redact_url(url: &str) -> String {
     format!("{scheme}://{user}{tail}")
 }
 
+/// The kind and address of the store at `url`, without credentials, as
+/// `check-config` prints it: `memory`, `redis redis://host:6379/0` (a
+/// password shown as `***`), or `redis cluster host1:7001,host2:7002` (the
+/// seeds). A cluster URL whose seeds do not parse is shown redacted.
+pub fn describe_store_url(url: &str) -> String {
+    if url == "memory" {
+        return "memory".to_owned();
+    }
+    if !is_cluster_url(url) {
+        return format!("redis {}", redact_url(url));
+    }
+    match cluster_seed_urls(url) {
+        Ok(seeds) => {
+            let hosts: Vec<&str> = seeds
+                .iter()
+                .map(|s| {
+                    let rest = s.strip_prefix("redis://").unwrap_or(s);
+                    rest.rsplit_once('@').map_or(rest, |(_, host)| host)
+                })
+                .collect();
+            format!("redis cluster {}", hosts.join(","))
+        }
+        Err(_) => format!("redis cluster {}", redact_url(url)),
+    }
+}
+
 /// Whether `url` names a Redis Cluster (`redis-cluster://`, any case).
 pub(super) fn is_cluster_url(url: &str) -> bool {
     url.get(..CLUSTER_SCHEME.len())
@@ -199,6 +225,23 @@ mod tests {
         }
         let list = format!("{:?}", RedactedUrls(vec!["redis://u:hunter2@h:1".into()]));
         assert_eq!(list, r#"["redis://u:***@h:1"]"#);
+    }
+
+    #[test]
+    fn store_urls_are_described_without_credentials() {
+        assert_eq!(describe_store_url("memory"), "memory");
+        assert_eq!(
+            describe_store_url("redis://:secret@10.0.0.5:6379/0"),
+            "redis redis://:***@10.0.0.5:6379/0"
+        );
+        assert_eq!(
+            describe_store_url("redis-cluster://u:secret@h1:7001,h2:7002,[::1]:7003"),
+            "redis cluster h1:7001,h2:7002,[::1]:7003"
+        );
+        assert_eq!(
+            describe_store_url("redis-cluster://u:secret@h1:x"),
+            "redis cluster redis-cluster://u:***@h1:x"
+        );
     }
 
     #[test]
