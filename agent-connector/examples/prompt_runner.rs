@@ -25,9 +25,7 @@ use oab_connector::callee::{CalleeOptions, Execution, StopReason, TaskExecutor, 
 use oab_connector::link::LinkSettings;
 use oab_connector::profile::{Budgets, ParentContext, RiskLevel, Task};
 use oab_connector::trust::RelayTrust;
-use oab_connector::{Connector, ConnectorOptions, NewDelegation};
-use oab_wire::identity::Identity;
-use oab_wire::{KeyId, PeerId};
+use oab_connector::{Connector, ConnectorOptions, Identity, KeyId, NewDelegation, PeerId, PeerKey};
 use tokio_util::sync::CancellationToken;
 
 /// What one prompt produced, as OAB's runner reports it.
@@ -177,7 +175,7 @@ async fn main() -> anyhow::Result<()> {
     let trust: std::collections::HashMap<_, _> = [&caller, &callee]
         .into_iter()
         .map(|i| {
-            let key = oab_wire::identity::PeerKey {
+            let key = PeerKey {
                 key_id: i.key_id.clone(),
                 public_key: i.public_key(),
                 not_before_ms: None,

@@ -19,8 +19,17 @@
 //! | [`admin`] | the admin endpoint: `/metrics`, `/healthz`, `/readyz`, `/status` |
 //! | [`lockout`] | configurations that validate but cannot delegate or lock callers out: `check-config` warnings |
 //! | [`demo`] | `oab-connector demo`: one delegation between `dev/alice` and `dev/bob` over a development relay |
-//! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
+//! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension (feature `a2a`; without it only the JSON shapes) |
 //! | [`openab`] | an OpenAB control-plane endpoint on loopback: OAB runtimes delegate through it unmodified |
+//!
+//! Features (`Cargo.toml`): `a2a` (axum, reqwest: the A2A facade and
+//! driver) and `cli` (the `oab-connector` binary: `a2a`, clap, anyhow, the
+//! tracing subscriber), both on by default. A host that embeds the
+//! connector takes `default-features = false`: every module above except
+//! `a2a`'s HTTP parts, and no HTTP stack or argument parser. The
+//! [`oab-wire`](wire) types the API uses are re-exported ([`wire`], and the
+//! common ones at the top level), so a host needs no `oab-wire` dependency
+//! of its own.
 //!
 //! Never: trusts the relay with authority or results: signed requests and
 //! results are verified against the peers' keys in the local configuration
@@ -46,6 +55,11 @@ pub mod profile;
 pub mod state;
 pub mod status;
 pub mod trust;
+
+/// The wire protocol crate (`oab-wire`), for the types the API uses.
+pub use oab_wire as wire;
+pub use oab_wire::identity::{Identity, PeerKey, TrustStore};
+pub use oab_wire::{DelegationKey, Digest, KeyId, Outcome, PeerEntry, PeerId, RequestId};
 
 pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};
 pub use caller::{Caller, DelegationEvent, DelegationHandle, EventKind, NewDelegation, Terminal};

@@ -672,6 +672,121 @@ async fn a_worker_that_disconnects_mid_task_ends_it_target_disconnected() {
     w.stop().await;
 }
 
+/// The environment variable that makes [`cp_worker_process`] act (the
+/// parent test sets it): `<port> <instance_id>`.
+const CP_WORKER_ENV: &str = "OPENAB_TEST_CP_WORKER";
+
+/// A CP worker as its own OS process: this test binary run again with
+/// only [`cp_worker_process`] selected.
+struct WorkerProcess {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl WorkerProcess {
+    /// Starts a worker registering on host B's endpoint as `instance`;
+    /// returns once it is registered.
+    async fn start(port: u16, instance: &str) -> WorkerProcess {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["cp_worker_process", "--exact", "--ignored", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env(CP_WORKER_ENV, format!("{port} {instance}"))
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut w = WorkerProcess { child, lines };
+        assert_eq!(w.said().await, "registered");
+        w
+    }
+
+    /// The next thing the worker printed after its `cp-worker: ` prefix.
+    async fn said(&mut self) -> String {
+        loop {
+            let line = tokio::time::timeout(STEP, self.lines.next_line())
+                .await
+                .expect("a line within the step")
+                .unwrap()
+                .expect("the worker process ended");
+            // libtest's own "test cp_worker_process ... " may precede it.
+            if let Some((_, rest)) = line.split_once("cp-worker: ") {
+                return rest.to_string();
+            }
+        }
+    }
+
+    /// `kill -9`: no close frame, no goodbye.
+    async fn kill(mut self) {
+        self.child.kill().await.unwrap();
+    }
+}
+
+/// Not a test: the body of [`WorkerProcess`]. Registers as
+/// `prod/reviewer`, prints `cp-worker: registered`, then for each
+/// `cp/delegate` prints `cp-worker: delegate <prompt>` and, unless the
+/// prompt starts with "hold", answers `completed` with "done: <prompt>".
+#[tokio::test]
+#[ignore = "a CP worker process the restart test starts; does nothing on its own"]
+async fn cp_worker_process() {
+    let Ok(args) = std::env::var(CP_WORKER_ENV) else {
+        return;
+    };
+    let (port, instance) = args.split_once(' ').unwrap();
+    let mut cp = Cp::connect(port.parse().unwrap(), WORKER_KEY)
+        .await
+        .unwrap();
+    let r = cp.register("prod", "reviewer", "worker", instance, 4).await;
+    assert!(r.get("result").is_some(), "{r}");
+    println!("cp-worker: registered");
+    loop {
+        let fwd = cp.request("cp/delegate").await;
+        let prompt = fwd["prompt"].as_str().unwrap_or_default().to_string();
+        println!("cp-worker: delegate {prompt}");
+        if !prompt.starts_with("hold") {
+            cp.call(
+                "cp/delegate_result",
+                json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                        "status": "completed", "result": format!("done: {prompt}") }),
+            )
+            .await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_killed_mid_task_ends_it_target_disconnected_once_and_its_restart_serves()
+{
+    let w = World::start().await;
+    let mut worker = WorkerProcess::start(w.pb, "i-proc-1").await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-9", "reviewer", "hold on").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    assert_eq!(worker.said().await, "delegate hold on");
+    worker.kill().await;
+    let r = primary.result_for("d-9").await;
+    assert_eq!(r["status"], "target_disconnected", "{r}");
+
+    // The worker comes back as a new process (a new instance id) and
+    // serves the next delegation; d-9 gets no second result meanwhile.
+    let mut worker = WorkerProcess::start(w.pb, "i-proc-2").await;
+    let ack = primary.delegate("d-10", "reviewer", "after restart").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    assert_eq!(worker.said().await, "delegate after restart");
+    loop {
+        let p = primary.request("cp/delegate_result").await;
+        assert_ne!(p["delegation_id"], "d-9", "a second result for d-9: {p}");
+        if p["delegation_id"] == "d-10" {
+            assert_eq!(p["status"], "completed", "{p}");
+            assert_eq!(p["result"], "done: after restart");
+            break;
+        }
+    }
+    worker.kill().await;
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_that_passes_ends_timeout_and_cancels_the_worker() {
     let w = World::start().await;

@@ -14,6 +14,7 @@
 //! | [`endpoint`] | what caller and callee do on a WebSocket: pipelined send, paced send, count, echo |
 //! | [`connectors`] | real connectors against the relay under test: options, requests, a waitable audit sink |
 //! | [`connector_process`] | a connector as its own process: the `oab-connector` binary on a generated config, its RSS and `state_dir` size |
+//! | [`cp`] | OpenAB control-plane runtimes: a primary keeping N delegations in flight, a worker, a direct CP worker for the baseline |
 //! | [`a2a_agent`] | an A2A agent that answers every message with a completed task at once, behind a connector's driver |
 //! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer`, `cross-instance`, `soak` |
 //! | [`report`] | tables, JSON documents, violations |
@@ -26,6 +27,7 @@ pub mod a2a_agent;
 pub mod chart;
 pub mod connector_process;
 pub mod connectors;
+pub mod cp;
 pub mod direct;
 pub mod endpoint;
 pub mod proxy;

@@ -15,7 +15,7 @@ use oab_loadtest::relay::{
 use oab_loadtest::report::Report;
 use oab_loadtest::scenario::cancel_race::CancelRaceOptions;
 use oab_loadtest::scenario::cross_instance::CrossInstanceOptions;
-use oab_loadtest::scenario::delegations::DelegationsOptions;
+use oab_loadtest::scenario::delegations::{DelegationsMode, DelegationsOptions};
 use oab_loadtest::scenario::latency::LatencyOptions;
 use oab_loadtest::scenario::reconnect_storm::{LinkFault, ReconnectStormOptions};
 use oab_loadtest::scenario::sessions::SessionsOptions;
@@ -55,7 +55,9 @@ Scenarios:
   sessions    relay memory per idle authenticated session, handshakes/s
   delegations whole delegations/s connector -> relay -> connector (open,
               10 events, signed result, verify) at 1 and 256 in flight,
-              round-trip p50/p99, connector overhead per event vs raw frames
+              round-trip p50/p99, connector overhead per event vs raw frames;
+              --mode cp: OpenAB control-plane round trips/s, CP primary ->
+              connector -> relay -> connector -> CP worker vs direct
   cancel-race delegations cancelled at random around completion: caller
               and callee must agree on exactly one terminal each
   reconnect-storm
@@ -161,6 +163,12 @@ enum PersistenceArg {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Library,
+    Cp,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum StoreArg {
     Memory,
     Redis,
@@ -223,6 +231,14 @@ enum Command {
     /// through the same relay; overhead/event = 1/(connector events/s) -
     /// 1/(raw frames/s). --check fails on any delegation without exactly one
     /// verified terminal.
+    ///
+    /// --mode cp: an OpenAB primary (a CP client) keeps --in-flight
+    /// `cp/delegate` going on one connection to connector A's CP endpoint;
+    /// each becomes a signed delegation through the relay (TLS) to connector
+    /// B, whose endpoint hands it to a CP worker that completes at once.
+    /// Round trips/s and p50/p99 per level, beside the same primary over one
+    /// direct WebSocket to a worker. --check fails on any delegation
+    /// without exactly one completed result, or on a closed primary.
     Delegations(DelegationsArgs),
     /// Cancels racing completion: both sides agree on exactly one terminal.
     ///
@@ -456,6 +472,11 @@ struct ChartArgs {
 
 #[derive(Debug, Args)]
 struct DelegationsArgs {
+    /// library: the connector's caller API; cp: OpenAB's control-plane
+    /// protocol through the connectors' CP endpoints (--events and
+    /// --baseline-seconds do not apply).
+    #[arg(long, value_enum, default_value_t = ModeArg::Library)]
+    mode: ModeArg,
     /// Delegations in flight at once, comma-separated: one measurement each.
     #[arg(long, value_delimiter = ',', default_value = "1,256")]
     in_flight: Vec<usize>,
@@ -800,6 +821,10 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
             positive("--seconds", a.seconds).map_err(anyhow::Error::msg)?;
             positive("--baseline-seconds", a.baseline_seconds).map_err(anyhow::Error::msg)?;
             let opts = DelegationsOptions {
+                mode: match a.mode {
+                    ModeArg::Library => DelegationsMode::Library,
+                    ModeArg::Cp => DelegationsMode::Cp,
+                },
                 stores: a.store.stores(),
                 in_flight: a.in_flight.iter().map(|n| (*n).max(1)).collect(),
                 events: a.events,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use oab_loadtest::relay::{RedisPersistence, RelayMode, StoreKind};
 use oab_loadtest::scenario::Common;
 use oab_loadtest::scenario::cancel_race::{self, CancelRaceOptions};
-use oab_loadtest::scenario::delegations::{self, DelegationsOptions};
+use oab_loadtest::scenario::delegations::{self, DelegationsMode, DelegationsOptions};
 use oab_loadtest::scenario::reconnect_storm::{self, LinkFault, ReconnectStormOptions};
 use oab_loadtest::scenario::slow_consumer::{self, SlowConsumerOptions};
 use oab_loadtest::setup::Tuning;
@@ -198,9 +198,42 @@ async fn reconnect_storm_redis_outage_smoke_cancels_take_effect_after_it() {
     }
 }
 
+/// CP mode: every delegation ends with one completed result, direct and
+/// through the relay, and a primary with more in flight than its
+/// endpoint's `outbound_queue` (256) stays connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegations_cp_smoke_completes_every_delegation_past_the_outbound_queue() {
+    let opts = DelegationsOptions {
+        mode: DelegationsMode::Cp,
+        stores: vec![StoreKind::Memory],
+        in_flight: vec![1, 300],
+        events: 0,
+        seconds: 0.3,
+        max_delegations: 600,
+        baseline_seconds: 0.1,
+    };
+    let report = delegations::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    let levels = report.json["levels"].as_array().unwrap();
+    let paths: Vec<_> = levels.iter().map(|l| l["path"].as_str().unwrap()).collect();
+    assert_eq!(paths, ["direct", "direct", "relay-memory", "relay-memory"]);
+    for l in levels {
+        assert!(l["completed"].as_u64().unwrap() > 0, "{l}");
+        assert_eq!(l["failed"], 0, "{l}");
+        assert_eq!(l["disconnected"], false, "{l}");
+    }
+    // The 300-in-flight level started at least its 300.
+    assert!(
+        levels[3]["completed"].as_u64().unwrap() >= 300,
+        "{}",
+        levels[3]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegations_smoke_verifies_every_delegation() {
     let opts = DelegationsOptions {
+        mode: DelegationsMode::Library,
         stores: vec![StoreKind::Memory],
         in_flight: vec![1, 8],
         events: 10,

@@ -14,6 +14,7 @@
 use serde_json::{Map, Value, json};
 
 use super::PROTOCOL_VERSION;
+#[cfg(feature = "a2a")]
 use crate::caller::CallerError;
 
 /// The message an [`A2aError::Internal`] is answered with: its detail
@@ -179,6 +180,7 @@ impl A2aError {
     /// the delegation profile's refusals (authority, profile, idempotency)
     /// as [`A2aError::Refused`] with the connector's code; anything else as
     /// [`A2aError::Internal`].
+    #[cfg(feature = "a2a")]
     pub(crate) fn from_caller(e: CallerError) -> A2aError {
         match e {
             CallerError::Authority(_)

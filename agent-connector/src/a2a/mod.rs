@@ -9,6 +9,12 @@
 //! | [`facade`] | caller side: per-peer agent cards and the JSON-RPC binding with SSE, one module per A2A method |
 //! | [`server`] | serving the facade on an injected listener until a shutdown token fires |
 //! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server |
+//! | `defaults` | [`DelegationDefaults`]: what a delegation asks for when its client says nothing |
+//!
+//! Feature `a2a` (on by default) builds the HTTP parts (`facade`, `server`,
+//! `driver`, `profile`; axum and reqwest). Without it only the JSON shapes
+//! (`jsonrpc`, `model`) and [`DelegationDefaults`] remain, which the OpenAB
+//! endpoint uses.
 //!
 //! Wiring, in a host process:
 //! - caller side: `Facade::new(connector.caller().clone(), FacadeOptions::default())`,
@@ -22,18 +28,29 @@
 //! request that the caller's `authorize_outgoing` checks like any other, and
 //! the A2A server behind the driver runs only what the callee runtime accepted.
 
+mod defaults;
+#[cfg(feature = "a2a")]
 pub mod driver;
+#[cfg(feature = "a2a")]
 pub mod facade;
 pub mod jsonrpc;
 pub mod model;
+#[cfg(feature = "a2a")]
 pub mod profile;
+#[cfg(feature = "a2a")]
 pub mod server;
+#[cfg(feature = "a2a")]
 mod tasks;
 
+pub use defaults::DelegationDefaults;
+#[cfg(feature = "a2a")]
 pub use driver::{A2aDriver, DriverError, DriverOptions, publish_card};
-pub use facade::{DelegationDefaults, Facade, FacadeOptions, FacadeToken, TokenError};
+#[cfg(feature = "a2a")]
+pub use facade::{Facade, FacadeOptions, FacadeToken, TokenError};
 pub use jsonrpc::A2aError;
+#[cfg(feature = "a2a")]
 pub use profile::PROFILE_URI;
+#[cfg(feature = "a2a")]
 pub use server::serve;
 
 /// The A2A protocol version both ends speak (Major.Minor, never a patch).

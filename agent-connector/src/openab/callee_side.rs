@@ -168,7 +168,13 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
         "chain": req.chain,
     });
     let frame = proto::request(shared.next_id(), proto::methods::DELEGATE, forward);
-    if !shared.send_to(worker, frame) {
+    // A worker whose queue is full is waited for (it reads, or its writer
+    // closes it), unless the caller cancels first.
+    let sent = tokio::select! {
+        s = shared.send(worker, frame) => s,
+        () = run.cancel.cancelled() => return Execution::stopped(StopReason::Cancelled),
+    };
+    if !sent {
         return Execution::stopped(StopReason::Error(format!(
             "{DISCONNECTED}: worker {logical} disconnected during routing"
         )));
@@ -193,7 +199,11 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
                 "admission": admission,
                 "reason": "cancelled by the caller or the deadline",
             });
-            shared.send_to(worker, proto::request(shared.next_id(), proto::methods::CANCEL, cancel));
+            // Best effort, in its own task: the end is not held up by a
+            // worker that reads slowly.
+            let frame = proto::request(shared.next_id(), proto::methods::CANCEL, cancel);
+            let shared = shared.clone();
+            tokio::spawn(async move { shared.send(worker, frame).await });
             Execution::stopped(StopReason::Cancelled)
         }
     }

@@ -272,7 +272,7 @@ impl Flight {
                     CallerError::Authority(_) | CallerError::Profile(_) => codes::POLICY_DENIED,
                     _ => codes::TARGET_DISCONNECTED,
                 };
-                self.refuse(RpcError::new(code, e.to_string()));
+                self.refuse(RpcError::new(code, e.to_string())).await;
                 return;
             }
         };
@@ -290,11 +290,11 @@ impl Flight {
         let result = match end {
             End::Terminal(t) if !acked && t.outcome == Outcome::Rejected => {
                 let error = verified_error(&caller, &handle, &t);
-                self.refuse(refusal_code(&error));
+                self.refuse(refusal_code(&error)).await;
                 return;
             }
             End::Refused(code, message) if !acked => {
-                self.refuse(relay_refusal(&code, &message));
+                self.refuse(relay_refusal(&code, &message)).await;
                 return;
             }
             End::Terminal(t) => self.result_of(&caller, &handle, &t),
@@ -306,11 +306,13 @@ impl Flight {
             End::Lost(why) => self.params(DelegationStatus::TargetDisconnected, None, Some(why)),
         };
         if !acked {
-            self.ack(None);
+            self.ack(None).await;
         }
         info!(status = ?result.status, "delegation ended");
         self.shared.flights.lock().remove(&self.key);
-        self.shared.deliver(&self.key.0, &self.instance_id, result);
+        self.shared
+            .deliver(&self.key.0, &self.instance_id, result)
+            .await;
     }
 
     /// Reads events until the terminal; acks at acceptance or when
@@ -330,7 +332,7 @@ impl Flight {
                 match tokio::time::timeout_at(admit_by, events.next()).await {
                     Ok(item) => item,
                     Err(_) => {
-                        self.ack(None);
+                        self.ack(None).await;
                         acked = true;
                         continue;
                     }
@@ -349,11 +351,11 @@ impl Flight {
                             .and_then(|d| d.pointer("/openab/assigned_to"))
                             .and_then(Value::as_str)
                             .map(str::to_string);
-                        self.ack(worker.as_deref());
+                        self.ack(worker.as_deref()).await;
                         acked = true;
                     }
                     EventKind::Artifact { .. } if !acked => {
-                        self.ack(None);
+                        self.ack(None).await;
                         acked = true;
                     }
                     _ => {}
@@ -372,7 +374,7 @@ impl Flight {
 
     /// Answers `cp/delegate`; `assigned_to` is `<peer>` or, when the
     /// remote endpoint named its worker, `<peer>:<namespace>/<name>`.
-    fn ack(&self, worker: Option<&str>) {
+    async fn ack(&self, worker: Option<&str>) {
         let assigned_to = match worker {
             Some(w) => format!("{}:{w}", self.peer),
             None => self.peer.to_string(),
@@ -383,14 +385,16 @@ impl Flight {
             "assigned_to": assigned_to,
         });
         self.shared
-            .send_to(self.conn, proto::response(self.rpc_id, ack));
+            .send(self.conn, proto::response(self.rpc_id, ack))
+            .await;
     }
 
-    fn refuse(&self, e: RpcError) {
+    async fn refuse(&self, e: RpcError) {
         info!(code = e.code, reason = %e.message, "delegation refused");
         self.shared.flights.lock().remove(&self.key);
         self.shared
-            .send_to(self.conn, proto::error_response(self.rpc_id, &e));
+            .send(self.conn, proto::error_response(self.rpc_id, &e))
+            .await;
     }
 
     fn params(

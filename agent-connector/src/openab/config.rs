@@ -83,8 +83,11 @@ pub struct OpenAbSection {
     /// connections are closed at accept.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// Frames queued towards one runtime; a runtime that lets its queue
-    /// fill is disconnected (as the CP does), never buffered further.
+    /// Frames queued towards one runtime. Full: back-pressure (the endpoint
+    /// stops reading that runtime's frames, delegation tasks wait for
+    /// room), never a disconnect for having many in flight (the CP as
+    /// shipped disconnects); a runtime whose single write stalls past
+    /// `server::WRITE_TIMEOUT` is closed.
     #[serde(default = "default_outbound_queue")]
     pub outbound_queue: usize,
     /// Delegations started by local primaries and not yet ended, all

@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 pub use callee_side::OpenAbExecutor;
 pub use config::OpenAbSection;
@@ -179,25 +178,24 @@ impl Shared {
         self.next_admission.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Queues `frame` towards connection `handle`. A runtime whose queue is
-    /// full is disconnected (it does not read), never waited for.
-    pub(crate) fn send_to(&self, handle: u64, frame: String) -> bool {
-        let conns = self.conns.lock();
-        let Some(conn) = conns.get(&handle) else {
+    /// Queues `frame` towards connection `handle`, waiting while its queue
+    /// is full (back-pressure: a runtime with many delegations in flight is
+    /// never disconnected for it). The wait ends when there is room or the
+    /// connection ends; a runtime that stops reading altogether is closed
+    /// by its writer ([`server::WRITE_TIMEOUT`]). False when the frame was
+    /// not queued (no such connection, or it ended).
+    pub(crate) async fn send(&self, handle: u64, frame: String) -> bool {
+        let Some((tx, close)) = self
+            .conns
+            .lock()
+            .get(&handle)
+            .map(|c| (c.tx.clone(), c.close.clone()))
+        else {
             return false;
         };
-        match conn.tx.try_send(Outbound::Text(frame)) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                warn!(
-                    handle,
-                    runtime = %conn.logical,
-                    "runtime does not read its frames; disconnecting it"
-                );
-                conn.close.cancel();
-                false
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        tokio::select! {
+            () = close.cancelled() => false,
+            r = tx.send(Outbound::Text(frame)) => r.is_ok(),
         }
     }
 
@@ -212,7 +210,12 @@ impl Shared {
 
     /// Hands a result to the primary instance that started the delegation,
     /// or keeps it for that instance's reconnection.
-    pub(crate) fn deliver(&self, logical: &str, instance_id: &str, params: DelegateResultParams) {
+    pub(crate) async fn deliver(
+        &self,
+        logical: &str,
+        instance_id: &str,
+        params: DelegateResultParams,
+    ) {
         let target = self
             .conns
             .lock()
@@ -225,7 +228,7 @@ impl Shared {
             serde_json::to_value(&params).unwrap_or_default(),
         );
         if let Some(h) = target
-            && self.send_to(h, frame)
+            && self.send(h, frame).await
         {
             return;
         }
@@ -252,24 +255,35 @@ impl Shared {
         }
     }
 
-    /// Sends the results kept for `logical`'s `instance_id` to `handle`.
-    pub(crate) fn redeliver(&self, handle: u64, logical: &str, instance_id: &str) {
-        let mine: Vec<DelegateResultParams> = {
+    /// Sends the results kept for `logical`'s `instance_id` to `handle`;
+    /// what could not be sent (the connection ended) is kept again.
+    pub(crate) async fn redeliver(&self, handle: u64, logical: &str, instance_id: &str) {
+        let mine: Vec<Undelivered> = {
             let mut kept = self.undelivered.lock();
             self.prune_undelivered(&mut kept);
             let (mine, rest): (VecDeque<_>, VecDeque<_>) = kept
                 .drain(..)
                 .partition(|u| u.logical == logical && u.instance_id == instance_id);
             *kept = rest;
-            mine.into_iter().map(|u| u.params).collect()
+            mine.into_iter().collect()
         };
-        for params in mine {
+        let mut mine = mine.into_iter();
+        while let Some(u) = mine.next() {
             let frame = proto::request(
                 self.next_id(),
                 proto::methods::DELEGATE_RESULT,
-                serde_json::to_value(&params).unwrap_or_default(),
+                serde_json::to_value(&u.params).unwrap_or_default(),
             );
-            self.send_to(handle, frame);
+            if !self.send(handle, frame).await {
+                let mut kept = self.undelivered.lock();
+                for u in std::iter::once(u).chain(mine) {
+                    if kept.len() >= self.cfg.max_delegations {
+                        kept.pop_front();
+                    }
+                    kept.push_back(u);
+                }
+                return;
+            }
         }
     }
 }

@@ -163,38 +163,56 @@ async fn connection(shared: Arc<Shared>, tcp: TcpStream, stop: CancellationToken
             return;
         }
     };
-    drop(tx);
     let lease = Duration::from_secs(shared.cfg.lease_expiry_secs);
     let mut lease_until = Instant::now() + lease;
     loop {
-        tokio::select! {
+        let reply = tokio::select! {
             () = close.cancelled() => break,
             () = tokio::time::sleep_until(lease_until) => {
                 warn!(runtime = %logical, handle, "lease expired");
-                if let Some(c) = shared.conns.lock().get(&handle) {
-                    let _ = c.tx.try_send(Outbound::Close(POLICY, "lease expired"));
+                if tx.try_send(Outbound::Close(POLICY, "lease expired")).is_err() {
+                    close.cancel();
                 }
                 break;
             }
             msg = stream.next() => match msg {
                 Some(Ok(Message::Text(text))) => {
-                    if handle_frame(&shared, handle, text.as_str()) {
+                    let (renewed, reply) = handle_frame(&shared, handle, text.as_str());
+                    if renewed {
                         lease_until = Instant::now() + lease;
                     }
+                    reply
                 }
                 Some(Ok(Message::Binary(_))) => {
                     let e = RpcError::new(codes::INVALID_REQUEST, "binary frames are not JSON-RPC");
-                    shared.send_to(handle, proto::error_response(0, &e));
+                    Some(proto::error_response(0, &e))
                 }
                 Some(Ok(Message::Close(_))) | None => break,
-                Some(Ok(_)) => {}
+                Some(Ok(_)) => None,
                 Some(Err(e)) => {
                     debug!(error = %e, "openab connection read failed");
                     break;
                 }
             },
+        };
+        // Back-pressure: a full queue stops the reading until the writer
+        // makes room (raced against the close, which the writer's
+        // WRITE_TIMEOUT fires for a runtime that does not read). The time
+        // spent here does not count against the runtime's lease: its
+        // heartbeats wait unread meanwhile.
+        if let Some(frame) = reply {
+            let waited = Instant::now();
+            let sent = tokio::select! {
+                () = close.cancelled() => false,
+                r = tx.send(Outbound::Text(frame)) => r.is_ok(),
+            };
+            if !sent {
+                break;
+            }
+            lease_until += waited.elapsed();
         }
     }
+    drop(tx);
     shared.deregister(handle);
     info!(runtime = %logical, handle, "runtime disconnected");
     let _ = writer.await;
@@ -333,52 +351,45 @@ fn register(
         },
     );
     info!(runtime = %logical, instance = %instance_id, handle, r#type = %p.agent_type, "runtime registered");
-    shared.redeliver(handle, &logical, instance_id);
+    let (shared, logical, instance_id) = (shared.clone(), logical, instance_id.to_string());
+    tokio::spawn(
+        async move { shared.redeliver(handle, &logical, &instance_id).await }.in_current_span(),
+    );
     Ok(handle)
 }
 
 /// Handles one frame after registration; returns whether it renewed the
-/// lease (a heartbeat).
-fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> bool {
+/// lease (a heartbeat), and the reply to send, if any.
+fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> (bool, Option<String>) {
     let msg = match Incoming::parse(text) {
         Ok(m) => m,
-        Err(e) => {
-            shared.send_to(handle, proto::error_response(0, &e));
-            return false;
-        }
+        Err(e) => return (false, Some(proto::error_response(0, &e))),
     };
     // Responses to the endpoint's own requests carry nothing it needs.
     let Some(method) = msg.method.clone() else {
-        return false;
+        return (false, None);
     };
     let id = match msg.request_id() {
         Ok(id) => id,
-        Err(e) => {
-            shared.send_to(handle, proto::error_response(msg.id.unwrap_or(0), &e));
-            return false;
-        }
+        Err(e) => return (false, Some(proto::error_response(msg.id.unwrap_or(0), &e))),
     };
     let reply = |r: Result<serde_json::Value, RpcError>| {
-        let frame = match r {
+        Some(match r {
             Ok(v) => proto::response(id, v),
             Err(e) => proto::error_response(id, &e),
-        };
-        shared.send_to(handle, frame);
+        })
     };
-    match method.as_str() {
+    let answer = match method.as_str() {
         methods::HEARTBEAT => match msg.params::<proto::HeartbeatParams>() {
-            Ok(_) => {
-                reply(Ok(serde_json::json!({ "ok": true })));
-                return true;
-            }
+            Ok(_) => return (true, reply(Ok(serde_json::json!({ "ok": true })))),
             Err(e) => reply(Err(e)),
         },
+        // Admitted: the answer (ack or refusal) comes from its task.
         methods::DELEGATE => match msg.params::<proto::DelegateParams>() {
-            Ok(p) => {
-                if let Err(e) = super::caller_side::delegate(shared, handle, id, p) {
-                    reply(Err(e));
-                }
-            }
+            Ok(p) => match super::caller_side::delegate(shared, handle, id, p) {
+                Ok(()) => None,
+                Err(e) => reply(Err(e)),
+            },
             Err(e) => reply(Err(e)),
         },
         methods::CANCEL => match msg.params::<proto::CancelParams>() {
@@ -388,7 +399,7 @@ fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> bool {
         methods::DELEGATE_RESULT => match msg.params::<proto::DelegateResultParams>() {
             Ok(p) => {
                 super::callee_side::worker_result(shared, handle, p);
-                reply(Ok(serde_json::json!({ "ok": true })));
+                reply(Ok(serde_json::json!({ "ok": true })))
             }
             Err(e) => reply(Err(e)),
         },
@@ -400,6 +411,6 @@ fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> bool {
             codes::METHOD_NOT_FOUND,
             format!("unknown method {other}"),
         ))),
-    }
-    false
+    };
+    (false, answer)
 }

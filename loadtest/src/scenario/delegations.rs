@@ -40,9 +40,23 @@ use crate::setup::{CALLEE, Setup};
 /// The A2A state every status event carries.
 const WORKING: &str = "TASK_STATE_WORKING";
 
+/// What a delegation goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DelegationsMode {
+    /// The library API: `Caller::delegate` to an in-process executor.
+    Library,
+    /// OpenAB's control-plane protocol: a CP primary through connector A's
+    /// endpoint, the relay and connector B's endpoint to a CP worker, beside
+    /// a direct WebSocket ([`super::delegations_cp`]).
+    Cp,
+}
+
 /// Options of the delegations scenario.
 #[derive(Debug, Clone, Serialize)]
 pub struct DelegationsOptions {
+    /// Library or CP.
+    pub mode: DelegationsMode,
     /// Relay stores to measure.
     pub stores: Vec<StoreKind>,
     /// Delegations in flight at once, one measurement each.
@@ -134,6 +148,9 @@ fn status_payload_len(i: u32) -> usize {
 
 /// Runs the scenario.
 pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<Report> {
+    if opts.mode == DelegationsMode::Cp {
+        return super::delegations_cp::run(opts, common).await;
+    }
     let common = &crate::connectors::connector_common(common);
     let setup = Setup::new(0, common.tuning.clone())?;
     let limits = setup.config.wire_limits();

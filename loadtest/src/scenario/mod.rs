@@ -8,6 +8,7 @@
 //! | [`latency`] | round-trip percentiles at several offered loads, relay vs direct |
 //! | [`sessions`] | relay memory per idle session, handshakes per second |
 //! | [`delegations`] | whole delegations per second connector to connector, connector overhead per event |
+//! | [`delegations_cp`] | `delegations --mode cp`: OpenAB control-plane round trips through both connectors' CP endpoints and the relay, beside a direct WebSocket |
 //! | [`cancel_race`] | cancels racing completion: both sides agree on one terminal |
 //! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
 //! | [`reconnect_storm`] | link cuts, resets, stalls and away faults on both links, relay kills, Redis kills, caller restarts, library or A2A path: every delegation ends once at the caller, nothing lost, repeated or rerun |
@@ -17,6 +18,7 @@
 pub mod cancel_race;
 pub mod cross_instance;
 pub mod delegations;
+pub mod delegations_cp;
 pub mod latency;
 pub mod reconnect_storm;
 pub mod sessions;

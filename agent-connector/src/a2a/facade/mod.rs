@@ -48,10 +48,10 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use super::defaults::DelegationDefaults;
 use super::model::{fresh_id, normalise_message};
 use super::tasks::{NewTask, TaskBounds, TaskTable};
 use crate::caller::{Caller, CallerError};
-use crate::profile::{Budgets, RiskLevel};
 use tracker::track_delegation;
 
 mod cancel_task;
@@ -68,40 +68,6 @@ mod tracker;
 
 pub use card::build_card;
 pub use guard::{FacadeToken, TokenError};
-
-/// What a delegation asks for when the client says nothing (a plain A2A
-/// client, or a profile contract that leaves members out).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DelegationDefaults {
-    /// Capabilities requested (exact names).
-    pub capabilities: Vec<String>,
-    /// Whether the callee must not change anything.
-    pub read_only: bool,
-    /// Time from the request until the deadline.
-    pub timeout: Duration,
-    /// Budgets (zero is zero).
-    pub budgets: Budgets,
-    /// The caller-side agent named in the request's provenance.
-    pub agent: String,
-}
-
-impl Default for DelegationDefaults {
-    /// Read-only, no capabilities, ten minutes, small budgets at low risk.
-    fn default() -> Self {
-        DelegationDefaults {
-            capabilities: Vec::new(),
-            read_only: true,
-            timeout: Duration::from_secs(600),
-            budgets: Budgets {
-                tokens: 100_000,
-                cost_micros: 1_000_000,
-                risk: RiskLevel::Low,
-                output_bytes: 1_000_000,
-            },
-            agent: "a2a-facade".into(),
-        }
-    }
-}
 
 /// Facade settings.
 #[derive(Debug, Clone)]
