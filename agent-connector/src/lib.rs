@@ -37,6 +37,7 @@
 //! more, never allow more.
 
 pub mod a2a;
+#[cfg(feature = "admin")]
 pub mod admin;
 pub mod audit;
 pub mod authority;

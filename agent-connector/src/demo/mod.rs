@@ -35,6 +35,7 @@ use crate::link::LinkSettings;
 use crate::profile::{Artifact, Budgets, ParentContext, RiskLevel, Task, Usage};
 use crate::trust::RelayTrust;
 
+#[cfg(feature = "a2a")]
 pub mod a2a;
 
 /// The caller of the demo (one of the dev relay's peers, `relay::dev::DEV_PEERS`).
