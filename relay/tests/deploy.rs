@@ -8,8 +8,9 @@
 //!   checked with `check-config`;
 //! - monitoring (`deploy/prometheus`, `deploy/grafana`): `promtool check
 //!   rules` and the alerts' unit tests, then a real Prometheus that scrapes a
-//!   running relay, and every series the rules and the dashboard name looked
-//!   up among those it scraped.
+//!   running relay and a running connector (the `oab-connector` binary, linked
+//!   to that relay), and every series the rules and the dashboard name looked
+//!   up among those it scraped from the binary that should export it.
 //!
 //! A test whose tool is missing says so and passes, unless the tool is named
 //! in `OAB_DEPLOY_TOOLS_REQUIRED` (scripts/test names the tools it
@@ -73,6 +74,40 @@ fn connector_bin() -> Option<PathBuf> {
     // Built by `cargo test --workspace`; not by `-p oab-relay` alone.
     let p = Path::new(env!("CARGO_BIN_EXE_oab-relay")).with_file_name("oab-connector");
     p.is_file().then_some(p)
+}
+
+/// The newest modification time of the Rust sources under `dir`.
+fn newest_under(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()? {
+        let p = entry.ok()?.path();
+        let t = if p.is_dir() {
+            newest_under(&p)
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            p.metadata().and_then(|m| m.modified()).ok()
+        } else {
+            None
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// The `oab-connector` binary beside `oab-relay`, if it is at least as new
+/// as the sources it is built from (`-p oab-relay` alone does not rebuild
+/// it, and a stale binary would answer for old code).
+fn fresh_connector_bin() -> Result<PathBuf, String> {
+    let bin = connector_bin().ok_or("no oab-connector binary beside oab-relay")?;
+    let built = bin
+        .metadata()
+        .and_then(|m| m.modified())
+        .map_err(|e| e.to_string())?;
+    for src in ["agent-connector/src", "shared/src", "ops/src"] {
+        if newest_under(&repo().join(src)).is_some_and(|t| t > built) {
+            return Err(format!("{} is older than {src}", bin.display()));
+        }
+    }
+    Ok(bin)
 }
 
 fn is_root() -> bool {
@@ -484,6 +519,34 @@ fn kubernetes_manifests_render_and_every_object_passes_the_schemas() {
         .unwrap();
     let sidecar = &host["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(sidecar["restartPolicy"], "Always");
+    // Probed on its admin endpoint, which its config turns on, on the
+    // probes' port and on an address the kubelet reaches (the pod's IP).
+    assert_eq!(sidecar["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(sidecar["livenessProbe"]["httpGet"]["path"], "/healthz");
+    let admin_port = sidecar["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == sidecar["readinessProbe"]["httpGet"]["port"])
+        .expect("the readiness probe's port is a named container port")["containerPort"]
+        .as_u64()
+        .unwrap();
+    let connector_toml: toml::Table = by_kind(&all, "ConfigMap")
+        .into_iter()
+        .find_map(|c| c["data"]["connector.toml"].as_str())
+        .expect("a ConfigMap with connector.toml")
+        .parse()
+        .unwrap();
+    let listen: SocketAddr = connector_toml["admin"]["listen"]
+        .as_str()
+        .expect("[admin] listen in the sidecar's connector.toml")
+        .parse()
+        .unwrap();
+    assert_eq!(u64::from(listen.port()), admin_port);
+    assert!(
+        !listen.ip().is_loopback(),
+        "the kubelet probes the pod's IP, not {listen}"
+    );
 
     // The configs in the ConfigMaps pass the binaries' own checks.
     for cm in by_kind(&all, "ConfigMap") {
@@ -658,8 +721,98 @@ impl Drop for Child {
     }
 }
 
+/// A running `oab-connector` (the binary) with its admin endpoint on, as the
+/// caller peer of `env`, linked to `relay`.
+struct ConnectorProcess {
+    admin: SocketAddr,
+    _child: Child,
+}
+
+impl ConnectorProcess {
+    async fn start(bin: &Path, env: &TestEnv, relay: SocketAddr, dir: &Path) -> ConnectorProcess {
+        let identity = dir.join("caller.identity.toml");
+        {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&identity)
+                .unwrap();
+            f.write_all(env.caller.to_file_string().as_bytes()).unwrap();
+        }
+        let pin = oab_wire::digest::hex(&oab_wire::Digest::of(&env.cert_der).0);
+        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let config = dir.join("connector.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[connector]\nrelay_url = \"wss://localhost:{}/\"\nidentity = \"{}\"\n\
+                 relay_pin_sha256 = \"sha256:{pin}\"\n\n[[peers]]\nid = \"{}\"\n\
+                 keys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n\n\
+                 [admin]\nlisten = \"{admin}\"\n",
+                relay.port(),
+                identity.display(),
+                env.callee.peer,
+                env.callee.public_key()
+            ),
+        )
+        .unwrap();
+        let mut child = Child(
+            Command::new(bin)
+                .args(["run", "--config"])
+                .arg(&config)
+                .env("OAB_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        // Ready: the link is up and the relay answers on it.
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            if tokio::net::TcpStream::connect(admin).await.is_ok()
+                && http_get(admin, "/readyz").await.ends_with("ready\n")
+            {
+                break;
+            }
+            assert!(
+                child.0.try_wait().unwrap().is_none(),
+                "the connector exited"
+            );
+            assert!(
+                Instant::now() < until,
+                "the connector never got ready: {}",
+                http_get(admin, "/readyz").await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        ConnectorProcess {
+            admin,
+            _child: child,
+        }
+    }
+}
+
+/// The metric names Prometheus has scraped from `job`.
+async fn scraped_names(web: SocketAddr, job: &str) -> BTreeSet<String> {
+    let path = format!(
+        "/api/v1/label/__name__/values?match[]={}",
+        url_encode(&format!("{{job=\"{job}\"}}"))
+    );
+    let names = get_json(web, &path).await.unwrap();
+    names["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .filter(|n| n.starts_with("oab_"))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_exists() {
+async fn prometheus_scrapes_the_relay_and_a_connector_and_every_series_of_rules_and_dashboard_exists()
+ {
     if !have(
         "prometheus",
         on_path("prometheus").is_some(),
@@ -669,19 +822,42 @@ async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_ex
     }
     let env = TestEnv::new("");
     let relay = RelayProcess::start(&env, "memory").await;
-
     let dir = tempfile::tempdir().unwrap();
+    let bin = fresh_connector_bin();
+    let connector = match &bin {
+        Ok(bin) => Some(ConnectorProcess::start(bin, &env, relay.addr, dir.path()).await),
+        Err(why) => {
+            have(
+                "oab-connector",
+                false,
+                &format!(
+                    "{why}: `cargo build -p oab-connector` (cargo test --workspace builds it); \
+                     the oab_connector_* series are not checked"
+                ),
+            );
+            None
+        }
+    };
+
     let rules: Vec<String> = rule_files()
         .iter()
         .map(|p| format!("{:?}", p.canonicalize().unwrap().display().to_string()))
         .collect();
-    let config = format!(
+    // The job names of scrape.yml, which the *Down alerts use.
+    let mut config = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
          rule_files: [{}]\n\
          scrape_configs:\n  - job_name: oab-relay\n    static_configs:\n      - targets: [\"{}\"]\n",
         rules.join(", "),
         relay.admin
     );
+    if let Some(c) = &connector {
+        config.push_str(&format!(
+            "  - job_name: oab-connector\n    static_configs:\n      - targets: [\"{}\"]\n",
+            c.admin
+        ));
+    }
+    let targets_expected = 1 + usize::from(connector.is_some());
     let config_path = dir.path().join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
     let web = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -700,7 +876,7 @@ async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_ex
             .unwrap(),
     );
 
-    // Until Prometheus has scraped the relay once, successfully.
+    // Until Prometheus has scraped every target once, successfully.
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         if tokio::net::TcpStream::connect(web).await.is_ok()
@@ -710,24 +886,73 @@ async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_ex
                 .as_array()
                 .cloned()
                 .unwrap_or_default();
-            if targets.iter().any(|t| t["health"] == "up") {
+            if targets.len() == targets_expected && targets.iter().all(|t| t["health"] == "up") {
                 break;
             }
         }
-        assert!(Instant::now() < until, "Prometheus never scraped the relay");
+        assert!(
+            Instant::now() < until,
+            "Prometheus never scraped every target: {:?}",
+            get_json(web, "/api/v1/targets").await
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let names = get_json(web, "/api/v1/label/__name__/values")
-        .await
-        .unwrap();
-    let scraped: BTreeSet<String> = names["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_str().unwrap().to_string())
-        .filter(|n| n.starts_with("oab_"))
-        .collect();
-    assert!(scraped.contains("oab_sessions"), "{scraped:?}");
+    let relay_names = scraped_names(web, "oab-relay").await;
+    assert!(relay_names.contains("oab_sessions"), "{relay_names:?}");
+    let connector_names = if connector.is_some() {
+        let names = scraped_names(web, "oab-connector").await;
+        assert!(
+            names.iter().all(|n| n.starts_with("oab_connector_")),
+            "{names:?}"
+        );
+        // Scraped from a connector whose link to the relay is up.
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let q = url_encode("oab_connector_link_up{job=\"oab-connector\"}");
+            let v = get_json(web, &format!("/api/v1/query?query={q}")).await;
+            if v.as_ref()
+                .is_some_and(|v| v["data"]["result"][0]["value"][1] == "1")
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "link_up never 1 in Prometheus: {v:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Every labelled series is there from the start, at 0 until its
+        // first event, so `rate()` and `increase()` in the rules see that
+        // event.
+        let outcomes = oab_wire::Outcome::ALL.len() + 1;
+        for (series, count) in [
+            ("oab_connector_link_state", 3),
+            ("oab_connector_frames_total", 2),
+            ("oab_connector_delegations_opened_total", 2),
+            ("oab_connector_open_delegations", 2),
+            ("oab_connector_delegations_finished_total", 2 * outcomes),
+            (
+                "oab_connector_relay_errors_total",
+                oab_wire::ErrorCode::ALL.len() + 1,
+            ),
+        ] {
+            let q = url_encode(&format!("count({series}{{job=\"oab-connector\"}})"));
+            let v = get_json(web, &format!("/api/v1/query?query={q}")).await;
+            assert_eq!(
+                v.as_ref()
+                    .map(|v| v["data"]["result"][0]["value"][1].clone()),
+                Some(Value::String(count.to_string())),
+                "{series}: {v:?}"
+            );
+        }
+        names
+    } else {
+        BTreeSet::new()
+    };
+    assert!(
+        relay_names.iter().all(|n| !n.starts_with("oab_connector_")),
+        "{relay_names:?}"
+    );
 
     // The rules as Prometheus loaded them, and the dashboard's queries.
     let loaded = get_json(web, "/api/v1/rules").await.unwrap();
@@ -737,35 +962,54 @@ async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_ex
             rule_exprs.push(r["query"].as_str().unwrap().to_string());
         }
     }
-    assert!(rule_exprs.len() >= 5, "{rule_exprs:?}");
+    assert!(rule_exprs.len() >= 10, "{rule_exprs:?}");
     let mut dashboards = 0;
     let mut dash_exprs = Vec::new();
+    let mut variables = BTreeSet::new();
     for entry in std::fs::read_dir(repo().join("deploy/grafana")).unwrap() {
         let p = entry.unwrap().path();
         if p.extension().is_some_and(|e| e == "json") {
             let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
             exprs_in(&v, &mut dash_exprs);
+            for var in v["templating"]["list"].as_array().into_iter().flatten() {
+                variables.insert(var["name"].as_str().unwrap().to_string());
+            }
             dashboards += 1;
         }
     }
-    assert!(dashboards > 0 && dash_exprs.len() >= 20, "{dash_exprs:?}");
+    assert!(dashboards > 0 && dash_exprs.len() >= 30, "{dash_exprs:?}");
 
     let mut used = BTreeSet::new();
     for e in rule_exprs.iter().chain(&dash_exprs) {
         metric_names(e, &mut used);
     }
-    let missing: Vec<&String> = used.difference(&scraped).collect();
+    let (used_connector, used_relay): (BTreeSet<String>, BTreeSet<String>) = used
+        .into_iter()
+        .partition(|n| n.starts_with("oab_connector_"));
+    assert!(
+        used_connector.len() >= 8,
+        "the dashboard and rules name few connector series: {used_connector:?}"
+    );
+    let missing: Vec<&String> = used_relay.difference(&relay_names).collect();
     assert!(
         missing.is_empty(),
-        "named in rules or dashboard but not exported: {missing:?}\nexported: {scraped:?}"
+        "named in rules or dashboard but not exported by the relay: {missing:?}\nexported: {relay_names:?}"
     );
+    if connector.is_some() {
+        let missing: Vec<&String> = used_connector.difference(&connector_names).collect();
+        assert!(
+            missing.is_empty(),
+            "named in rules or dashboard but not exported by the connector: {missing:?}\nexported: {connector_names:?}"
+        );
+    }
 
     // Every dashboard query is valid PromQL to this Prometheus, with the
     // dashboard's variables filled in.
     for e in &dash_exprs {
-        let q = e
-            .replace("$__rate_interval", "1m")
-            .replace("$instance", ".*");
+        let mut q = e.replace("$__rate_interval", "1m");
+        for var in &variables {
+            q = q.replace(&format!("${var}"), ".*");
+        }
         let path = format!("/api/v1/query?query={}", url_encode(&q));
         let answer = get_json(web, &path).await;
         assert!(
@@ -773,6 +1017,7 @@ async fn prometheus_scrapes_the_relay_and_every_series_of_rules_and_dashboard_ex
             "query {q:?}: {answer:?}"
         );
     }
+    drop(connector);
     drop(relay);
 }
 
