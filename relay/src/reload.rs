@@ -564,6 +564,60 @@ tls_key = "key.pem"
     }
 
     #[test]
+    fn configuration_md_marks_exactly_the_reloadable_fields_live() {
+        let doc = include_str!("../../docs/configuration.md");
+        let sections = [
+            ("## `[relay]`", "relay"),
+            ("## `[limits]`", "limits"),
+            ("## `[rate]`", "rate"),
+            ("## `[store]`", "store"),
+            ("## `[lifecycle]`", "lifecycle"),
+            ("## `[fleet]`", "fleet"),
+            ("## Relay `[[peers]]`", "peers"),
+            ("## `[[routes]]`", "routes"),
+        ];
+        let mut section = None;
+        let mut live = Vec::new();
+        let mut rows = 0;
+        for line in doc.lines() {
+            if line.starts_with("## ") {
+                section = sections
+                    .iter()
+                    .find(|(h, _)| line.trim() == *h)
+                    .map(|(_, s)| *s);
+                continue;
+            }
+            let Some(section) = section else { continue };
+            let Some(field) = line
+                .strip_prefix("| `")
+                .and_then(|rest| rest.split_once('`'))
+                .map(|(f, _)| f)
+            else {
+                continue;
+            };
+            rows += 1;
+            let mark = line.trim_end().trim_end_matches('|').rsplit('|').next();
+            let mark = mark.map(str::trim);
+            match (section, mark) {
+                ("peers" | "routes", Some("live")) => {}
+                (_, Some("live")) => live.push(format!("{section}.{field}")),
+                ("peers" | "routes", other) => panic!("{section}.{field}: {other:?}"),
+                (_, Some("restart")) => {}
+                (_, other) => panic!("{section}.{field}: no reload mark ({other:?})"),
+            }
+        }
+        assert!(rows > 40, "found only {rows} field rows");
+        let mut expected: Vec<String> = RELOADABLE
+            .iter()
+            .filter(|p| p.contains('.'))
+            .map(|p| p.to_string())
+            .collect();
+        expected.sort();
+        live.sort();
+        assert_eq!(live, expected);
+    }
+
+    #[test]
     fn every_reloadable_field_is_taken_from_the_file() {
         // Each listed field, changed alone, is applied and needs no restart.
         let running = config("");
