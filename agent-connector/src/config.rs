@@ -324,4 +324,65 @@ impl ConnectorConfig {
             .map(|p| (p.id.clone(), p.keys.clone()))
             .collect()
     }
+
+    /// The fields of `new` that differ from `self` and that a reload does
+    /// not apply (they need a restart): every field except [`RELOADABLE`].
+    pub fn needs_restart(&self, new: &ConnectorConfig) -> Vec<String> {
+        let mut kept = new.clone();
+        kept.peers = self.peers.clone();
+        kept.connector.relay_ca = self.connector.relay_ca.clone();
+        kept.connector.relay_pin_sha256 = self.connector.relay_pin_sha256.clone();
+        kept.policy.allowed_capabilities = self.policy.allowed_capabilities.clone();
+        kept.policy.allow_writes = self.policy.allow_writes;
+        kept.policy.max_deadline_ms = self.policy.max_deadline_ms;
+        let mut a = std::collections::BTreeMap::new();
+        let mut b = std::collections::BTreeMap::new();
+        flatten("", &serde_json::to_value(self).unwrap_or_default(), &mut a);
+        flatten("", &serde_json::to_value(&kept).unwrap_or_default(), &mut b);
+        let mut differ: Vec<String> = a
+            .keys()
+            .chain(b.keys())
+            .filter(|k| a.get(*k) != b.get(*k))
+            .cloned()
+            .collect();
+        differ.sort();
+        differ.dedup();
+        differ
+    }
+}
+
+/// The fields `oab-connector run` applies on `SIGHUP` (dotted paths;
+/// `peers`: the whole list): the peers' keys, the policy's capabilities,
+/// writes and deadline, and the relay trust (the CA file is read again).
+/// Any other field needs a restart. `docs/configuration.md` marks the same.
+pub const RELOADABLE: &[&str] = &[
+    "peers",
+    "connector.relay_ca",
+    "connector.relay_pin_sha256",
+    "policy.allowed_capabilities",
+    "policy.allow_writes",
+    "policy.max_deadline_ms",
+];
+
+/// The leaves of a JSON value by dotted path (arrays are leaves).
+fn flatten(
+    prefix: &str,
+    v: &serde_json::Value,
+    out: &mut std::collections::BTreeMap<String, serde_json::Value>,
+) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&path, v, out);
+            }
+        }
+        other => {
+            out.insert(prefix.to_string(), other.clone());
+        }
+    }
 }

@@ -43,4 +43,4 @@ pub mod trust;
 
 pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};
 pub use caller::{Caller, DelegationEvent, DelegationHandle, EventKind, NewDelegation, Terminal};
-pub use connector::{Connector, ConnectorOptions};
+pub use connector::{Connector, ConnectorOptions, Reconfiguration};

@@ -138,7 +138,7 @@ impl Link {
         let (io, binding) = if url.tls {
             let name = rustls::pki_types::ServerName::try_from(url.host.clone())
                 .map_err(|e| Exit::Fatal(format!("relay host name: {e}")))?;
-            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+            let tls = tokio_rustls::TlsConnector::from(self.tls.load_full())
                 .connect(name, tcp)
                 .await
                 .map_err(|e| reconnect(&format!("TLS: {e}")))?;

@@ -370,6 +370,9 @@ pub(crate) enum SendKind {
 #[derive(Debug, Clone)]
 pub struct LinkHandle {
     tx: mpsc::Sender<Command>,
+    /// How the relay's certificate is trusted at the next connect; a
+    /// configuration reload replaces it (the session up keeps its TLS).
+    tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
     state: watch::Receiver<LinkState>,
     /// This connector's peer id.
     pub peer: PeerId,
@@ -378,6 +381,15 @@ pub struct LinkHandle {
 }
 
 impl LinkHandle {
+    /// Trusts the relay's certificate as `trust` says from the next
+    /// connection on; the session up now keeps its TLS session. Nothing
+    /// changes when the trust cannot be set up (a CA file without a
+    /// certificate).
+    pub fn set_relay_trust(&self, trust: &RelayTrust) -> Result<(), crate::trust::TrustError> {
+        self.tls.store(crate::trust::client_config(trust)?);
+        Ok(())
+    }
+
     pub(crate) async fn command(&self, cmd: Command) -> Result<(), LinkError> {
         self.tx
             .send(cmd)
@@ -441,11 +453,14 @@ pub fn spawn(
     incoming: mpsc::Sender<Incoming>,
     shutdown: CancellationToken,
 ) -> Result<(LinkHandle, tokio::task::JoinHandle<()>), crate::trust::TrustError> {
-    let tls = crate::trust::client_config(&settings.trust)?;
+    let tls = Arc::new(arc_swap::ArcSwap::new(crate::trust::client_config(
+        &settings.trust,
+    )?));
     let (tx, rx) = mpsc::channel(settings.queue.max(1));
     let (state_tx, state_rx) = watch::channel(LinkState::Connecting { attempt: 0 });
     let handle = LinkHandle {
         tx,
+        tls: tls.clone(),
         state: state_rx,
         peer: settings.identity.peer.clone(),
         instance: settings.instance,
@@ -483,7 +498,8 @@ pub fn spawn(
 /// this connector takes part in, and what the current session asked for.
 struct Link {
     settings: LinkSettings,
-    tls: Arc<rustls::ClientConfig>,
+    /// Read at each connect (see [`LinkHandle::set_relay_trust`]).
+    tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
     commands: mpsc::Receiver<Command>,
     incoming: mpsc::Sender<Incoming>,
     state: watch::Sender<LinkState>,
