@@ -386,3 +386,78 @@ fn flatten(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn configuration_md_marks_exactly_the_reloadable_fields_live() {
+        let doc = include_str!("../../docs/configuration.md");
+        let sections = [
+            ("## `[connector]`", "connector"),
+            ("## `[policy]`", "policy"),
+            ("## `[a2a]`", "a2a"),
+            ("## `[openab]`", "openab"),
+        ];
+        let mut section = None;
+        let mut live = Vec::new();
+        let mut rows = 0;
+        for line in doc.lines() {
+            if line.starts_with("## ") {
+                section = sections
+                    .iter()
+                    .find(|(h, _)| line.trim() == *h)
+                    .map(|(_, s)| *s);
+                continue;
+            }
+            let Some(section) = section else { continue };
+            let Some(field) = line
+                .strip_prefix("| `")
+                .and_then(|rest| rest.split_once('`'))
+                .map(|(f, _)| f)
+            else {
+                continue;
+            };
+            rows += 1;
+            let mark = line
+                .trim_end()
+                .trim_end_matches('|')
+                .rsplit('|')
+                .next()
+                .map(str::trim);
+            match mark {
+                Some("live") => live.push(format!("{section}.{field}")),
+                Some("restart") => {}
+                other => panic!("{section}.{field}: no reload mark ({other:?})"),
+            }
+        }
+        assert!(rows > 20, "found only {rows} field rows");
+        let mut expected: Vec<String> = RELOADABLE
+            .iter()
+            .filter(|p| p.contains('.'))
+            .map(|p| p.to_string())
+            .collect();
+        expected.sort();
+        live.sort();
+        assert_eq!(live, expected);
+    }
+
+    #[test]
+    fn a_reload_names_the_changed_fields_that_need_a_restart() {
+        let text =
+            "[connector]\nrelay_url = \"wss://relay.example:7443/\"\nidentity = \"id.toml\"\n";
+        let running: ConnectorConfig = toml::from_str(text).unwrap();
+        let mut new = running.clone();
+        new.connector.relay_url = "wss://other.example:7443/".into();
+        new.connector.relay_pin_sha256 = Some("sha256:00".into());
+        new.policy.allow_writes = true;
+        new.policy.max_concurrent = 3;
+        new.peers = Vec::new();
+        assert_eq!(
+            running.needs_restart(&new),
+            ["connector.relay_url", "policy.max_concurrent"]
+        );
+    }
+}
