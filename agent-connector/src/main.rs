@@ -260,24 +260,33 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
             shutdown.child_token(),
         ));
     }
-    tokio::select! {
-        r = connector.connected() => { r?; tracing::info!("connected to the relay"); }
-        () = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("still connecting to the relay"),
-    }
     {
-        // The card is published once the local A2A server answers, however
-        // long after this connector it starts; a signal stops the retries.
+        // Waits for the first connection (at most 30 s, then goes on); then
+        // the card is published once the local A2A server answers, however
+        // long after this connector it starts. Signals are taken all along:
+        // SIGHUP reloads, SIGTERM/SIGINT stop (and stop the retries).
+        let connected = connector.connected();
+        let patience = tokio::time::sleep(Duration::from_secs(30));
         let published = async {
             if let Some(d) = &driver {
                 oab_connector::a2a::publish_card(&connector, d).await;
             }
         };
-        tokio::pin!(published);
+        tokio::pin!(connected, patience, published);
         let mut running = config.clone();
-        let mut publishing = true;
+        let (mut connecting, mut publishing) = (true, true);
         loop {
             tokio::select! {
-                () = &mut published, if publishing => publishing = false,
+                r = &mut connected, if connecting => {
+                    connecting = false;
+                    r?;
+                    tracing::info!("connected to the relay");
+                }
+                () = &mut patience, if connecting => {
+                    connecting = false;
+                    tracing::warn!("still connecting to the relay");
+                }
+                () = &mut published, if publishing && !connecting => publishing = false,
                 signal = signals.next() => match signal {
                     Signal::Stop => break,
                     Signal::Reload => reload(&path, &mut running, &connector, &callee_policy),

@@ -213,3 +213,131 @@ async fn a_reloaded_relay_trust_applies_at_the_next_connect() {
         .expect("connects once it trusts the relay's CA")
         .unwrap();
 }
+
+/// Waits for a `Peers` snapshot in which the callee's online state is
+/// `online` (bounded: a connector that never gets there fails the test).
+async fn callee_online(c: &mut oab_testkit::raw_client::RawClient, online: bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let frame = tokio::time::timeout_at(deadline, c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the callee never became online={online}"))
+            .unwrap();
+        if let oab_wire::Frame::Peers(p) = frame {
+            let entries: serde_json::Value = serde_json::from_slice(&p).unwrap();
+            let state = entries
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["peer"] == CALLEE)
+                .map(|e| e["online"] == true);
+            if state == Some(online) {
+                return;
+            }
+        }
+    }
+}
+
+/// Reads the connector's log until a line contains `what`.
+async fn logged(
+    log: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStderr>>,
+    what: &str,
+) -> String {
+    // One deadline for the whole wait: the connector may keep logging
+    // other lines (its reconnect attempts).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let line = tokio::time::timeout_at(deadline, log.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("never logged {what:?}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the connector exited before logging {what:?}"));
+        if line.contains(what) {
+            return line;
+        }
+    }
+}
+
+/// `oab-connector run` reloads its file on SIGHUP: a connector started with
+/// the wrong relay CA connects once the file names the right one; a broken
+/// file is refused and the process keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_connector_binarys_file() {
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let identity = dir.path().join("callee.identity.toml");
+    oab_connector::keyfile::save(&env.callee, &identity).unwrap();
+    let (right, wrong) = (
+        dir.path().join("relay-ca.pem"),
+        dir.path().join("other-ca.pem"),
+    );
+    std::fs::write(&right, &env.cert_pem).unwrap();
+    let stranger = oab_relay::tls::self_signed(&["localhost"]).unwrap();
+    std::fs::write(&wrong, &stranger.cert_pem).unwrap();
+    let config = dir.path().join("connector.toml");
+    let text = |ca: &std::path::Path| {
+        format!(
+            "[connector]\nrelay_url = \"wss://localhost:{}/\"\nidentity = \"{}\"\nrelay_ca = \"{}\"\n\
+             [[peers]]\nid = \"{CALLER}\"\nkeys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n",
+            relay.addr.port(),
+            identity.display(),
+            ca.display(),
+            env.caller.public_key()
+        )
+    };
+    std::fs::write(&config, text(&wrong)).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("OAB_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut log =
+        tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(child.stderr.take().unwrap()));
+    let target = oab_testkit::raw_client::Target {
+        addr: relay.addr.to_string(),
+        server_name: Some("localhost".into()),
+        root_der: env.cert_der.clone(),
+    };
+    let mut watcher = oab_testkit::raw_client::RawClient::connect(&target, &env.caller, instance())
+        .await
+        .unwrap();
+    watcher.send(&oab_wire::Frame::PeersQuery).await.unwrap();
+    callee_online(&mut watcher, false).await;
+    let hup = |pid: u32| {
+        let ok = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    };
+    let pid = child.id().unwrap();
+    // It cannot connect while it trusts another CA (and its signal
+    // handlers are in place by the time it tried).
+    logged(&mut log, "TLS").await;
+    std::fs::write(&config, text(&right)).unwrap();
+    hup(pid);
+    logged(&mut log, "configuration reloaded").await;
+    callee_online(&mut watcher, true).await;
+    // A file that does not validate is refused; the connector stays up.
+    std::fs::write(
+        &config,
+        format!("{}\n[policy]\nmax_concurrent = 0\n", text(&right)),
+    )
+    .unwrap();
+    hup(pid);
+    logged(&mut log, "configuration reload refused").await;
+    // The errors follow, one per line, as `check-config` prints them.
+    logged(&mut log, "policy.max_concurrent: must be greater than 0").await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGHUP ended the connector"
+    );
+    watcher.send(&oab_wire::Frame::PeersQuery).await.unwrap();
+    callee_online(&mut watcher, true).await;
+    child.kill().await.unwrap();
+}

@@ -120,6 +120,7 @@ impl Link {
             tokio::select! {
                 () = shutdown.cancelled() => return false,
                 () = tokio::time::sleep_until(until) => return true,
+                () = self.trust_changed.notified() => return true,
                 cmd = self.commands.recv(), if room => match cmd {
                     Some(cmd) => self.apply_command(cmd),
                     None => return false,

@@ -373,6 +373,8 @@ pub struct LinkHandle {
     /// How the relay's certificate is trusted at the next connect; a
     /// configuration reload replaces it (the session up keeps its TLS).
     tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
+    /// Wakes a link waiting to reconnect when the trust changed.
+    trust_changed: Arc<tokio::sync::Notify>,
     state: watch::Receiver<LinkState>,
     /// This connector's peer id.
     pub peer: PeerId,
@@ -387,6 +389,9 @@ impl LinkHandle {
     /// certificate).
     pub fn set_relay_trust(&self, trust: &RelayTrust) -> Result<(), crate::trust::TrustError> {
         self.tls.store(crate::trust::client_config(trust)?);
+        // A link waiting out its backoff (the old trust refused the
+        // relay's certificate) tries again now.
+        self.trust_changed.notify_one();
         Ok(())
     }
 
@@ -458,9 +463,11 @@ pub fn spawn(
     )?));
     let (tx, rx) = mpsc::channel(settings.queue.max(1));
     let (state_tx, state_rx) = watch::channel(LinkState::Connecting { attempt: 0 });
+    let trust_changed = Arc::new(tokio::sync::Notify::new());
     let handle = LinkHandle {
         tx,
         tls: tls.clone(),
+        trust_changed: trust_changed.clone(),
         state: state_rx,
         peer: settings.identity.peer.clone(),
         instance: settings.instance,
@@ -468,6 +475,7 @@ pub fn spawn(
     let link = Link {
         settings,
         tls,
+        trust_changed,
         commands: rx,
         incoming,
         state: state_tx,
@@ -500,6 +508,9 @@ struct Link {
     settings: LinkSettings,
     /// Read at each connect (see [`LinkHandle::set_relay_trust`]).
     tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
+    /// Notified by [`LinkHandle::set_relay_trust`]: ends the backoff wait.
+    /// (A notification while connected ends the next wait at once.)
+    trust_changed: Arc<tokio::sync::Notify>,
     commands: mpsc::Receiver<Command>,
     incoming: mpsc::Sender<Incoming>,
     state: watch::Sender<LinkState>,
