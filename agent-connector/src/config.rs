@@ -55,7 +55,26 @@ pub struct ConnectorConfig {
     /// The OpenAB control-plane endpoint (`docs/openab.md`).
     #[serde(default)]
     pub openab: OpenAbSection,
+    /// The admin endpoint: `/metrics`, `/healthz`, `/readyz`, `/status`.
+    #[serde(default)]
+    pub admin: AdminSection,
 }
+
+/// `[admin]`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminSection {
+    /// Where the admin endpoint listens (`127.0.0.1:9444`). Unset (the
+    /// default): no admin endpoint. Every route is read-only and carries no
+    /// secret, but `/status` names peers and delegations: keep it on
+    /// loopback or a private network.
+    #[serde(default)]
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+/// The prefix of the connector's environment overrides
+/// (`OAB_CONNECTOR__ADMIN__LISTEN=127.0.0.1:9444` sets `admin.listen`).
+pub const ENV_PREFIX: &str = "OAB_CONNECTOR__";
 
 /// `[a2a]`
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -237,17 +256,41 @@ impl ConnectorConfig {
     }
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with_overrides(path, &[])
+    }
+
+    /// Reads a file, applies `overrides` (`section.field`, value; from
+    /// `--set` and `OAB_CONNECTOR__*`, see [`oab_ops::overrides`]) in order,
+    /// then parses and validates the result.
+    pub fn load_with_overrides(
+        path: &Path,
+        overrides: &[(String, String)],
+    ) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: shown.clone(),
             source,
         })?;
-        let c: ConnectorConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: shown.clone(),
-            message: e.to_string(),
-        })?;
+        Self::from_toml_with_overrides(&text, &shown, overrides)
+    }
+
+    /// Parses TOML text (`origin` names it in errors) with `overrides`
+    /// applied, then validates.
+    pub fn from_toml_with_overrides(
+        text: &str,
+        origin: &str,
+        overrides: &[(String, String)],
+    ) -> Result<Self, ConfigError> {
+        let parse = |message: String| ConfigError::Parse {
+            path: origin.to_string(),
+            message,
+        };
+        let doc = oab_ops::overrides::document_with_overrides(text, overrides).map_err(parse)?;
+        let c: ConnectorConfig = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| parse(e.to_string()))?;
         c.validate().map_err(|errors| ConfigError::Invalid {
-            path: shown,
+            path: origin.to_string(),
             errors,
         })?;
         Ok(c)
@@ -258,7 +301,12 @@ impl ConnectorConfig {
         let mut errors = Vec::new();
         let c = &self.connector;
         if !c.relay_url.starts_with("wss://") && !c.relay_url.starts_with("ws://") {
-            errors.push("connector.relay_url: must start with wss://".to_string());
+            errors.push(
+                "connector.relay_url: must start with wss:// (or ws://, without TLS: only for a \
+                 relay with tls_mode = \"behind-load-balancer\" reached without the load \
+                 balancer, in a test)"
+                    .to_string(),
+            );
         }
         if c.relay_ca.is_some() && c.relay_pin_sha256.is_some() {
             errors
@@ -303,6 +351,20 @@ impl ConnectorConfig {
         errors.extend(self.facade_grant_problems());
         if self.a2a.input_timeout_ms == Some(0) {
             errors.push("a2a.input_timeout_ms: must be greater than 0".into());
+        }
+        if let (Some(admin), Some(facade)) = (self.admin.listen, self.a2a.facade_listen)
+            && admin == facade
+        {
+            errors.push(format!(
+                "admin.listen: {admin} is also a2a.facade_listen; give each its own port"
+            ));
+        }
+        if let (Some(admin), Some(openab)) = (self.admin.listen, self.openab.listen)
+            && admin == openab
+        {
+            errors.push(format!(
+                "admin.listen: {admin} is also openab.listen; give each its own port"
+            ));
         }
         if self.policy.max_concurrent == 0 {
             errors.push("policy.max_concurrent: must be greater than 0".into());
@@ -397,9 +459,11 @@ mod tests {
         let doc = include_str!("../../docs/configuration.md");
         let sections = [
             ("## `[connector]`", "connector"),
+            ("## Connector `[[peers]]`", "peers"),
             ("## `[policy]`", "policy"),
             ("## `[a2a]`", "a2a"),
             ("## `[openab]`", "openab"),
+            ("## `[admin]`", "admin"),
         ];
         let mut section = None;
         let mut live = Vec::new();
@@ -427,10 +491,12 @@ mod tests {
                 .rsplit('|')
                 .next()
                 .map(str::trim);
-            match mark {
-                Some("live") => live.push(format!("{section}.{field}")),
-                Some("restart") => {}
-                other => panic!("{section}.{field}: no reload mark ({other:?})"),
+            match (section, mark) {
+                ("peers", Some("live")) => {}
+                ("peers", other) => panic!("peers.{field}: {other:?}"),
+                (_, Some("live")) => live.push(format!("{section}.{field}")),
+                (_, Some("restart")) => {}
+                (_, other) => panic!("{section}.{field}: no reload mark ({other:?})"),
             }
         }
         assert!(rows > 20, "found only {rows} field rows");

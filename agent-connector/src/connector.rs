@@ -148,6 +148,11 @@ impl Connector {
         self.callee.footprint()
     }
 
+    /// The link handle (its stats and status: [`crate::admin`]).
+    pub fn link(&self) -> &LinkHandle {
+        &self.link
+    }
+
     /// The link state.
     pub fn state(&self) -> LinkState {
         self.link.state()

@@ -1,12 +1,17 @@
 //! The identity file on disk: written once with mode 0600, never
-//! overwritten, and read only while nobody but its owner can read it.
+//! overwritten, and read only while nobody but its owner can read it, or,
+//! for a file owned by root, its owner and its group (a Kubernetes Secret
+//! mounted with `fsGroup` is root-owned, mode 0440, so that a non-root
+//! connector in that group reads it; libpq accepts a root-owned key file
+//! with group read for the same reason).
 //!
 //! The file's format ([`Identity::to_file_string`],
 //! [`Identity::from_file_str`]) belongs to `oab-wire`; this module owns only
 //! the file system side, and never logs or prints the secret.
 //!
 //! Never: overwrites an identity file (`save` creates a new file only), and
-//! never reads one that group or others can read.
+//! never reads one that others can read, or that its group can read unless
+//! root owns it (and the group cannot write it).
 
 use std::io::Write as _;
 use std::path::Path;
@@ -25,7 +30,10 @@ pub enum KeyFileError {
         source: std::io::Error,
     },
     /// The secret file is readable by group or others.
-    #[error("{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}`")]
+    #[error(
+        "{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}` \
+         (a file owned by root may also be 0640 or 0440)"
+    )]
     Permissions {
         /// The file.
         path: String,
@@ -56,7 +64,8 @@ pub fn save(identity: &Identity, path: &Path) -> Result<(), KeyFileError> {
     f.sync_all().map_err(io)
 }
 
-/// Reads an identity file, refusing one that group or others can read.
+/// Reads an identity file, refusing one that others can read, or that its
+/// group can read while it is not owned by root.
 pub fn load(path: &Path) -> Result<Identity, KeyFileError> {
     let shown = path.display().to_string();
     let io = |source| KeyFileError::Io {
@@ -65,9 +74,12 @@ pub fn load(path: &Path) -> Result<Identity, KeyFileError> {
     };
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt as _;
-        let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
-        if mode & 0o077 != 0 {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path).map_err(io)?;
+        let mode = meta.mode();
+        let group_may_read = meta.uid() == 0 && mode & 0o030 == 0;
+        let loose = if group_may_read { 0o037 } else { 0o077 };
+        if mode & loose != 0 {
             return Err(KeyFileError::Permissions {
                 path: shown.clone(),
                 mode: mode & 0o777,
@@ -105,5 +117,44 @@ mod tests {
             matches!(err, KeyFileError::Permissions { mode: 0o644, .. }),
             "{err}"
         );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn group_may_read_only_a_root_owned_file() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("id.toml");
+        let id = Identity::generate(
+            PeerId::new("acme/build").unwrap(),
+            KeyId::new("k1").unwrap(),
+        );
+        save(&id, &path).unwrap();
+        let set = |mode| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode));
+        let by_root = std::fs::metadata(&path).unwrap().uid() == 0;
+        for mode in [0o640, 0o440] {
+            set(mode).unwrap();
+            assert_eq!(
+                load(&path).is_ok(),
+                by_root,
+                "mode {mode:o}, root-owned {by_root}"
+            );
+        }
+        // Never with group write, and never for others, whoever owns it.
+        for mode in [0o660, 0o604, 0o644] {
+            set(mode).unwrap();
+            assert!(
+                matches!(load(&path), Err(KeyFileError::Permissions { .. })),
+                "mode {mode:o}"
+            );
+        }
+        if by_root {
+            // Owned by someone else, group read is refused.
+            std::os::unix::fs::chown(&path, Some(10001), None).unwrap();
+            set(0o640).unwrap();
+            assert!(matches!(load(&path), Err(KeyFileError::Permissions { .. })));
+            set(0o600).unwrap();
+            assert!(load(&path).is_ok());
+        }
     }
 }

@@ -15,6 +15,9 @@
 //! | [`audit`] | the audit trail |
 //! | [`state`] | what a caller persists to resume after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
+//! | [`status`] | the status operators read: link, relay, descriptor, open delegations |
+//! | [`admin`] | the admin endpoint: `/metrics`, `/healthz`, `/readyz`, `/status` |
+//! | [`lockout`] | configurations that validate but cannot delegate or lock callers out: `check-config` warnings |
 //! | [`demo`] | `oab-connector demo`: one delegation between `dev/alice` and `dev/bob` over a development relay |
 //! | [`a2a`] | A2A 1.0: the caller-side facade, the callee-side driver, the profile extension |
 //! | [`openab`] | an OpenAB control-plane endpoint on loopback: OAB runtimes delegate through it unmodified |
@@ -25,6 +28,7 @@
 //! more, never allow more.
 
 pub mod a2a;
+pub mod admin;
 pub mod audit;
 pub mod authority;
 pub mod callee;
@@ -35,10 +39,12 @@ pub mod demo;
 pub mod events;
 pub mod keyfile;
 pub mod link;
+pub mod lockout;
 pub mod nonce;
 pub mod openab;
 pub mod profile;
 pub mod state;
+pub mod status;
 pub mod trust;
 
 pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};

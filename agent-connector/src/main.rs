@@ -31,11 +31,26 @@ use oab_wire::{Digest, KeyId, PeerId};
 
 /// The OAB connector: dials out to an OAB relay, keeps the session alive,
 /// and delegates tasks to (and serves tasks from) other OAB hosts.
+///
+/// Any config value can be overridden with `--set section.field=value` or
+/// `OAB_CONNECTOR__SECTION__FIELD=value` (`run` and `check-config`).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(version = oab_ops::build::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
+    /// Log format (on stderr).
+    #[arg(long, global = true, env = "OAB_LOG_FORMAT", default_value = "text")]
+    log_format: oab_ops::logging::LogFormat,
+}
+
+/// Config overrides: `OAB_CONNECTOR__*` variables, then each `--set` in order.
+fn overrides(sets: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = oab_ops::overrides::env_overrides(oab_connector::config::ENV_PREFIX);
+    for s in sets {
+        out.push(oab_ops::overrides::parse_set(s)?);
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Subcommand)]
@@ -53,10 +68,39 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Validate a configuration file; names every bad field.
+    /// Validate a configuration file; names every bad field. Warns (exit 0)
+    /// about values that cannot delegate or lock callers out.
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
+        /// Override any value: `section.field=value` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        set: Vec<String>,
+        /// Also check it against the relay's configuration: this host and
+        /// its peers (and their keys) known there, routes to and from it,
+        /// route ceilings against `[policy]` and the capabilities asked for.
+        #[arg(long)]
+        relay_config: Option<PathBuf>,
+        /// This host's peer id, for --relay-config (default: from the
+        /// identity file `connector.identity`, whose key is then compared
+        /// with the relay's too).
+        #[arg(long, requires = "relay_config")]
+        peer: Option<String>,
+    },
+    /// Print a running connector's status (link, relay, published
+    /// descriptor, open delegations) from its admin endpoint's `/status`
+    /// (`[admin] listen` in its configuration).
+    Status {
+        /// The connector's admin address (`admin.listen`).
+        #[arg(
+            long,
+            env = "OAB_CONNECTOR_ADMIN_URL",
+            default_value = "http://127.0.0.1:9444"
+        )]
+        admin: String,
+        /// Print the JSON as served instead of tables.
+        #[arg(long)]
+        json: bool,
     },
     /// Delegate one task from `dev/alice` to `dev/bob` through a running
     /// development relay (`cargo run -p oab-relay` in this folder first) and
@@ -69,12 +113,33 @@ enum Cmd {
         /// folder's `relay.toml`).
         #[arg(long)]
         relay_url: Option<String>,
+        /// The same through the A2A facade and driver: dev/alice's facade
+        /// (from `dev-alice.connector.toml`), dev/bob's driver towards a demo
+        /// A2A agent (at the address of `dev-bob.connector.toml`'s
+        /// `a2a.driver_url`), the demo as an A2A client of the facade.
+        #[arg(long)]
+        a2a: bool,
+        /// With --a2a: keep the facade up after the delegation, for any A2A
+        /// client, until Ctrl-C.
+        #[arg(long, requires = "a2a")]
+        keep: bool,
+        /// With --a2a: where the facade listens (default: dev/alice's
+        /// `a2a.facade_listen`, 127.0.0.1:7070).
+        #[arg(long, requires = "a2a")]
+        facade_listen: Option<std::net::SocketAddr>,
+        /// With --a2a: where the demo A2A agent listens (default: the address
+        /// of dev/bob's `a2a.driver_url`, 127.0.0.1:7080).
+        #[arg(long, requires = "a2a")]
+        agent_listen: Option<std::net::SocketAddr>,
     },
     /// Run the connector with a configuration file until SIGTERM/SIGINT.
     Run {
         /// The TOML file.
         #[arg(long, short, env = "OAB_CONNECTOR_CONFIG")]
         config: PathBuf,
+        /// Override any value: `section.field=value` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        set: Vec<String>,
     },
 }
 
@@ -98,9 +163,36 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Cmd::CheckConfig { file } => match ConnectorConfig::load(&file) {
+        Cmd::Status { admin, json } => {
+            if let Err(e) = print_status(&admin, json) {
+                eprintln!("oab-connector status: {e:#}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::CheckConfig {
+            file,
+            set,
+            relay_config,
+            peer,
+        } => match ConnectorConfig::load_with_overrides(&file, &overrides(&set)?) {
             Ok(c) => {
                 println!("{}: ok ({} peers)", file.display(), c.peers.len());
+                // Valid, but cannot delegate or locks callers out: said, exit 0.
+                let mut warnings =
+                    oab_connector::lockout::warnings(&c, oab_wire::identity::now_ms());
+                if let Some(relay) = relay_config {
+                    match against_relay(&c, &relay, peer.as_deref()) {
+                        Ok(w) => warnings.extend(w),
+                        Err(e) => {
+                            eprintln!("{e:#}");
+                            std::process::exit(2);
+                        }
+                    }
+                }
+                for w in warnings {
+                    eprintln!("warning: {w}");
+                }
                 Ok(())
             }
             Err(e) => {
@@ -108,37 +200,110 @@ fn main() -> anyhow::Result<()> {
                 std::process::exit(2);
             }
         },
-        Cmd::Demo { dev_dir, relay_url } => {
-            let options = oab_connector::demo::DemoOptions { dev_dir, relay_url };
+        Cmd::Demo {
+            dev_dir,
+            relay_url,
+            a2a,
+            keep,
+            facade_listen,
+            agent_listen,
+        } => {
+            let options = oab_connector::demo::DemoOptions {
+                dev_dir,
+                relay_url,
+                facade_listen,
+                agent_listen,
+            };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let mut out = std::io::stdout();
-            if let Err(e) = runtime.block_on(oab_connector::demo::run(&options, &mut out)) {
+            let done = runtime.block_on(async {
+                if a2a {
+                    oab_connector::demo::a2a::run(&options, keep, wait_for_signal(), &mut out).await
+                } else {
+                    oab_connector::demo::run(&options, &mut out).await
+                }
+            });
+            if let Err(e) = done {
                 eprintln!("demo failed: {e}");
                 std::process::exit(1);
             }
             Ok(())
         }
-        Cmd::Run { config } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                // Colour only on a terminal: logs redirected to a file or
-                // a journal stay plain text that `grep` matches.
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .init();
+        Cmd::Run { config, set } => {
+            oab_ops::logging::init(cli.log_format);
+            let overrides = overrides(&set)?;
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(run(config))
+            runtime.block_on(run(config, overrides))
         }
     }
 }
 
-async fn run(path: PathBuf) -> anyhow::Result<()> {
+/// `oab-connector status`: fetches `/status` and prints it.
+#[allow(clippy::print_stdout)]
+fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let url = oab_ops::admin_client::join(admin, "/status");
+    let resp = runtime
+        .block_on(oab_ops::admin_client::get(&url, Duration::from_secs(10)))
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (is the connector running with [admin] listen set, and is --admin that address?)"
+            )
+        })?;
+    anyhow::ensure!(
+        resp.status == 200,
+        "{url}: HTTP {}: {}",
+        resp.status,
+        String::from_utf8_lossy(&resp.body)
+    );
+    if json {
+        println!("{}", String::from_utf8_lossy(&resp.body));
+        return Ok(());
+    }
+    let status: oab_connector::status::ConnectorStatus = serde_json::from_slice(&resp.body)
+        .with_context(|| format!("{url}: not the /status of this connector version"))?;
+    print!("{}", status.render());
+    Ok(())
+}
+
+/// `check-config --relay-config`: `config` against the relay's file, as
+/// `peer` (else the identity file's peer, and its key).
+fn against_relay(
+    config: &ConnectorConfig,
+    relay: &std::path::Path,
+    peer: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(relay)
+        .with_context(|| format!("--relay-config: cannot read {}", relay.display()))?;
+    let (me, key) = match peer {
+        Some(p) => (PeerId::new(p).context("--peer")?.to_string(), None),
+        None => {
+            let id =
+                oab_connector::keyfile::load(&config.connector.identity).with_context(|| {
+                    "--relay-config needs this host's peer id: pass --peer, or run where \
+                 connector.identity is readable"
+                })?;
+            (
+                id.peer.to_string(),
+                Some((id.key_id.to_string(), id.public_key().to_string())),
+            )
+        }
+    };
+    let key = key.as_ref().map(|(i, k)| (i.as_str(), k.as_str()));
+    oab_connector::lockout::against_relay(config, &me, key, &text)
+        .map_err(|e| anyhow::anyhow!("--relay-config {}: {e}", relay.display()))
+}
+
+async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<()> {
     // First: a SIGHUP before its handler exists would end the process.
     let mut signals = Signals::new();
-    let config = ConnectorConfig::load(&path)?;
+    let config = ConnectorConfig::load_with_overrides(&path, &overrides)?;
+    for w in oab_connector::lockout::warnings(&config, oab_wire::identity::now_ms()) {
+        tracing::warn!("{w}");
+    }
     let c = &config.connector;
     let identity = oab_connector::keyfile::load(&c.identity)?;
     let mut link = LinkSettings::new(c.relay_url.clone(), relay_trust_of(&config)?, identity);
@@ -196,6 +361,20 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
         },
     })?;
     let shutdown = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = config.admin.listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding admin.listen {addr}"))?;
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "admin endpoint off loopback: /status names peers and delegations");
+        }
+        tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz, /status)");
+        tokio::spawn(oab_connector::admin::serve(
+            listener,
+            connector.link().clone(),
+            shutdown.child_token(),
+        ));
+    }
     if let (Some(endpoint), Some(addr)) = (&openab, config.openab.listen) {
         endpoint.set_caller(connector.caller().clone());
         let listener = tokio::net::TcpListener::bind(addr)
@@ -289,7 +468,7 @@ async fn run(path: PathBuf) -> anyhow::Result<()> {
                 () = &mut published, if publishing && !connecting => publishing = false,
                 signal = signals.next() => match signal {
                     Signal::Stop => break,
-                    Signal::Reload => reload(&path, &mut running, &connector, &callee_policy),
+                    Signal::Reload => reload(&path, &overrides, &mut running, &connector, &callee_policy),
                 },
             }
         }
@@ -334,6 +513,7 @@ fn policy_of(config: &ConnectorConfig) -> anyhow::Result<Policy> {
 /// fields that need a restart are logged and not applied.
 fn reload(
     path: &std::path::Path,
+    overrides: &[(String, String)],
     running: &mut ConnectorConfig,
     connector: &Connector,
     callee_policy: &LivePolicy,
@@ -341,7 +521,7 @@ fn reload(
     let refused = |e: &dyn std::fmt::Display| {
         tracing::warn!(error = %e, "configuration reload refused; the old configuration keeps serving");
     };
-    let new = match ConnectorConfig::load(path) {
+    let new = match ConnectorConfig::load_with_overrides(path, overrides) {
         Ok(c) => c,
         Err(e) => return refused(&e),
     };
@@ -388,6 +568,11 @@ fn load_ca_certs(
         path.display()
     );
     Ok(certs)
+}
+
+async fn wait_for_signal() {
+    let mut signals = Signals::new();
+    while let Signal::Reload = signals.next().await {}
 }
 
 enum Signal {

@@ -574,41 +574,17 @@ pub enum ConfigError {
     },
 }
 
-/// Sets one value in a parsed TOML document by dotted path
-/// (`relay.listen`, `store.url`). The value is read as a TOML literal when it
-/// is one (`250`, `true`, `["a"]`), else as a string.
-pub fn apply_override(doc: &mut toml::Table, path: &str, raw: &str) -> Result<(), String> {
-    let parts: Vec<&str> = path.split('.').collect();
-    let Some((last, sections)) = parts.split_last() else {
-        return Err(format!("empty override path in {path:?}"));
-    };
-    let mut table = doc;
-    for section in sections {
-        let entry = table
-            .entry(section.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        table = entry
-            .as_table_mut()
-            .ok_or_else(|| format!("{path}: {section} is not a table"))?;
-    }
-    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-    table.insert(last.to_string(), value);
-    Ok(())
-}
+pub use oab_ops::overrides::apply_override;
 
 /// Collects overrides from the environment: `OAB_RELAY__SECTION__FIELD=value`
-/// sets `section.field` (double underscores separate the path).
+/// sets `section.field` (double underscores separate the path); see
+/// [`oab_ops::overrides::env_overrides`].
 pub fn env_overrides() -> Vec<(String, String)> {
-    std::env::vars()
-        .filter_map(|(k, v)| {
-            let rest = k.strip_prefix("OAB_RELAY__")?;
-            Some((rest.to_ascii_lowercase().replace("__", "."), v))
-        })
-        .collect()
+    oab_ops::overrides::env_overrides(ENV_PREFIX)
 }
+
+/// The prefix of the relay's environment overrides.
+pub const ENV_PREFIX: &str = "OAB_RELAY__";
 
 impl Config {
     /// Parses TOML text with `key=value` overrides applied, then validates.
@@ -622,9 +598,9 @@ impl Config {
             message: e.to_string(),
         })?;
         for (path, value) in overrides {
-            apply_override(&mut doc, path, value).map_err(|message| ConfigError::Parse {
+            apply_override(&mut doc, path, value).map_err(|e| ConfigError::Parse {
                 path: origin.to_string(),
-                message,
+                message: e.to_string(),
             })?;
         }
         let config: Config = doc

@@ -1,7 +1,11 @@
 //! The quick start: on first run, a development setup in one folder (a
 //! self-signed certificate for `localhost`/`127.0.0.1`, two development
-//! identities `dev/alice` and `dev/bob` allowed to delegate to each other, and
-//! a relay config using the in-memory store). Later runs reuse it.
+//! identities `dev/alice` and `dev/bob` allowed to delegate to each other, a
+//! relay config using the in-memory store, and a connector config for each
+//! peer: `dev-alice.connector.toml` with the A2A facade on
+//! [`DEV_FACADE_LISTEN`], `dev-bob.connector.toml` with the A2A driver
+//! towards [`DEV_AGENT_URL`]). Later runs reuse it; a connector config
+//! missing from an older setup is added.
 //!
 //! Never use a development setup in production: its certificate is
 //! self-signed and its identities sit next to the relay config.
@@ -17,6 +21,13 @@ use oab_wire::{KeyId, PeerId};
 use crate::config::ConfigError;
 use crate::tls::{self, TlsError};
 
+/// The A2A facade address of `dev/alice`'s connector config.
+pub const DEV_FACADE_LISTEN: &str = "127.0.0.1:7070";
+
+/// The local A2A server `dev/bob`'s connector config drives
+/// (`oab-connector demo --a2a` serves its demo agent there).
+pub const DEV_AGENT_URL: &str = "http://127.0.0.1:7080";
+
 /// Files of a development setup.
 #[derive(Debug, Clone)]
 pub struct DevSetup {
@@ -28,6 +39,9 @@ pub struct DevSetup {
     pub cert: PathBuf,
     /// Identity files of the development peers, with their peer ids.
     pub identities: Vec<(PeerId, PathBuf)>,
+    /// Connector configs of the development peers, in the order of
+    /// `identities`.
+    pub connector_configs: Vec<PathBuf>,
     /// Whether this run created the files.
     pub created: bool,
 }
@@ -77,11 +91,13 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
         })
         .collect::<Result<_, oab_wire::ids::IdError>>()?;
     if config.exists() {
+        let connector_configs = write_connector_configs(dir, &identities)?;
         return Ok(DevSetup {
             dir: dir.to_path_buf(),
             config,
             cert,
             identities,
+            connector_configs,
             created: false,
         });
     }
@@ -129,14 +145,97 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
         key = key.display(),
     );
     crate::config::Config::from_toml_with_overrides(&text, "generated dev config", &[])?;
+    let connector_configs = write_connector_configs(dir, &identities)?;
     tls::write_file(&config, &text, false)?;
     Ok(DevSetup {
         dir: dir.to_path_buf(),
         config,
         cert,
         identities,
+        connector_configs,
         created: true,
     })
+}
+
+/// The connector config file of a development peer.
+pub fn connector_config_path(dir: &Path, peer: &str) -> PathBuf {
+    dir.join(format!("{}.connector.toml", peer.replace('/', "-")))
+}
+
+/// Writes the connector config of each development peer that has none yet:
+/// the relay on `localhost:7443` trusted through the setup's certificate, the
+/// other peer's key from its identity file, a read-only `[policy]`, and for
+/// `dev/alice` the A2A facade, for `dev/bob` the A2A driver. `oab-connector
+/// check-config` accepts both (`agent-connector/tests/demo.rs`).
+fn write_connector_configs(
+    dir: &Path,
+    identities: &[(PeerId, PathBuf)],
+) -> Result<Vec<PathBuf>, DevError> {
+    let io = |p: &Path| {
+        let path = p.display().to_string();
+        move |source| DevError::Io { path, source }
+    };
+    let abs = std::fs::canonicalize(dir).map_err(io(dir))?;
+    let mut keys = Vec::new();
+    for (peer, file) in identities {
+        let text = std::fs::read_to_string(file).map_err(io(file))?;
+        let id = Identity::from_file_str(&text, &file.display().to_string())?;
+        keys.push((peer.clone(), id.key_id.clone(), id.public_key()));
+    }
+    let mut paths = Vec::new();
+    for (peer, file) in identities {
+        let path = connector_config_path(dir, peer.as_str());
+        paths.push(path.clone());
+        if path.exists() {
+            continue;
+        }
+        let identity = std::fs::canonicalize(file).map_err(io(file))?;
+        let mut others = String::new();
+        for (other, key_id, public_key) in keys.iter().filter(|(p, ..)| p != peer) {
+            others.push_str(&format!(
+                "[[peers]]\nid = \"{other}\"\nkeys = [{{ key_id = \"{key_id}\", public_key = \"{public_key}\" }}]\n\n"
+            ));
+        }
+        let a2a = if peer.as_str() == DEV_PEERS[0] {
+            format!(
+                "[a2a]\n\
+                 # Local A2A clients delegate through http://{DEV_FACADE_LISTEN}/peers/<namespace>/<name>/\n\
+                 facade_listen = \"{DEV_FACADE_LISTEN}\"\n\
+                 default_capabilities = [\"read:repo\"]\n\
+                 default_timeout_ms = 60000\n"
+            )
+        } else {
+            format!(
+                "[a2a]\n\
+                 # The local A2A server that serves delegations to this peer\n\
+                 # (`oab-connector demo --a2a` serves a demo agent there).\n\
+                 driver_url = \"{DEV_AGENT_URL}\"\n"
+            )
+        };
+        let text = format!(
+            "# Development connector config for {peer}, written by `oab-relay` on first run.\n\
+             # Run it with `oab-connector run --config {shown}`.\n\
+             # Self-signed relay certificate and local identities: never use in production.\n\n\
+             [connector]\n\
+             relay_url = \"wss://localhost:7443/\"\n\
+             relay_id = \"localhost\"\n\
+             identity = \"{identity}\"\n\
+             relay_ca = \"{cert}\"\n\n\
+             {others}\
+             # What callers may be granted here, and this host's own grant for the\n\
+             # delegations it starts.\n\
+             [policy]\n\
+             allowed_capabilities = [\"read:*\"]\n\
+             allow_writes = false\n\
+             max_deadline_ms = 600000\n\n\
+             {a2a}",
+            shown = path.display(),
+            identity = identity.display(),
+            cert = abs.join("relay-cert.pem").display(),
+        );
+        tls::write_file(&path, &text, false)?;
+    }
+    Ok(paths)
 }
 
 #[cfg(test)]
@@ -163,7 +262,15 @@ mod tests {
                 assert_eq!(mode & 0o777, 0o600, "identity files are private");
             }
         }
+        assert_eq!(first.connector_configs.len(), 2);
+        for file in &first.connector_configs {
+            let text = std::fs::read_to_string(file).unwrap();
+            assert!(text.contains("relay_ca = "), "{text}");
+        }
+        // An older setup without connector configs gets them on the next run.
+        std::fs::remove_file(&first.connector_configs[1]).unwrap();
         let second = prepare(&d).unwrap();
         assert!(!second.created);
+        assert!(second.connector_configs[1].is_file());
     }
 }

@@ -218,6 +218,24 @@ impl Fleet {
         gone
     }
 
+    /// The live instances (this one included), as last seen: name and
+    /// incarnation (`""`: not recorded), sorted by name.
+    pub fn live_nodes(&self) -> Vec<(String, String)> {
+        let mut nodes: Vec<(String, String)> = self
+            .live_nodes
+            .lock()
+            .iter()
+            .map(|(n, i)| (n.clone(), i.clone()))
+            .collect();
+        nodes.sort();
+        nodes
+    }
+
+    /// Wake subscriber connections up now, of [`Fleet::links`].
+    pub fn links_connected(&self) -> usize {
+        *self.connected.borrow()
+    }
+
     /// How many instances are live (this one included), as last seen.
     pub fn live_count(&self) -> usize {
         self.live_nodes.lock().len()

@@ -7,6 +7,7 @@
 //! | module | concern |
 //! |---|---|
 //! | [`config`] | the TOML configuration, validation, peer and route lookup |
+//! | [`lockout`] | values that validate but can lock peers out: `check-config` warnings |
 //! | [`tls`] | rustls server config (TLS 1.3), exporter, dev certificates |
 //! | [`server`] | `run(listener, ...)`: accept loop, caps, upgrade, admin, sweeper |
 //! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
@@ -18,6 +19,7 @@
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`status`] | `/status` on the admin port, its page, and `oab-relay status`'s tables |
 //! | [`dev`] | the quick start: development certificate, identities, config |
 //!
 //! Never: parses or rewrites a delegation frame's payload. The relay stores,
@@ -30,12 +32,14 @@ pub mod config;
 pub mod dev;
 pub mod fleet;
 pub mod hub;
+pub mod lockout;
 pub mod metrics;
 pub mod outbox;
 pub mod refusal;
 pub mod reload;
 pub mod server;
 pub mod session;
+pub mod status;
 pub mod store;
 pub mod tls;
 

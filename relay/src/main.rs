@@ -14,6 +14,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use oab_relay::config::{Config, TlsMode, env_overrides};
+use oab_relay::store::EventStore as _;
 use oab_relay::store::{MemoryStore, RedisStore};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -34,14 +35,15 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// With no --config, runs a development relay: on first run it writes a
 /// self-signed certificate, two development identities (dev/alice, dev/bob)
 /// and a config into --dev-dir, prints where they are, and serves with the
-/// in-memory store. Any config value can be overridden with
-/// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`.
+/// in-memory store. A field of a plain section can be overridden with
+/// `--set section.field=value` or `OAB_RELAY__SECTION__FIELD=value`
+/// (not entries of `[[peers]]` or `[[routes]]`).
 ///
 /// Several instances over one Redis (or Redis Cluster) form a fleet behind an
 /// L4 load balancer: give each its own `--set fleet.node=NAME`, the same
 /// config otherwise (docs/scale-out.md).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(version = oab_ops::build::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -55,6 +57,20 @@ enum Command {
     CheckConfig {
         /// The TOML file.
         file: PathBuf,
+    },
+    /// Print a running relay's status (peers online, open delegations per
+    /// route, fleet members, store health) from its admin port's `/status`.
+    Status {
+        /// The relay's admin address (`relay.admin_listen`).
+        #[arg(
+            long,
+            env = "OAB_RELAY_ADMIN_URL",
+            default_value = "http://127.0.0.1:9443"
+        )]
+        admin: String,
+        /// Print the JSON as served instead of tables.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -76,7 +92,9 @@ struct RunArgs {
     /// `redis+unix:///path/redis.sock` or `redis-cluster://h1:p1,h2:p2,...`.
     #[arg(long, env = "OAB_RELAY_STORE")]
     store: Option<String>,
-    /// Override any value: `section.field=value` (repeatable).
+    /// Override a field of a plain section: `section.field=value`
+    /// (repeatable). Entries of `[[peers]]` and `[[routes]]` are not reachable:
+    /// edit the file for those.
     #[arg(long = "set", value_name = "PATH=VALUE")]
     set: Vec<String>,
     /// Async worker threads (default: one per CPU). One thread avoids
@@ -85,8 +103,8 @@ struct RunArgs {
     #[arg(long, env = "OAB_RELAY_WORKER_THREADS", value_parser = parse_threads)]
     worker_threads: Option<Threads>,
     /// Log format.
-    #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
-    log_format: String,
+    #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text")]
+    log_format: oab_ops::logging::LogFormat,
 }
 
 /// A worker thread count; empty (an empty environment variable) means the default.
@@ -115,34 +133,54 @@ fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
         }
     }
     for s in &args.set {
-        let (k, v) = s
-            .split_once('=')
-            .with_context(|| format!("--set {s:?}: expected PATH=VALUE"))?;
-        out.push((k.trim().to_string(), v.trim().to_string()));
+        out.push(oab_ops::overrides::parse_set(s)?);
     }
     Ok(out)
 }
 
-fn init_tracing(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour only on a terminal: logs redirected to a file or a journal stay
-    // plain text that `grep` matches.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
+/// `oab-relay status`: fetches `/status` and prints it.
+#[allow(clippy::print_stdout)]
+fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let url = oab_ops::admin_client::join(admin, "/status");
+    let resp = runtime
+        .block_on(oab_ops::admin_client::get(
+            &url,
+            std::time::Duration::from_secs(10),
+        ))
+        .map_err(|e| {
+            anyhow::anyhow!("{e} (is the relay running, and is --admin its relay.admin_listen?)")
+        })?;
+    anyhow::ensure!(
+        resp.status == 200,
+        "{url}: HTTP {}: {}",
+        resp.status,
+        String::from_utf8_lossy(&resp.body)
+    );
+    if json {
+        println!("{}", String::from_utf8_lossy(&resp.body));
+        return Ok(());
     }
+    let status: oab_relay::status::RelayStatus = serde_json::from_slice(&resp.body)
+        .with_context(|| format!("{url}: not the /status of this relay version"))?;
+    print!("{}", status.render());
+    Ok(())
 }
 
 #[allow(clippy::print_stdout)]
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     oab_relay::tls::install_crypto_provider();
+    if let Some(Command::Status { admin, json }) = &cli.command {
+        if let Err(e) = print_status(admin, *json) {
+            eprintln!("oab-relay status: {e:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     if let Some(Command::CheckConfig { file }) = &cli.command {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("cannot read {}", file.display()))?;
@@ -159,6 +197,10 @@ fn main() -> anyhow::Result<()> {
                         "redis"
                     }
                 );
+                // Values that pass but can lock peers out: said, exit 0.
+                for w in oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms()) {
+                    eprintln!("warning: {w}");
+                }
                 return Ok(());
             }
             Err(e) => {
@@ -167,7 +209,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    init_tracing(&cli.run.log_format);
+    oab_ops::logging::init(cli.run.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(Threads(Some(n))) = cli.run.worker_threads {
         builder.worker_threads(n);
@@ -208,6 +250,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             for (peer, file) in &dev.identities {
                 say!("  identity:    {peer} -> {}", file.display());
             }
+            for file in &dev.connector_configs {
+                say!("  connector:   {}", file.display());
+            }
+            say!("  try it:      cargo run -p oab-connector -- demo  (or demo --a2a)");
             dev.config
         }
     };
@@ -225,6 +271,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         trigger: Arc::new(tokio::sync::Notify::new()),
     };
     spawn_reload_signal(reload.trigger.clone());
+    for w in oab_relay::lockout::warnings(&config, oab_wire::identity::now_ms()) {
+        tracing::warn!(field = %w.field, "{}", w.message);
+    }
     let tls = match config.relay.tls_mode {
         TlsMode::Terminate => {
             let (Some(cert), Some(key)) = (&config.relay.tls_cert, &config.relay.tls_key) else {
@@ -275,14 +324,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         .await?;
     } else {
         let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
-        say!(
-            "store: {}",
-            if store.is_cluster() {
-                "redis cluster"
-            } else {
-                "redis"
-            }
-        );
+        say!("store: {}", store.kind());
         oab_relay::server::run_reloadable(
             listener,
             Some(admin),

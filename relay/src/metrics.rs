@@ -97,6 +97,42 @@ impl HotCounters {
     }
 }
 
+/// The `result` values of `oab_handshakes_total` (server.rs, session.rs).
+const HANDSHAKE_RESULTS: &[&str] = &[
+    "ok",
+    "auth_failed",
+    "version",
+    "clock_skew",
+    "binding",
+    "timeout",
+    "overloaded",
+    "oversized",
+    "transport",
+    "protocol",
+    "malformed",
+    "store",
+    "tls",
+    "upgrade",
+];
+
+/// The `kind` values of `oab_wake_messages_total` (hub/wakeups.rs).
+const WAKE_KINDS: &[&str] = &["entry", "nudge", "claim", "presence", "resync"];
+
+/// The `op` values of `oab_store_errors_total` (`Hub::observe_store` callers).
+const STORE_OPS: &[&str] = &["append", "read", "open", "meta", "callee", "due", "expire"];
+
+/// The `scope` values of `oab_rate_limited_total`.
+const RATE_LIMIT_SCOPES: &[&str] = &["peer", "request"];
+
+/// The `reason` values of `oab_connections_refused_total` (server.rs and
+/// `SlotRefusal::metric_label`).
+const REFUSAL_REASONS: &[&str] = &[
+    "rate_limited",
+    "max_connections",
+    "max_handshakes",
+    "max_handshakes_per_source",
+];
+
 // Metric names and labels are compile-time constants, so construction can
 // only fail on a programming error, which the unit test below rules out.
 #[allow(clippy::expect_used)]
@@ -190,7 +226,7 @@ impl Metrics {
             bytes_out: bytes.with_label_values(&["out"]),
             append_latency: store_latency.with_label_values(&["append"]),
         };
-        Metrics {
+        let m = Metrics {
             hot,
             sessions: gauge(&reg, "oab_sessions", "Authenticated sessions."),
             connections: gauge(&reg, "oab_connections", "Open connections in any phase."),
@@ -292,6 +328,46 @@ impl Metrics {
             ack_latency,
             store_latency,
             registry: reg,
+        };
+        m.zero_known_series();
+        m
+    }
+
+    /// Creates every series of a fixed label set at 0, so each metric is on
+    /// `/metrics` from the start: `rate()` and `increase()` then count an
+    /// event that happens in a series' first scrape interval (a series that
+    /// first appears at 1 has no earlier sample to differ from), alert rules
+    /// and dashboards find every name, and a missing series means a missing
+    /// relay rather than no events yet.
+    fn zero_known_series(&self) {
+        use oab_wire::{CloseCode, ErrorCode, GapReason, Outcome};
+        for result in HANDSHAKE_RESULTS {
+            self.handshakes.with_label_values(&[result]);
+        }
+        for outcome in Outcome::ALL {
+            self.terminals.with_label_values(&[outcome.name()]);
+        }
+        for reason in (1..=u8::MAX).map_while(GapReason::from_u8) {
+            self.gaps.with_label_values(&[reason.name()]);
+        }
+        for code in ErrorCode::ALL {
+            self.errors.with_label_values(&[code.name()]);
+        }
+        for code in CloseCode::ALL {
+            self.disconnects.with_label_values(&[code.name()]);
+        }
+        self.disconnects.with_label_values(&["transport"]);
+        for kind in WAKE_KINDS {
+            self.wakes.with_label_values(&[kind]);
+        }
+        for op in STORE_OPS {
+            self.store_errors.with_label_values(&[op]);
+        }
+        for scope in RATE_LIMIT_SCOPES {
+            self.rate_limited.with_label_values(&[scope]);
+        }
+        for reason in REFUSAL_REASONS {
+            self.refused.with_label_values(&[reason]);
         }
     }
 
@@ -318,5 +394,29 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("oab_peer_sessions{peer=\"acme/a\"} 0"));
+    }
+
+    #[test]
+    fn every_metric_is_exported_before_its_first_event() {
+        let text = Metrics::new(&[]).render();
+        for family in [
+            "oab_handshakes_total{result=\"auth_failed\"} 0",
+            "oab_terminals_total{outcome=\"completed\"} 0",
+            "oab_gaps_total{reason=\"trimmed\"} 0",
+            "oab_errors_total{code=",
+            "oab_disconnects_total{reason=\"slow_consumer\"} 0",
+            "oab_disconnects_total{reason=\"transport\"} 0",
+            "oab_store_errors_total{op=\"append\"} 0",
+            "oab_rate_limited_total{scope=\"peer\"} 0",
+            "oab_connections_refused_total{reason=\"max_handshakes\"} 0",
+            "oab_store_latency_seconds_bucket{op=\"append\"",
+            "oab_resyncs_total{cause=",
+            "oab_wake_messages_total{kind=\"entry\"} 0",
+        ] {
+            assert!(text.contains(family), "{family} missing from:\n{text}");
+        }
+        // Only fixed label sets are zeroed: no series per peer or frame.
+        let series = text.lines().filter(|l| !l.starts_with('#')).count();
+        assert!(series < 400, "{series} series");
     }
 }

@@ -87,7 +87,8 @@ pub struct Reload {
 /// Runs the relay until `shutdown` is cancelled, then drains.
 ///
 /// `listener` is where connectors connect; `admin` (optional) serves
-/// `/metrics`, `/healthz`, `/readyz`. Nothing here binds a port itself.
+/// `/metrics`, `/healthz`, `/readyz`, `/status` and the status page
+/// (`/status.html`, `/`). Nothing here binds a port itself.
 /// The configuration cannot be reloaded (`POST /reload` answers 500);
 /// see [`run_reloadable`].
 pub async fn run<S: EventStore>(
@@ -522,7 +523,31 @@ fn admin_router<S: EventStore>(hub: Arc<Hub<S>>) -> Router {
         .route("/metrics", get(metrics_handler::<S>))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler::<S>))
+        .route("/status", get(status_handler::<S>))
+        .route("/status.html", get(status_page))
+        .route("/", get(status_page))
         .with_state(hub)
+}
+
+async fn status_handler<S: EventStore>(
+    State(hub): State<Arc<Hub<S>>>,
+) -> axum::Json<crate::status::RelayStatus> {
+    axum::Json(crate::status::status(&hub).await)
+}
+
+async fn status_page() -> impl axum::response::IntoResponse {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            // The page's own inline script and style only, and fetches to
+            // this origin.
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+            ),
+        ],
+        crate::status::STATUS_PAGE,
+    )
 }
 
 async fn metrics_handler<S: EventStore>(

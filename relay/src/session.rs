@@ -270,6 +270,7 @@ where
         peer: auth.peer.clone(),
         instance: auth.instance,
         key_id: auth.key_id.clone(),
+        since_ms: oab_wire::identity::now_ms(),
         outbox: out,
     };
     // A callee back with a new instance lost what it had accepted: end that
@@ -843,12 +844,13 @@ impl<S: EventStore> Session<S> {
             .hot
             .append_latency
             .observe(started.elapsed().as_secs_f64());
-        if res.is_err() {
+        if let Err(e) = &res {
             self.hub
                 .metrics
                 .store_errors
                 .with_label_values(&["append"])
                 .inc();
+            self.hub.store_health.failed("append", Some(e));
         }
         let outcomes = match res {
             Ok(o) => o,
@@ -1018,7 +1020,7 @@ impl<S: EventStore> Session<S> {
         };
         let started = Instant::now();
         let res = hub.store.open(req).await;
-        hub.observe_store("open", started, res.is_ok());
+        hub.observe_store("open", started, &res);
         match res {
             Ok(OpenOutcome::Created(meta)) => {
                 hub.created(&meta, &self.me, frame);

@@ -11,7 +11,7 @@ use std::path::Path;
 
 #[test]
 fn every_example_relay_config_in_deploy_is_valid() {
-    for sub in ["relay", "fleet"] {
+    for sub in ["relay", "fleet", "k8s/relay"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../deploy")
             .join(sub);
@@ -19,7 +19,10 @@ fn every_example_relay_config_in_deploy_is_valid() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().and_then(|e| e.to_str()) == Some("toml") {
-                oab_relay::config::Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                let c = oab_relay::config::Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                // Examples are copied: none of their values may lock peers out.
+                let warnings = oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms());
+                assert!(warnings.is_empty(), "{}: {warnings:?}", path.display());
                 checked += 1;
             }
         }
@@ -192,4 +195,138 @@ fn a_closed_stdout_does_not_stop_the_relay() {
     child.wait().unwrap();
     assert!(listening, "the relay never listened");
     assert!(still_running, "the relay exited after listening");
+}
+
+/// `--version` names the version, the git commit built and the build date.
+#[test]
+fn version_names_the_commit_and_the_build_date() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let expected_commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or_else(
+            || "unknown".to_string(),
+            |o| String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        );
+    assert!(
+        text.starts_with(&format!(
+            "oab-relay {} (commit {expected_commit}, built ",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    // ... built 2026-12-01T07:30:00Z)
+    let date = text
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .trim_end_matches(')');
+    assert_eq!(date.len(), 20, "{text}");
+    assert!(date.ends_with('Z') && date.as_bytes()[10] == b'T', "{text}");
+}
+
+/// The relay's stderr lines until one contains `until` (or 20 s pass, or it
+/// exits), then it is killed.
+fn relay_log_until(args: &[&str], until: &str) -> Vec<String> {
+    use std::io::{BufRead as _, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .current_dir(dir.path())
+        .args([
+            "--set",
+            "relay.listen=127.0.0.1:0",
+            "--set",
+            "relay.admin_listen=127.0.0.2:0",
+        ])
+        .args(args)
+        .env("OAB_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while let Ok(line) =
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        let done = line.contains(until);
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    seen
+}
+
+/// A Redis without its AOF loses acknowledged frames on a restart: the relay
+/// says so at start (as it does for eviction), and says nothing about a
+/// Redis that has it.
+#[test]
+fn a_redis_without_aof_gets_a_startup_warning() {
+    use oab_testkit::redis::{Persistence, RedisServer};
+    let plain = RedisServer::start(Persistence::None).unwrap();
+    let url = plain.url();
+    let seen = relay_log_until(&["--store", &url], "relay listening");
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("WARN") && l.contains("appendonly no")),
+        "no AOF warning: {seen:#?}"
+    );
+    let durable = RedisServer::start(Persistence::Aof).unwrap();
+    let url = durable.url();
+    let seen = relay_log_until(&["--store", &url], "relay listening");
+    assert!(
+        seen.iter().any(|l| l.contains("relay listening")),
+        "{seen:#?}"
+    );
+    assert!(
+        !seen.iter().any(|l| l.contains("appendonly")),
+        "an AOF Redis got a warning: {seen:#?}"
+    );
+}
+
+/// `check-config` accepts a value that can lock peers out (exit 0) but names
+/// it, with what a peer would see.
+#[test]
+fn check_config_warns_about_values_that_lock_peers_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("relay.toml");
+    std::fs::write(
+        &file,
+        "[relay]\nid = \"r\"\ntls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\nmax_clock_skew_ms = 1000\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: relay.max_clock_skew_ms: 1000 ms is tight")
+            && stderr.contains("4506"),
+        "{stderr}"
+    );
 }

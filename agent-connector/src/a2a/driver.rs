@@ -251,20 +251,20 @@ struct CancelInFlight<'a> {
 /// SSE framing: splits a byte stream into events (`event:` name, joined
 /// `data:` lines).
 #[derive(Default)]
-struct SseParser {
+pub(crate) struct SseParser {
     buf: BytesMut,
 }
 
-struct SseEvent {
-    name: String,
-    data: String,
+pub(crate) struct SseEvent {
+    pub(crate) name: String,
+    pub(crate) data: String,
 }
 
 impl SseParser {
     /// Largest event accepted (the server is local, but bounds are bounds).
     const MAX_EVENT: usize = 16 << 20;
 
-    fn push(&mut self, chunk: &Bytes) -> Result<Vec<SseEvent>, String> {
+    pub(crate) fn push(&mut self, chunk: &Bytes) -> Result<Vec<SseEvent>, String> {
         self.buf.extend_from_slice(chunk);
         let mut out = Vec::new();
         loop {

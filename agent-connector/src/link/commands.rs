@@ -7,8 +7,9 @@
 
 use oab_wire::{Cancel, Data, Frame, GapReason, encode};
 
-use super::delegation::Delegation;
-use super::{Command, EventError, Link, LinkError, SendKind, Snapshot};
+use super::delegation::{Delegation, settle};
+use super::stats::Side;
+use super::{Command, EventError, Link, LinkError, OpenDelegation, SendKind, Snapshot};
 
 /// `list_peers` calls waiting for one answer, at most.
 const MAX_PEER_WAITERS: usize = 1_024;
@@ -44,6 +45,7 @@ impl Link {
                 self.buffered += 1;
                 self.ready_to_send.insert(key.clone());
                 self.delegations.insert(key, d);
+                self.stats.opened(Side::Caller);
             }
             Command::Send {
                 key,
@@ -102,7 +104,7 @@ impl Link {
                         self.buffered += 1;
                         self.ready_to_send.insert(key.clone());
                         if let SendKind::Terminal(o) = kind {
-                            d.terminal = Some(o);
+                            settle(&self.stats, d, o);
                         }
                         if let Some(a) = acked {
                             d.send_log.ack_waiters.push((seq, a));
@@ -170,13 +172,36 @@ impl Link {
             Command::Held { reply } => {
                 let _ = reply.send(self.held());
             }
+            Command::OpenList { max, reply } => {
+                let open = self
+                    .delegations
+                    .iter()
+                    .filter(|(_, d)| d.terminal.is_none());
+                let total = open.clone().count();
+                let list = open
+                    .take(max)
+                    .map(|(key, d)| OpenDelegation {
+                        key: key.clone(),
+                        counterpart: d.counterpart.clone(),
+                        side: Side::of(d.is_caller),
+                        sent: d.send_log.next.saturating_sub(1),
+                        acked: d.send_log.acked,
+                        received: d.cursor,
+                    })
+                    .collect();
+                let _ = reply.send((list, total));
+            }
             Command::Publish { descriptor } => {
                 // Not sequenced: sent now if connected, and on every connect.
-                if self.online
-                    && let Ok(b) = encode(&Frame::Publish(descriptor.clone()))
-                {
-                    self.control_frames.push(b);
-                }
+                let sent = self.online
+                    && match encode(&Frame::Publish(descriptor.clone())) {
+                        Ok(b) => {
+                            self.control_frames.push(b);
+                            true
+                        }
+                        Err(_) => false,
+                    };
+                self.stats.descriptor_set(descriptor.len(), sent);
                 self.descriptor = Some(descriptor);
             }
         }

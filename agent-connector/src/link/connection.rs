@@ -67,6 +67,15 @@ impl Link {
                 Ok(Err(e)) => e,
                 Err(_) => Exit::Reconnect("connect timed out".into()),
             };
+            if let Exit::Reconnect(reason) | Exit::Fatal(reason) = &exit {
+                let mut facts = self.stats.facts.lock();
+                facts.session = None;
+                facts.connected_since_ms = None;
+                facts.last_disconnect = Some((now_ms(), reason.clone()));
+                if let Some(d) = facts.descriptor.as_mut() {
+                    d.sent = false;
+                }
+            }
             match exit {
                 Exit::Shutdown => break,
                 Exit::Fatal(reason) => {
@@ -75,6 +84,9 @@ impl Link {
                     return;
                 }
                 Exit::Reconnect(reason) => {
+                    self.stats
+                        .reconnects
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     attempt = attempt.saturating_add(1);
                     let cap = self
                         .settings
@@ -126,6 +138,7 @@ impl Link {
                     None => return false,
                 },
             }
+            self.note_buffered();
         }
     }
 
@@ -227,6 +240,20 @@ impl Link {
             );
             self.epoch_changed(&list);
         }
+        {
+            let now = now_ms();
+            let mut facts = self.stats.facts.lock();
+            facts.session = Some(welcome.session.to_string());
+            facts.connected_since_ms = Some(now);
+            facts.epoch = Some(welcome.epoch);
+            facts.heartbeat_ms = Some(self.heartbeat.as_millis().try_into().unwrap_or(u64::MAX));
+            self.stats
+                .last_rx_ms
+                .store(now, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.stats
+            .sessions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let _ = self.state.send(LinkState::Connected {
             epoch: welcome.epoch,
         });
@@ -249,7 +276,7 @@ impl Link {
             }
         }
         self.pump(&mut out);
-        if let Err(e) = write_all(&mut ws, &mut out).await {
+        if let Err(e) = self.write_all(&mut ws, &mut out).await {
             return Exit::Reconnect(e);
         }
         let heartbeat = self.heartbeat;
@@ -277,6 +304,8 @@ impl Link {
                 }
                 msg = ws.next() => {
                     last_rx = tokio::time::Instant::now();
+                    self.stats.frames_in.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.stats.last_rx_ms.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
                     match msg {
                         None => return Exit::Reconnect("relay closed the connection".into()),
                         Some(Err(e)) => return Exit::Reconnect(e.to_string()),
@@ -310,10 +339,29 @@ impl Link {
                     }
                 }
             }
-            if let Err(e) = write_all(&mut ws, &mut out).await {
+            if let Err(e) = self.write_all(&mut ws, &mut out).await {
                 return Exit::Reconnect(e);
             }
         }
+    }
+
+    /// Writes `out` and counts the frames.
+    async fn write_all(&self, ws: &mut Ws, out: &mut Vec<Bytes>) -> Result<(), String> {
+        let n = u64::try_from(out.len()).unwrap_or(u64::MAX);
+        write_all(ws, out).await?;
+        self.stats
+            .frames_out
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        self.note_buffered();
+        Ok(())
+    }
+
+    /// Publishes the resend buffer's size to the stats.
+    fn note_buffered(&self) {
+        self.stats.unacked.store(
+            u64::try_from(self.buffered).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Frames from the relay may carry a larger payload than we would send.

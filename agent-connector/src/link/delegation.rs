@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
 use tokio::sync::{mpsc, oneshot};
 
+use super::stats::{LinkStats, Side};
 use super::window::SendLog;
 use super::{EventError, Link, LinkError, UpEvent};
 
@@ -102,6 +103,16 @@ impl Delegation {
                 }
             }
         });
+    }
+}
+
+/// Sets the delegation's terminal if it has none yet, and counts its end
+/// (`oab_connector_delegations_finished_total`). The one place a terminal
+/// is first set, so each delegation is counted once.
+pub(super) fn settle(stats: &LinkStats, d: &mut Delegation, outcome: Outcome) {
+    if d.terminal.is_none() {
+        d.terminal = Some(outcome);
+        stats.ended(Side::of(d.is_caller), Some(outcome));
     }
 }
 

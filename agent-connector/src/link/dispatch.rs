@@ -20,8 +20,9 @@ use oab_wire::{Data, Direction, ErrorCode, Frame, Outcome, encode};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::delegation::Delegation;
+use super::delegation::{Delegation, settle};
 use super::resume::{in_order, queue_resume};
+use super::stats::Side;
 use super::{EventError, Incoming, Link, LinkError, UpEvent};
 
 impl Link {
@@ -29,6 +30,9 @@ impl Link {
     pub(super) fn dispatch(&mut self, frame: Frame, out: &mut Vec<Bytes>) {
         match frame {
             Frame::Ack(a) => {
+                self.stats
+                    .acks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.ack(&a.key, a.direction, a.seq);
                 // A caller's open is durable: start its up log (after the
                 // cursor a restored delegation already processed).
@@ -45,12 +49,16 @@ impl Link {
             Frame::Data(d) => self.deliver(d, out),
             Frame::Open(o) => {
                 let key = o.key.clone();
+                let is_new = !self.delegations.contains_key(&key);
                 let entry = self
                     .delegations
                     .entry(key.clone())
                     .or_insert_with(|| Delegation::new(false, o.key.caller.clone()));
                 if entry.is_caller || entry.cursor >= 1 {
                     return;
+                }
+                if is_new {
+                    self.stats.opened(Side::Callee);
                 }
                 entry.cursor = 1;
                 entry.resuming = false;
@@ -91,7 +99,7 @@ impl Link {
                     {
                         // Its terminal will not be delivered: it is finished
                         // here now, and leaves within the finished bound.
-                        d.terminal = Some(t);
+                        settle(&self.stats, d, t);
                         let key = g.key.clone();
                         self.record_finished(&key);
                     }
@@ -174,7 +182,7 @@ impl Link {
         if d.is_caller {
             return;
         }
-        d.terminal.get_or_insert(terminal);
+        settle(&self.stats, d, terminal);
         self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
         d.send_log.unacked.clear();
         for (_, w) in d.send_log.ack_waiters.drain(..) {
@@ -198,7 +206,7 @@ impl Link {
                 payload: f.payload,
             };
             if let Some(t) = ev.terminal {
-                d.terminal.get_or_insert(t);
+                settle(&self.stats, d, t);
                 // Nothing more will be accepted on our down log.
                 self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
                 d.send_log.unacked.clear();
@@ -227,6 +235,7 @@ impl Link {
     }
 
     fn refused(&mut self, e: oab_wire::ErrorFrame) {
+        self.stats.refused(e.code);
         let code = ErrorCode::from_u16(e.code);
         let name = code.map_or_else(|| format!("error_{}", e.code), |c| c.name().to_string());
         let Some(key) = e.key.clone() else {
@@ -289,7 +298,7 @@ impl Link {
                     .iter()
                     .copied()
                     .find(|o| e.message.ends_with(o.name()));
-                d.terminal.get_or_insert(won.unwrap_or(Outcome::Unknown));
+                settle(&self.stats, d, won.unwrap_or(Outcome::Unknown));
                 self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
                 d.send_log.unacked.clear();
                 for (_, w) in d.send_log.ack_waiters.drain(..) {
@@ -320,6 +329,9 @@ impl Link {
                 if e.direction == d.send_dir() && e.seq <= 1 && d.is_caller {
                     // The open itself was refused: nothing of this delegation exists.
                     self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
+                    if d.terminal.is_none() {
+                        self.stats.ended(Side::Caller, None);
+                    }
                     self.delegations.remove(&key);
                 }
             }

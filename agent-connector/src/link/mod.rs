@@ -40,6 +40,7 @@
 //! | `dispatch` | frames from the relay: acks, data, opens, cancels, gaps, refusals, peers, pings, drain hints |
 //! | `resume` | the receive cursor per delegation and resumes: in-order checks, what a new session resumes, a new store epoch |
 //! | `delegation` | the state kept per delegation, local subscribers, retention of finished delegations |
+//! | [`stats`] | counters, gauges and session facts for operators (`/metrics`, `/status`, `/readyz`) |
 
 mod commands;
 mod connection;
@@ -47,6 +48,7 @@ mod delegation;
 mod dispatch;
 mod relay_url;
 mod resume;
+pub mod stats;
 mod window;
 
 use std::collections::{HashMap, VecDeque};
@@ -353,6 +355,10 @@ pub(crate) enum Command {
     Held {
         reply: oneshot::Sender<usize>,
     },
+    OpenList {
+        max: usize,
+        reply: oneshot::Sender<(Vec<OpenDelegation>, usize)>,
+    },
 }
 
 /// What a sending peer appends.
@@ -376,10 +382,42 @@ pub struct LinkHandle {
     /// Wakes a link waiting to reconnect when the trust changed.
     trust_changed: Arc<tokio::sync::Notify>,
     state: watch::Receiver<LinkState>,
+    stats: Arc<stats::LinkStats>,
+    /// The relay URL without its user info, the pinned relay id and the
+    /// dead-link rule, for operators.
+    relay: Arc<RelayFacts>,
     /// This connector's peer id.
     pub peer: PeerId,
     /// This process's instance id.
     pub instance: InstanceId,
+}
+
+/// Where the link goes, as operators see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayFacts {
+    /// The relay URL without user info.
+    pub url: String,
+    /// The relay id the relay must present, if pinned.
+    pub relay_id: Option<RelayId>,
+    /// The link is dead after this many silent heartbeats.
+    pub dead_after_heartbeats: u32,
+}
+
+/// An open delegation as `/status` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenDelegation {
+    /// The delegation.
+    pub key: DelegationKey,
+    /// The other peer.
+    pub counterpart: PeerId,
+    /// This host's side.
+    pub side: stats::Side,
+    /// Last sequence sent on our sending log.
+    pub sent: u64,
+    /// Last sequence the relay acknowledged.
+    pub acked: u64,
+    /// Last sequence received on our receiving log.
+    pub received: u64,
 }
 
 impl LinkHandle {
@@ -393,6 +431,38 @@ impl LinkHandle {
         // relay's certificate) tries again now.
         self.trust_changed.notify_one();
         Ok(())
+    }
+
+    /// The link's counters, gauges and session facts.
+    pub fn stats(&self) -> &stats::LinkStats {
+        &self.stats
+    }
+
+    /// Where the link goes.
+    pub fn relay(&self) -> &RelayFacts {
+        &self.relay
+    }
+
+    /// Whether the relay answers on the current session (see
+    /// [`stats::LinkStats::relay_reachable`]).
+    pub fn relay_reachable(&self) -> bool {
+        self.stats.relay_reachable(
+            oab_wire::identity::now_ms(),
+            self.relay.dead_after_heartbeats,
+        )
+    }
+
+    /// Up to `max` open delegations (no terminal yet), in no particular
+    /// order, and how many are open in all. Asks the link task, so it waits
+    /// while the link's resend buffer is full (callers put a deadline on it).
+    pub async fn open_delegations(
+        &self,
+        max: usize,
+    ) -> Result<(Vec<OpenDelegation>, usize), LinkError> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::OpenList { max, reply }).await?;
+        rx.await
+            .map_err(|_| LinkError::Stopped(self.stopped_reason()))
     }
 
     pub(crate) async fn command(&self, cmd: Command) -> Result<(), LinkError> {
@@ -464,16 +534,24 @@ pub fn spawn(
     let (tx, rx) = mpsc::channel(settings.queue.max(1));
     let (state_tx, state_rx) = watch::channel(LinkState::Connecting { attempt: 0 });
     let trust_changed = Arc::new(tokio::sync::Notify::new());
+    let stats = Arc::new(stats::LinkStats::default());
     let handle = LinkHandle {
         tx,
         tls: tls.clone(),
         trust_changed: trust_changed.clone(),
         state: state_rx,
+        stats: stats.clone(),
+        relay: Arc::new(RelayFacts {
+            url: relay_url::redacted(&settings.url),
+            relay_id: settings.relay_id.clone(),
+            dead_after_heartbeats: settings.dead_after_heartbeats,
+        }),
         peer: settings.identity.peer.clone(),
         instance: settings.instance,
     };
     let link = Link {
         settings,
+        stats,
         tls,
         trust_changed,
         commands: rx,
@@ -506,6 +584,8 @@ pub fn spawn(
 /// this connector takes part in, and what the current session asked for.
 struct Link {
     settings: LinkSettings,
+    /// What operators see (`/metrics`, `/status`); shared with the handles.
+    stats: Arc<stats::LinkStats>,
     /// Read at each connect (see [`LinkHandle::set_relay_trust`]).
     tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
     /// Notified by [`LinkHandle::set_relay_trust`]: ends the backoff wait.

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use oab_wire::{DelegationCursor, DelegationKey, Direction, Frame, GapReason, Resume, encode};
 
 use super::delegation::Delegation;
+use super::stats::Side;
 use super::{EventError, Link};
 
 impl Link {
@@ -22,6 +23,7 @@ impl Link {
             && let Ok(b) = encode(&Frame::Publish(d.clone()))
         {
             out.push(b);
+            self.stats.published();
         }
         if !self.peer_waiters.is_empty()
             && let Ok(b) = encode(&Frame::PeersQuery)
@@ -33,6 +35,7 @@ impl Link {
             if !c.is_caller && c.terminal.is_none() && !self.delegations.contains_key(&c.key) {
                 self.delegations
                     .insert(c.key.clone(), Delegation::new(false, c.counterpart.clone()));
+                self.stats.opened(Side::Callee);
             }
         }
         // The receiver decides what to resume, not the welcome: every

@@ -52,6 +52,17 @@ impl<S: EventStore> Hub<S> {
         }
     }
 
+    /// Open delegations per route (caller, callee) as this instance counts
+    /// them (`/status`): routes with none are left out.
+    pub fn open_per_route(&self) -> Vec<((PeerId, PeerId), u32)> {
+        let c = self.open_counts.lock();
+        c.per_route
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(k, n)| (k.clone(), *n))
+            .collect()
+    }
+
     /// Whether a caller may open one more delegation on a route.
     pub fn may_open(&self, caller: &PeerId, callee: &PeerId, route_max: u32) -> bool {
         let c = self.open_counts.lock();

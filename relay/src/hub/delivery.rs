@@ -223,7 +223,7 @@ impl<S: EventStore> Hub<S> {
         loop {
             let started = Instant::now();
             let read = self.store.read(&key, dir, cursor, REPLAY_BATCH).await;
-            self.observe_store("read", started, read.is_ok());
+            self.observe_store("read", started, &read);
             let (entries, tail) = match read {
                 Err(e) => {
                     warn!(error = %e, "replay read failed");

@@ -235,7 +235,7 @@ impl<S: EventStore> Hub<S> {
             };
             let started = Instant::now();
             let res = self.store.append(vec![req]).await;
-            self.observe_store("append", started, res.is_ok());
+            self.observe_store("append", started, &res);
             match res.ok().and_then(|v| v.into_iter().next()) {
                 Some(AppendOutcome::Appended { seq }) => {
                     info!(%key, dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
@@ -320,7 +320,7 @@ impl<S: EventStore> Hub<S> {
         let now = oab_wire::identity::now_ms();
         let started = Instant::now();
         let due = self.store.due(now, 256).await;
-        self.observe_store("due", started, due.is_ok());
+        self.observe_store("due", started, &due);
         for key in due.unwrap_or_default() {
             if self
                 .relay_append(
@@ -377,7 +377,7 @@ impl<S: EventStore> Hub<S> {
         }
         let started = Instant::now();
         let expired = self.store.expire_finished(now).await;
-        self.observe_store("expire", started, expired.is_ok());
+        self.observe_store("expire", started, &expired);
     }
 }
 

@@ -81,8 +81,71 @@ pub struct SessionRef {
     /// The key the session authenticated with (a reload that retires it
     /// closes the session).
     pub key_id: KeyId,
+    /// When it was authenticated (ms since the Unix epoch; `/status`).
+    pub since_ms: u64,
     /// Its queue.
     pub outbox: Outbox,
+}
+
+/// The result of a store operation, as [`Hub::observe_store`] records it.
+pub trait StoreResult {
+    /// Whether it succeeded.
+    fn is_ok(&self) -> bool;
+    /// Its error, when there is one to show.
+    fn error(&self) -> Option<&crate::store::StoreError>;
+}
+
+impl StoreResult for bool {
+    fn is_ok(&self) -> bool {
+        *self
+    }
+    fn error(&self) -> Option<&crate::store::StoreError> {
+        None
+    }
+}
+
+impl<T> StoreResult for &Result<T, crate::store::StoreError> {
+    fn is_ok(&self) -> bool {
+        Result::is_ok(self)
+    }
+    fn error(&self) -> Option<&crate::store::StoreError> {
+        self.as_ref().err()
+    }
+}
+
+/// The store's last failure as this instance saw it (`/status`): replaced
+/// by each failure, never cleared (the time says how old it is).
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    last_error: Mutex<Option<StoreFailure>>,
+}
+
+/// One failed store operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreFailure {
+    /// When (ms since the Unix epoch).
+    pub at_ms: u64,
+    /// The operation (`append`, `read`, `ping`, ...).
+    pub op: String,
+    /// The error (URLs in it are without credentials), or `failed` when
+    /// the caller recorded none.
+    pub error: String,
+}
+
+impl StoreHealth {
+    /// Records a failure of `op`.
+    pub fn failed(&self, op: &str, error: Option<&crate::store::StoreError>) {
+        *self.last_error.lock() = Some(StoreFailure {
+            at_ms: oab_wire::identity::now_ms(),
+            op: op.to_string(),
+            error: error.map_or_else(|| "failed".to_string(), ToString::to_string),
+        });
+    }
+
+    /// The last failure, if any.
+    pub fn last_error(&self) -> Option<StoreFailure> {
+        self.last_error.lock().clone()
+    }
 }
 
 /// The shared relay state.
@@ -106,6 +169,8 @@ pub struct Hub<S> {
     pub shutdown: CancellationToken,
     /// Presence, wake-ups and leases shared with other instances.
     pub fleet: Arc<Fleet>,
+    /// The store's last failure (`/status`).
+    pub store_health: StoreHealth,
     /// The session of each peer online here (at most one per configured
     /// peer); an entry is removed when that session unregisters.
     sessions: Mutex<HashMap<PeerId, SessionRef>>,
@@ -204,6 +269,7 @@ impl<S: EventStore> Hub<S> {
             gauges: HubGauges::new(&metrics),
             peers_pushes: Mutex::new(HashMap::new()),
             fleet,
+            store_health: StoreHealth::default(),
             store,
             config,
             live: ArcSwap::from_pointee(live),
@@ -239,14 +305,17 @@ impl<S: EventStore> Hub<S> {
         allowed
     }
 
-    /// Records a store operation's latency and result.
-    pub fn observe_store(&self, op: &str, started: Instant, ok: bool) {
+    /// Records a store operation's latency and result: `ok` is a `bool`,
+    /// or the operation's `&Result`, whose error `/status` then shows as the
+    /// store's last error.
+    pub fn observe_store(&self, op: &str, started: Instant, ok: impl StoreResult) {
         self.metrics
             .store_latency
             .with_label_values(&[op])
             .observe(started.elapsed().as_secs_f64());
-        if !ok {
+        if !ok.is_ok() {
             self.metrics.store_errors.with_label_values(&[op]).inc();
+            self.store_health.failed(op, ok.error());
         }
     }
 }

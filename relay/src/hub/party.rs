@@ -42,7 +42,7 @@ impl<S: EventStore> Hub<S> {
             // just that, which costs the same for a missing delegation.
             let started = Instant::now();
             let callee = self.store.callee_of(key).await;
-            self.observe_store("callee", started, callee.is_ok());
+            self.observe_store("callee", started, &callee);
             if callee?.as_ref() != Some(peer) {
                 return Ok(None);
             }

@@ -18,6 +18,11 @@ use super::{Hub, SessionRef};
 use crate::store::{EventStore, StoreError};
 
 impl<S: EventStore> Hub<S> {
+    /// The sessions online here now, in no particular order (`/status`).
+    pub fn sessions_here(&self) -> Vec<SessionRef> {
+        self.sessions.lock().values().cloned().collect()
+    }
+
     /// Whether a peer holds a session now.
     pub fn is_online(&self, peer: &PeerId) -> bool {
         self.sessions.lock().contains_key(peer)

@@ -84,6 +84,7 @@ pub(super) fn session(name: &str) -> (SessionRef, Inbox) {
         peer: peer(name),
         instance: InstanceId::random(),
         key_id: oab_wire::KeyId::new("k1").unwrap(),
+        since_ms: oab_wire::identity::now_ms(),
         outbox: out,
     };
     (me, inbox)

@@ -124,7 +124,7 @@ impl<S: EventStore> Hub<S> {
         }
         let started = Instant::now();
         let meta = self.store.meta(key).await;
-        self.observe_store("meta", started, meta.is_ok());
+        self.observe_store("meta", started, &meta);
         let Some(meta) = meta? else {
             return Ok(None);
         };

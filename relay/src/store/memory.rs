@@ -269,6 +269,10 @@ impl Inner {
 impl super::FleetStore for MemoryStore {}
 
 impl EventStore for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
         let mut inner = self.lock();
         if let Some(d) = inner.delegations.get(&req.key) {

@@ -436,4 +436,10 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
 
     /// Checks the backend answers (for `/readyz`).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// What the backend is, for operators (`/status`, `check-config`):
+    /// `memory`, `redis`, `redis cluster`.
+    fn kind(&self) -> &'static str {
+        "other"
+    }
 }

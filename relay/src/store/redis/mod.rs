@@ -282,7 +282,7 @@ impl RedisStore {
             ttl_ms: retention.finished_ttl_ms.min(MAX_TTL_MS),
         };
         store.load_scripts().await?;
-        store.warn_unless_noeviction().await;
+        store.warn_about_durability().await;
         Ok(store)
     }
 
@@ -304,31 +304,33 @@ impl RedisStore {
         matches!(self.conn, Conn::Cluster(_))
     }
 
-    /// Eviction silently loses logs; say so. Best effort: managed Redis
-    /// services often refuse `CONFIG GET`.
-    async fn warn_unless_noeviction(&self) {
+    /// A value of `CONFIG GET name`, or `None` when Redis refuses the command
+    /// (managed Redis services often do) or answers something else.
+    async fn config_value(&self, name: &str) -> Option<String> {
         let mut conn = self.conn.clone();
         let reply: Result<Value, RedisError> = redis::cmd("CONFIG")
             .arg("GET")
-            .arg("maxmemory-policy")
+            .arg(name)
             .query_async(&mut conn)
             .await;
-        let policy = match reply {
+        match reply {
             Ok(Value::Array(items)) => items.get(1).and_then(str_of).map(str::to_owned),
             Ok(Value::Map(pairs)) => pairs
                 .first()
                 .and_then(|(_, v)| str_of(v))
                 .map(str::to_owned),
             _ => None,
-        };
-        if let Some(policy) = policy
-            && policy != "noeviction"
-        {
-            tracing::warn!(
-                maxmemory_policy = %policy,
-                "Redis evicts keys under memory pressure, which silently loses delegation \
-                 logs; set maxmemory-policy noeviction"
-            );
+        }
+    }
+
+    /// Eviction silently loses logs, and without the AOF a Redis restart
+    /// loses everything acknowledged since the last snapshot: say so at
+    /// start. Best effort: where `CONFIG GET` is refused nothing is said.
+    async fn warn_about_durability(&self) {
+        let policy = self.config_value("maxmemory-policy").await;
+        let appendonly = self.config_value("appendonly").await;
+        for warning in durability_warnings(policy.as_deref(), appendonly.as_deref()) {
+            tracing::warn!("{warning}");
         }
     }
 
@@ -659,6 +661,14 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 impl EventStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        if self.is_cluster() {
+            "redis cluster"
+        } else {
+            "redis"
+        }
+    }
+
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
         let keys = DelegationKeys::new(&req.key);
         let mut cmd = evalsha(&self.scripts.open, &[&keys.meta, &keys.down, &keys.up]);
@@ -1026,5 +1036,43 @@ impl EventStore for RedisStore {
                 excerpt(&other)
             ))),
         }
+    }
+}
+
+/// What Redis's `maxmemory-policy` and `appendonly` settings (as `CONFIG
+/// GET` answered them; `None`: not known) put at risk.
+fn durability_warnings(policy: Option<&str>, appendonly: Option<&str>) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(policy) = policy
+        && policy != "noeviction"
+    {
+        out.push(format!(
+            "Redis evicts keys under memory pressure (maxmemory-policy {policy}), which silently \
+             loses delegation logs; set maxmemory-policy noeviction"
+        ));
+    }
+    if appendonly == Some("no") {
+        out.push(
+            "Redis runs without its append-only file (appendonly no): a Redis restart loses \
+             every delegation frame acknowledged since its last snapshot; set appendonly yes \
+             (deploy/redis/redis.conf)"
+                .to_string(),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod durability_tests {
+    use super::durability_warnings;
+
+    #[test]
+    fn eviction_and_a_missing_aof_are_named_and_unknown_settings_are_not() {
+        assert!(durability_warnings(Some("noeviction"), Some("yes")).is_empty());
+        assert!(durability_warnings(None, None).is_empty());
+        let w = durability_warnings(Some("allkeys-lru"), Some("no"));
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("allkeys-lru") && w[0].contains("noeviction"));
+        assert!(w[1].contains("appendonly no") && w[1].contains("appendonly yes"));
     }
 }

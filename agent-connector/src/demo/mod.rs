@@ -9,6 +9,9 @@
 //! bob's signed result against bob's key from the identity file (never
 //! against the relay) and writes it with its provenance.
 //!
+//! `--a2a` ([`a2a`]) does the same through the A2A facade and driver, from
+//! the connector configs the development relay wrote.
+//!
 //! Never: uses anything but a development setup: the relay certificate is
 //! trusted as a CA from the setup folder, and both peers' keys come from the
 //! identity files next to it.
@@ -31,6 +34,8 @@ use crate::connector::{Connector, ConnectorOptions, StartError};
 use crate::link::LinkSettings;
 use crate::profile::{Artifact, Budgets, ParentContext, RiskLevel, Task, Usage};
 use crate::trust::RelayTrust;
+
+pub mod a2a;
 
 /// The caller of the demo (one of the dev relay's peers, `relay::dev::DEV_PEERS`).
 pub const CALLER: &str = "dev/alice";
@@ -64,6 +69,12 @@ pub struct DemoOptions {
     /// The relay URL; `None`: `wss://localhost:<port of relay.listen>/` from
     /// the setup's `relay.toml`.
     pub relay_url: Option<String>,
+    /// `--a2a` only: where the facade listens instead of `dev/alice`'s
+    /// `a2a.facade_listen` (port 0: one the OS picks).
+    pub facade_listen: Option<std::net::SocketAddr>,
+    /// `--a2a` only: where the demo A2A agent listens instead of the
+    /// address of `dev/bob`'s `a2a.driver_url`.
+    pub agent_listen: Option<std::net::SocketAddr>,
 }
 
 /// Why the demo did not show a verified delegation.
@@ -112,6 +123,16 @@ pub enum DemoError {
         /// The outcome.
         outcome: Outcome,
         /// The relay's or callee's reason.
+        reason: String,
+    },
+    /// A listener of the A2A demo could not be bound.
+    #[error("binding {what} on {addr}: {reason}")]
+    Bind {
+        /// What was to listen there.
+        what: String,
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why it failed, and what to do.
         reason: String,
     },
     /// Writing the report failed.

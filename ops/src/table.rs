@@ -1,0 +1,56 @@
+//! Plain-text tables for the `status` commands: a header row and rows of
+//! cells, columns padded to their widest cell, two spaces apart.
+
+/// Renders `header` and `rows` as aligned text, one line each. Rows shorter
+/// than the header are padded with empty cells.
+pub fn render(header: &[&str], rows: &[Vec<String>]) -> String {
+    let cols = header.len();
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().take(cols).enumerate() {
+            if let Some(w) = width.get_mut(i) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut l = String::new();
+        for (i, w) in width.iter().enumerate() {
+            let c = cells.get(i).copied().unwrap_or("");
+            if i + 1 == cols {
+                l.push_str(c);
+            } else {
+                l.push_str(c);
+                l.extend(std::iter::repeat_n(' ', w - c.chars().count() + 2));
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(header.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_are_aligned() {
+        let t = render(
+            &["peer", "state"],
+            &[
+                vec!["acme/a".into(), "online".into()],
+                vec!["acme/longer".into(), "offline".into()],
+            ],
+        );
+        assert_eq!(
+            t,
+            "peer         state\nacme/a       online\nacme/longer  offline\n"
+        );
+    }
+}
