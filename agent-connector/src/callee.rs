@@ -38,7 +38,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use oab_wire::identity::{Identity, PeerKey, now_ms};
+use oab_wire::identity::{Identity, now_ms};
 use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerId};
 use serde_json::Value;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -248,6 +248,31 @@ impl PolicyProvider for Policy {
     }
 }
 
+/// One policy for every caller that a configuration reload can replace
+/// ([`LivePolicy::set`]): delegations verified after the swap are
+/// authorized against the new policy, running ones keep the authority they
+/// were given.
+#[derive(Debug)]
+pub struct LivePolicy(arc_swap::ArcSwap<Policy>);
+
+impl LivePolicy {
+    /// Starts with `policy`.
+    pub fn new(policy: Policy) -> Self {
+        LivePolicy(arc_swap::ArcSwap::from_pointee(policy))
+    }
+
+    /// Replaces the policy.
+    pub fn set(&self, policy: Policy) {
+        self.0.store(Arc::new(policy));
+    }
+}
+
+impl PolicyProvider for LivePolicy {
+    fn policy_for(&self, _caller: &PeerId) -> Option<Policy> {
+        Some(Policy::clone(&self.0.load()))
+    }
+}
+
 /// Callee-side settings.
 #[derive(Clone)]
 pub struct CalleeOptions {
@@ -327,7 +352,7 @@ impl Drop for RunningEntry {
 pub(crate) struct CalleeRuntime {
     pub(crate) link: LinkHandle,
     pub(crate) identity: Arc<Identity>,
-    pub(crate) trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+    pub(crate) trust: Arc<crate::connector::PeerKeys>,
     pub(crate) options: Option<CalleeOptions>,
     pub(crate) audit: Arc<dyn AuditSink>,
     /// Delegations being served, from their `Open` until their serving
@@ -363,7 +388,7 @@ impl CalleeRuntime {
     pub(crate) fn new(
         link: LinkHandle,
         identity: Arc<Identity>,
-        trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+        trust: Arc<crate::connector::PeerKeys>,
         options: Option<CalleeOptions>,
         audit: Arc<dyn AuditSink>,
     ) -> Arc<Self> {
@@ -372,7 +397,7 @@ impl CalleeRuntime {
         // caller filling its share never refuses another.
         let per_caller = NonceCache::DEFAULT_PER_CALLER;
         let nonces = NonceCache::new(
-            per_caller.saturating_mul(trust.len().max(1)),
+            per_caller.saturating_mul(trust.load().len().max(1)),
             NonceCache::DEFAULT_MAX_AGE_MS,
             NonceCache::DEFAULT_MAX_SKEW_MS,
         )
@@ -649,8 +674,9 @@ impl CalleeRuntime {
     > {
         let now = now_ms();
         let payload_digest = Digest::of(&open.payload);
-        let verified = verify_open_request(open, &self.identity.peer, self.trust.as_ref(), now)
-            .map_err(|e| {
+        let keys = self.trust.load_full();
+        let verified =
+            verify_open_request(open, &self.identity.peer, keys.as_ref(), now).map_err(|e| {
                 (
                     Refusal {
                         code: e.code(),

@@ -15,6 +15,7 @@
 //! configured key and the request signed here, and a relay-originated terminal,
 //! which has no result, fails it.
 
+use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -24,7 +25,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::Stream;
 use oab_wire::envelope::Envelope;
-use oab_wire::identity::{Identity, PeerKey, now_ms};
+use oab_wire::identity::{Identity, now_ms};
 use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestId};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
@@ -337,9 +338,12 @@ pub type EventStream = Pin<Box<dyn Stream<Item = Result<DelegationEvent, EventEr
 pub struct Caller {
     link: LinkHandle,
     identity: Arc<Identity>,
-    trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
-    grant: Arc<Grant>,
-    policy: Arc<Policy>,
+    /// The peers' keys; a configuration reload replaces them.
+    trust: Arc<crate::connector::PeerKeys>,
+    /// What this host may delegate; a configuration reload replaces it.
+    grant: Arc<ArcSwap<Grant>>,
+    /// This host's policy for what it sends; a reload replaces it.
+    policy: Arc<ArcSwap<Policy>>,
     /// Per-delegation records; see [`Records`] for who prunes them.
     records: Arc<Mutex<Records>>,
     state: Option<FileState>,
@@ -446,10 +450,17 @@ pub fn parse_event(ev: &UpEvent) -> DelegationEvent {
 }
 
 impl Caller {
+    /// Replaces what this host may delegate and its policy for what it
+    /// sends (a configuration reload); delegations already sent keep theirs.
+    pub(crate) fn set_authority(&self, grant: Grant, policy: Policy) {
+        self.grant.store(Arc::new(grant));
+        self.policy.store(Arc::new(policy));
+    }
+
     pub(crate) fn new(
         link: LinkHandle,
         identity: Arc<Identity>,
-        trust: Arc<HashMap<PeerId, Vec<PeerKey>>>,
+        trust: Arc<crate::connector::PeerKeys>,
         grant: Grant,
         policy: Policy,
         state: Option<FileState>,
@@ -459,8 +470,8 @@ impl Caller {
             link,
             identity,
             trust,
-            grant: Arc::new(grant),
-            policy: Arc::new(policy),
+            grant: Arc::new(ArcSwap::from_pointee(grant)),
+            policy: Arc::new(ArcSwap::from_pointee(policy)),
             records: Arc::new(Mutex::new(Records::default())),
             state,
             audit,
@@ -664,7 +675,8 @@ impl Caller {
             parent: spec.parent.clone(),
         };
         // Fail closed before anything leaves this host.
-        if let Err(e) = authorize_outgoing(&self.grant, &self.policy, &request, None, now) {
+        let (grant, policy) = (self.grant.load(), self.policy.load());
+        if let Err(e) = authorize_outgoing(&grant, &policy, &request, None, now) {
             self.audit.record(
                 &AuditRecord::refused(now, Side::Caller, &key, e.code()).with_callee(peer.clone()),
             );
@@ -881,12 +893,13 @@ impl Caller {
         let envelope = terminal.envelope.as_ref().ok_or_else(|| {
             ProfileError::Malformed("no signed result (relay-originated terminal)".into())
         })?;
+        let keys = self.trust.load_full();
         let result = verify_result(
             envelope,
             &rec.callee,
             &rec.request_digest,
             &rec.request.request_id,
-            self.trust.as_ref(),
+            keys.as_ref(),
             now_ms(),
         )?;
         check_result_within_request(&result, &rec.request)?;

@@ -386,4 +386,144 @@ impl ConnectorConfig {
             .map(|p| (p.id.clone(), p.keys.clone()))
             .collect()
     }
+
+    /// The fields of `new` that differ from `self` and that a reload does
+    /// not apply (they need a restart): every field except [`RELOADABLE`].
+    pub fn needs_restart(&self, new: &ConnectorConfig) -> Vec<String> {
+        let mut kept = new.clone();
+        kept.peers = self.peers.clone();
+        kept.connector.relay_ca = self.connector.relay_ca.clone();
+        kept.connector.relay_pin_sha256 = self.connector.relay_pin_sha256.clone();
+        kept.policy.allowed_capabilities = self.policy.allowed_capabilities.clone();
+        kept.policy.allow_writes = self.policy.allow_writes;
+        kept.policy.max_deadline_ms = self.policy.max_deadline_ms;
+        let mut a = std::collections::BTreeMap::new();
+        let mut b = std::collections::BTreeMap::new();
+        flatten("", &serde_json::to_value(self).unwrap_or_default(), &mut a);
+        flatten("", &serde_json::to_value(&kept).unwrap_or_default(), &mut b);
+        let mut differ: Vec<String> = a
+            .keys()
+            .chain(b.keys())
+            .filter(|k| a.get(*k) != b.get(*k))
+            .cloned()
+            .collect();
+        differ.sort();
+        differ.dedup();
+        differ
+    }
+}
+
+/// The fields `oab-connector run` applies on `SIGHUP` (dotted paths;
+/// `peers`: the whole list): the peers' keys, the policy's capabilities,
+/// writes and deadline, and the relay trust (the CA file is read again).
+/// Any other field needs a restart. `docs/configuration.md` marks the same.
+pub const RELOADABLE: &[&str] = &[
+    "peers",
+    "connector.relay_ca",
+    "connector.relay_pin_sha256",
+    "policy.allowed_capabilities",
+    "policy.allow_writes",
+    "policy.max_deadline_ms",
+];
+
+/// The leaves of a JSON value by dotted path (arrays are leaves).
+fn flatten(
+    prefix: &str,
+    v: &serde_json::Value,
+    out: &mut std::collections::BTreeMap<String, serde_json::Value>,
+) {
+    match v {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&path, v, out);
+            }
+        }
+        other => {
+            out.insert(prefix.to_string(), other.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn configuration_md_marks_exactly_the_reloadable_fields_live() {
+        let doc = include_str!("../../docs/configuration.md");
+        let sections = [
+            ("## `[connector]`", "connector"),
+            ("## Connector `[[peers]]`", "peers"),
+            ("## `[policy]`", "policy"),
+            ("## `[a2a]`", "a2a"),
+            ("## `[openab]`", "openab"),
+            ("## `[admin]`", "admin"),
+        ];
+        let mut section = None;
+        let mut live = Vec::new();
+        let mut rows = 0;
+        for line in doc.lines() {
+            if line.starts_with("## ") {
+                section = sections
+                    .iter()
+                    .find(|(h, _)| line.trim() == *h)
+                    .map(|(_, s)| *s);
+                continue;
+            }
+            let Some(section) = section else { continue };
+            let Some(field) = line
+                .strip_prefix("| `")
+                .and_then(|rest| rest.split_once('`'))
+                .map(|(f, _)| f)
+            else {
+                continue;
+            };
+            rows += 1;
+            let mark = line
+                .trim_end()
+                .trim_end_matches('|')
+                .rsplit('|')
+                .next()
+                .map(str::trim);
+            match (section, mark) {
+                ("peers", Some("live")) => {}
+                ("peers", other) => panic!("peers.{field}: {other:?}"),
+                (_, Some("live")) => live.push(format!("{section}.{field}")),
+                (_, Some("restart")) => {}
+                (_, other) => panic!("{section}.{field}: no reload mark ({other:?})"),
+            }
+        }
+        assert!(rows > 20, "found only {rows} field rows");
+        let mut expected: Vec<String> = RELOADABLE
+            .iter()
+            .filter(|p| p.contains('.'))
+            .map(|p| p.to_string())
+            .collect();
+        expected.sort();
+        live.sort();
+        assert_eq!(live, expected);
+    }
+
+    #[test]
+    fn a_reload_names_the_changed_fields_that_need_a_restart() {
+        let text =
+            "[connector]\nrelay_url = \"wss://relay.example:7443/\"\nidentity = \"id.toml\"\n";
+        let running: ConnectorConfig = toml::from_str(text).unwrap();
+        let mut new = running.clone();
+        new.connector.relay_url = "wss://other.example:7443/".into();
+        new.connector.relay_pin_sha256 = Some("sha256:00".into());
+        new.policy.allow_writes = true;
+        new.policy.max_concurrent = 3;
+        new.peers = Vec::new();
+        assert_eq!(
+            running.needs_restart(&new),
+            ["connector.relay_url", "policy.max_concurrent"]
+        );
+    }
 }

@@ -19,6 +19,25 @@ use crate::callee::{CalleeOptions, CalleeRuntime};
 use crate::caller::Caller;
 use crate::link::{Command, LinkError, LinkHandle, LinkSettings, LinkState};
 
+/// The peers' public keys, shared by the caller and the callee side and
+/// replaced whole by [`Connector::reload`]; read once per verification.
+pub type PeerKeys = arc_swap::ArcSwap<HashMap<PeerId, Vec<PeerKey>>>;
+
+/// What a running connector takes from a reloaded configuration
+/// ([`Connector::reload`]).
+#[derive(Debug)]
+pub struct Reconfiguration {
+    /// The peers' keys: requests and results signed by a key no longer
+    /// listed (or outside its window) are refused from now on.
+    pub trust: HashMap<PeerId, Vec<PeerKey>>,
+    /// What this host may delegate.
+    pub grant: Grant,
+    /// This host's policy for delegations it sends.
+    pub caller_policy: Policy,
+    /// How the relay's certificate is trusted at the next connect.
+    pub relay_trust: crate::trust::RelayTrust,
+}
+
 /// Everything a connector needs.
 #[derive(Debug)]
 pub struct ConnectorOptions {
@@ -44,6 +63,7 @@ pub struct Connector {
     caller: Caller,
     callee: Arc<CalleeRuntime>,
     link: LinkHandle,
+    trust: Arc<PeerKeys>,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
@@ -71,7 +91,7 @@ impl Connector {
             max_finished: options.link.max_finished,
             max_finished_bytes: options.link.max_finished_bytes,
         };
-        let trust = Arc::new(options.trust);
+        let trust = Arc::new(PeerKeys::from_pointee(options.trust));
         let (incoming_tx, incoming_rx) = mpsc::channel(options.link.queue.max(1));
         let (link, task) = crate::link::spawn(options.link, incoming_tx, shutdown.clone())?;
         let audit: Arc<dyn AuditSink> = options.audit.unwrap_or_else(|| Arc::new(TracingAuditSink));
@@ -86,7 +106,7 @@ impl Connector {
         let caller = Caller::new(
             link.clone(),
             identity,
-            trust,
+            trust.clone(),
             options.grant,
             options.caller_policy,
             options.state,
@@ -97,9 +117,24 @@ impl Connector {
             caller,
             callee: runtime,
             link,
+            trust,
             shutdown,
             task,
         })
+    }
+
+    /// Applies a reloaded configuration: the relay trust first (when it
+    /// cannot be set up, nothing changes), then the peers' keys and the
+    /// caller side's grant and policy. The callee side's policy is its
+    /// [`crate::callee::PolicyProvider`]'s (e.g. a
+    /// [`crate::callee::LivePolicy`]). Delegations already running keep the
+    /// authority they were given; the session up stays up.
+    pub fn reload(&self, update: Reconfiguration) -> Result<(), crate::trust::TrustError> {
+        self.link.set_relay_trust(&update.relay_trust)?;
+        self.trust.store(Arc::new(update.trust));
+        self.caller
+            .set_authority(update.grant, update.caller_policy);
+        Ok(())
     }
 
     /// The caller API.

@@ -64,4 +64,4 @@ pub use oab_wire::{DelegationKey, Digest, KeyId, Outcome, PeerEntry, PeerId, Req
 
 pub use callee::{CalleeOptions, Execution, StopReason, TaskExecutor, TaskRun};
 pub use caller::{Caller, DelegationEvent, DelegationHandle, EventKind, NewDelegation, Terminal};
-pub use connector::{Connector, ConnectorOptions};
+pub use connector::{Connector, ConnectorOptions, Reconfiguration};

@@ -19,13 +19,13 @@ use oab_connector::a2a::{
     A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions, FacadeToken,
 };
 use oab_connector::authority::{CapabilitySet, Grant, Policy};
-use oab_connector::callee::CalleeOptions;
+use oab_connector::callee::{CalleeOptions, LivePolicy};
 use oab_connector::config::ConnectorConfig;
 use oab_connector::link::LinkSettings;
 use oab_connector::openab::{OpenAbEndpoint, RuntimeKeys};
 use oab_connector::profile::{Budgets, RiskLevel};
 use oab_connector::trust::RelayTrust;
-use oab_connector::{Connector, ConnectorOptions};
+use oab_connector::{Connector, ConnectorOptions, Reconfiguration};
 use oab_wire::identity::Identity;
 use oab_wire::{Digest, KeyId, PeerId};
 
@@ -298,33 +298,21 @@ fn against_relay(
 }
 
 async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<()> {
+    // First: a SIGHUP before its handler exists would end the process.
+    let mut signals = Signals::new();
     let config = ConnectorConfig::load_with_overrides(&path, &overrides)?;
     for w in oab_connector::lockout::warnings(&config, oab_wire::identity::now_ms()) {
         tracing::warn!("{w}");
     }
     let c = &config.connector;
     let identity = oab_connector::keyfile::load(&c.identity)?;
-    let trust = match (&c.relay_ca, &c.relay_pin_sha256) {
-        (Some(ca), _) => RelayTrust::Ca(load_ca_certs(ca)?),
-        (None, Some(pin)) => RelayTrust::Pin(Digest::parse(pin).context("relay_pin_sha256")?),
-        (None, None) => RelayTrust::WebPki,
-    };
-    let mut link = LinkSettings::new(c.relay_url.clone(), trust, identity);
+    let mut link = LinkSettings::new(c.relay_url.clone(), relay_trust_of(&config)?, identity);
     link.relay_id = c.relay_id.clone();
     link.challenge_only = c.challenge_only_binding;
     let p = &config.policy;
-    let policy = Policy {
-        allowed_capabilities: CapabilitySet::parse(&p.allowed_capabilities)?,
-        allow_writes: p.allow_writes,
-        max_depth: 1,
-        budgets: Budgets {
-            tokens: u64::MAX,
-            cost_micros: u64::MAX,
-            risk: RiskLevel::High,
-            output_bytes: u64::MAX,
-        },
-        max_deadline_ms: p.max_deadline_ms,
-    };
+    let policy = policy_of(&config)?;
+    // The callee side's policy, replaced by a reload.
+    let callee_policy = Arc::new(LivePolicy::new(policy.clone()));
     // Callee side: the A2A driver forwards delegations to the local A2A
     // server; without one, incoming delegations get a signed `rejected`.
     let driver = match &config.a2a.driver_url {
@@ -353,7 +341,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
     };
     let callee = executor.map(|executor| CalleeOptions {
         executor,
-        policy: Arc::new(policy.clone()),
+        policy: callee_policy.clone(),
         max_concurrent: p.max_concurrent,
         max_concurrent_per_peer: p.max_concurrent_per_peer,
     });
@@ -451,24 +439,119 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
             shutdown.child_token(),
         ));
     }
-    tokio::select! {
-        r = connector.connected() => { r?; tracing::info!("connected to the relay"); }
-        () = tokio::time::sleep(Duration::from_secs(30)) => tracing::warn!("still connecting to the relay"),
-    }
-    // The card is published once the local A2A server answers, however
-    // long after this connector it starts; a signal stops the retries.
-    let published = async {
-        if let Some(d) = &driver {
-            oab_connector::a2a::publish_card(&connector, d).await;
+    {
+        // Waits for the first connection (at most 30 s, then goes on); then
+        // the card is published once the local A2A server answers, however
+        // long after this connector it starts. Signals are taken all along:
+        // SIGHUP reloads, SIGTERM/SIGINT stop (and stop the retries).
+        let connected = connector.connected();
+        let patience = tokio::time::sleep(Duration::from_secs(30));
+        let published = async {
+            if let Some(d) = &driver {
+                oab_connector::a2a::publish_card(&connector, d).await;
+            }
+        };
+        tokio::pin!(connected, patience, published);
+        let mut running = config.clone();
+        let (mut connecting, mut publishing) = (true, true);
+        loop {
+            tokio::select! {
+                r = &mut connected, if connecting => {
+                    connecting = false;
+                    r?;
+                    tracing::info!("connected to the relay");
+                }
+                () = &mut patience, if connecting => {
+                    connecting = false;
+                    tracing::warn!("still connecting to the relay");
+                }
+                () = &mut published, if publishing && !connecting => publishing = false,
+                signal = signals.next() => match signal {
+                    Signal::Stop => break,
+                    Signal::Reload => reload(&path, &overrides, &mut running, &connector, &callee_policy),
+                },
+            }
         }
-    };
-    tokio::select! {
-        () = published => wait_for_signal().await,
-        () = wait_for_signal() => {}
     }
     shutdown.cancel();
     connector.shutdown().await;
     Ok(())
+}
+
+/// How the relay's certificate is trusted (`relay_ca`, `relay_pin_sha256`,
+/// or WebPKI); reads the CA file.
+fn relay_trust_of(config: &ConnectorConfig) -> anyhow::Result<RelayTrust> {
+    let c = &config.connector;
+    Ok(match (&c.relay_ca, &c.relay_pin_sha256) {
+        (Some(ca), _) => RelayTrust::Ca(load_ca_certs(ca)?),
+        (None, Some(pin)) => RelayTrust::Pin(Digest::parse(pin).context("relay_pin_sha256")?),
+        (None, None) => RelayTrust::WebPki,
+    })
+}
+
+/// `[policy]`: the callee side's policy, and the caller side's own grant.
+fn policy_of(config: &ConnectorConfig) -> anyhow::Result<Policy> {
+    let p = &config.policy;
+    Ok(Policy {
+        allowed_capabilities: CapabilitySet::parse(&p.allowed_capabilities)?,
+        allow_writes: p.allow_writes,
+        max_depth: 1,
+        budgets: Budgets {
+            tokens: u64::MAX,
+            cost_micros: u64::MAX,
+            risk: RiskLevel::High,
+            output_bytes: u64::MAX,
+        },
+        max_deadline_ms: p.max_deadline_ms,
+    })
+}
+
+/// Re-reads the configuration file (`SIGHUP`) and applies what a reload
+/// applies (`config::RELOADABLE`): the peers' keys, `[policy]`'s
+/// capabilities, writes and deadline, and the relay trust. A file that fails
+/// validation, or a CA file that cannot be read, changes nothing; changed
+/// fields that need a restart are logged and not applied.
+fn reload(
+    path: &std::path::Path,
+    overrides: &[(String, String)],
+    running: &mut ConnectorConfig,
+    connector: &Connector,
+    callee_policy: &LivePolicy,
+) {
+    let refused = |e: &dyn std::fmt::Display| {
+        tracing::warn!(error = %e, "configuration reload refused; the old configuration keeps serving");
+    };
+    let new = match ConnectorConfig::load_with_overrides(path, overrides) {
+        Ok(c) => c,
+        Err(e) => return refused(&e),
+    };
+    let (policy, relay_trust) = match policy_of(&new).and_then(|p| Ok((p, relay_trust_of(&new)?))) {
+        Ok(x) => x,
+        Err(e) => return refused(&format!("{e:#}")),
+    };
+    let update = Reconfiguration {
+        trust: new.trust(),
+        grant: Grant {
+            capabilities: policy.allowed_capabilities.clone(),
+            remaining: policy.budgets,
+        },
+        caller_policy: policy.clone(),
+        relay_trust,
+    };
+    if let Err(e) = connector.reload(update) {
+        return refused(&e);
+    }
+    callee_policy.set(policy);
+    for field in running.needs_restart(&new) {
+        tracing::warn!(%field, "configuration reload: this field changed and needs a restart; not applied");
+    }
+    running.peers = new.peers;
+    running.connector.relay_ca = new.connector.relay_ca;
+    running.connector.relay_pin_sha256 = new.connector.relay_pin_sha256;
+    running.policy.allowed_capabilities = new.policy.allowed_capabilities;
+    running.policy.allow_writes = new.policy.allow_writes;
+    running.policy.max_deadline_ms = new.policy.max_deadline_ms;
+    tracing::info!(peers = running.peers.len(), "configuration reloaded");
 }
 
 fn load_ca_certs(
@@ -488,19 +571,56 @@ fn load_ca_certs(
 }
 
 async fn wait_for_signal() {
+    let mut signals = Signals::new();
+    while let Signal::Reload = signals.next().await {}
+}
+
+enum Signal {
+    /// SIGTERM, SIGINT (Ctrl-C).
+    Stop,
+    /// SIGHUP.
+    Reload,
+}
+
+/// The process signals `run` acts on, registered once.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            return;
+    unix: Option<(
+        tokio::signal::unix::Signal,
+        tokio::signal::unix::Signal,
+        tokio::signal::unix::Signal,
+    )>,
+}
+
+impl Signals {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let unix = match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::hangup()),
+            ) {
+                (Ok(t), Ok(i), Ok(h)) => Some((t, i, h)),
+                _ => None,
+            };
+            Signals { unix }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    let _ = tokio::signal::ctrl_c().await;
+
+    async fn next(&mut self) -> Signal {
+        #[cfg(unix)]
+        if let Some((term, int, hup)) = &mut self.unix {
+            return tokio::select! {
+                _ = term.recv() => Signal::Stop,
+                _ = int.recv() => Signal::Stop,
+                _ = hup.recv() => Signal::Reload,
+            };
+        }
+        let _ = tokio::signal::ctrl_c().await;
+        Signal::Stop
+    }
 }

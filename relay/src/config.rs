@@ -994,6 +994,11 @@ impl Directory {
         self.routes.get(&(from.clone(), to.clone()))
     }
 
+    /// Every route as `(from, to)`, in no particular order.
+    pub fn route_list(&self) -> Vec<(PeerId, PeerId)> {
+        self.routes.keys().cloned().collect()
+    }
+
     /// Whether `peer` is configured.
     pub fn is_peer(&self, peer: &PeerId) -> bool {
         self.keys.contains_key(peer)

@@ -15,6 +15,7 @@
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
+//! | [`reload`] | live reload: re-reading the file, which fields apply, the generation |
 //! | [`refusal`] | every refused frame's `Error` code and text, in one place |
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
 //! | [`store`] | the durable log interface and its memory and Redis backends |
@@ -39,6 +40,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod proxy_protocol;
 pub mod refusal;
+pub mod reload;
 pub mod server;
 pub mod session;
 pub mod status;

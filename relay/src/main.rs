@@ -258,11 +258,18 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     };
     let shown = path.display().to_string();
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {shown}"))?;
-    let config = Arc::new(Config::from_toml_with_overrides(
-        &text,
-        &shown,
-        &overrides(&args)?,
-    )?);
+    let overrides = overrides(&args)?;
+    let config = Arc::new(Config::from_toml_with_overrides(&text, &shown, &overrides)?);
+    // SIGHUP reloads the file with the same overrides (as `POST /reload` on
+    // the admin listener does).
+    let reload = oab_relay::server::Reload {
+        source: oab_relay::reload::ConfigSource {
+            path: path.clone(),
+            overrides,
+        },
+        trigger: Arc::new(tokio::sync::Notify::new()),
+    };
+    spawn_reload_signal(reload.trigger.clone());
     for w in oab_relay::lockout::warnings(&config, oab_wire::identity::now_ms()) {
         tracing::warn!(field = %w.field, "{}", w.message);
     }
@@ -305,13 +312,54 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     if config.store.url == "memory" {
         say!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
         let store = Arc::new(MemoryStore::new(retention));
-        oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
+        oab_relay::server::run_reloadable(
+            listener,
+            Some(admin),
+            config,
+            store,
+            tls,
+            shutdown,
+            Some(reload),
+        )
+        .await?;
     } else {
         let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
         say!("store: {}", store.kind());
-        oab_relay::run(listener, Some(admin), config, store, tls, shutdown).await?;
+        oab_relay::server::run_reloadable(
+            listener,
+            Some(admin),
+            config,
+            store,
+            tls,
+            shutdown,
+            Some(reload),
+        )
+        .await?;
     }
     Ok(())
+}
+
+/// Notifies `trigger` at each `SIGHUP` (Unix only).
+fn spawn_reload_signal(trigger: Arc<tokio::sync::Notify>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::hangup()) {
+            Ok(mut hup) => {
+                tokio::spawn(async move {
+                    while hup.recv().await.is_some() {
+                        tracing::info!("SIGHUP: reloading the configuration");
+                        trigger.notify_one();
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; reload with POST /reload")
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    drop(trigger);
 }
 
 async fn wait_for_signal() {

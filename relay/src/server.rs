@@ -17,8 +17,7 @@
 //! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
-use std::net::{IpAddr, SocketAddr};
-use std::num::NonZeroU32;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,7 +25,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use oab_wire::handshake::{ChannelBinding, HandshakePolicy, NonceLedger};
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
@@ -43,6 +41,7 @@ use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 use crate::proxy_protocol::Admission;
+use crate::reload::{ConfigSource, LiveConfig, Reloader};
 use crate::session::{self, SessionEnv};
 use crate::store::{EventStore, StoreError};
 
@@ -75,10 +74,14 @@ pub fn ws_config(config: &Config) -> WebSocketConfig {
         .max_frame_size(Some(max))
 }
 
-fn quota(per_second: u32, burst: u32) -> Quota {
-    let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
-    let burst = NonZeroU32::new(burst).unwrap_or(rate);
-    Quota::per_second(rate).allow_burst(burst)
+/// How a running relay reloads its configuration (see [`crate::reload`]).
+#[derive(Debug)]
+pub struct Reload {
+    /// The file and the overrides to read again.
+    pub source: ConfigSource,
+    /// Each notification reloads once (`main` notifies it on `SIGHUP`;
+    /// notifications that come during a reload make one more).
+    pub trigger: Arc<tokio::sync::Notify>,
 }
 
 /// Runs the relay until `shutdown` is cancelled, then drains.
@@ -86,6 +89,8 @@ fn quota(per_second: u32, burst: u32) -> Quota {
 /// `listener` is where connectors connect; `admin` (optional) serves
 /// `/metrics`, `/healthz`, `/readyz`, `/status` and the status page
 /// (`/status.html`, `/`). Nothing here binds a port itself.
+/// The configuration cannot be reloaded (`POST /reload` answers 500);
+/// see [`run_reloadable`].
 pub async fn run<S: EventStore>(
     listener: TcpListener,
     admin: Option<TcpListener>,
@@ -94,13 +99,50 @@ pub async fn run<S: EventStore>(
     tls: Option<Arc<ServerConfig>>,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    run_reloadable(listener, admin, config, store, tls, shutdown, None).await
+}
+
+/// [`run`], and reloads the configuration from `reload`'s file at each of
+/// its triggers and at each `POST /reload` on the admin listener.
+pub async fn run_reloadable<S: EventStore>(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: Arc<Config>,
+    store: Arc<S>,
+    tls: Option<Arc<ServerConfig>>,
+    shutdown: CancellationToken,
+    reload: Option<Reload>,
+) -> Result<(), RunError> {
     if config.relay.tls_mode == TlsMode::Terminate && tls.is_none() {
         return Err(RunError::MissingTls);
     }
     let metrics = Metrics::new(&crate::config::Directory::new(&config).peers);
     let epoch = store.epoch().await?;
     let hub = Hub::new(store, config.clone(), metrics, epoch, shutdown.clone());
+    hub.install(crate::reload::LiveConfig::first(config.clone(), tls));
+    let (source, trigger) = match reload {
+        Some(r) => (Some(r.source), Some(r.trigger)),
+        None => (None, None),
+    };
+    let reloader = Arc::new(Reloader::new(source, &hub.metrics));
     let tracker = TaskTracker::new();
+    if let Some(trigger) = trigger {
+        let (hub, reloader, stop) = (hub.clone(), reloader.clone(), shutdown.clone());
+        tracker.spawn(
+            async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = trigger.notified() => {
+                            // Logged and counted by the reloader.
+                            let _ = reloader.reload(&hub).await;
+                        }
+                    }
+                }
+            }
+            .instrument(tracing::info_span!("reload")),
+        );
+    }
 
     if hub.fleet.enabled {
         // Liveness first, and the wake subscriber connected, before any
@@ -136,10 +178,11 @@ pub async fn run<S: EventStore>(
     }
 
     if let Some(admin) = admin {
-        let hub = hub.clone();
+        let (hub, hub_for_reload, reloader) = (hub.clone(), hub.clone(), reloader.clone());
         let stop = shutdown.clone();
         tracker.spawn(async move {
-            let app = admin_router(hub);
+            let app =
+                admin_router(hub).merge(crate::reload::admin_routes(hub_for_reload, reloader));
             let _ = axum::serve(admin, app)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;
@@ -165,41 +208,26 @@ pub async fn run<S: EventStore>(
         );
     }
 
-    let ip_limiter: Arc<DefaultKeyedRateLimiter<IpAddr>> = Arc::new(RateLimiter::keyed(quota(
-        config.rate.connects_per_second_per_ip,
-        config.rate.connects_burst_per_ip,
+    let nonces = Arc::new(Mutex::new(NonceLedger::new(
+        config.relay.max_handshakes,
+        config.relay.handshake_timeout_ms,
     )));
-    let env = SessionEnv {
-        nonces: Arc::new(Mutex::new(NonceLedger::new(
-            config.relay.max_handshakes,
-            config.relay.handshake_timeout_ms,
-        ))),
-        policy: HandshakePolicy {
-            max_skew_ms: config.relay.max_clock_skew_ms,
-            deadline_ms: config.relay.handshake_timeout_ms,
-            require_tls_binding: config.relay.tls_mode == TlsMode::Terminate,
-        },
-        peer_limiter: Arc::new(RateLimiter::keyed(quota(
-            config.rate.peer_frames_per_second,
-            config.rate.peer_frames_burst,
-        ))),
-    };
     {
-        // Keyed limiters keep an entry per key until pruned: bound their memory.
-        let (ip, peer, stop) = (
-            ip_limiter.clone(),
-            env.peer_limiter.clone(),
-            shutdown.clone(),
-        );
+        // Keyed limiters keep an entry per key until pruned: bound their
+        // memory. Those a reload replaced are dropped with their config.
+        let (hub, stop) = (hub.clone(), shutdown.clone());
         tracker.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(10));
             loop {
                 tokio::select! {
                     () = stop.cancelled() => break,
                     _ = tick.tick() => {
-                        ip.retain_recent();
-                        ip.shrink_to_fit();
-                        peer.retain_recent();
+                        let live = hub.live();
+                        let l = &live.limiters;
+                        l.connects.retain_recent();
+                        l.connects.shrink_to_fit();
+                        l.peer_frames.retain_recent();
+                        l.requests.retain_recent();
                     }
                 }
             }
@@ -210,7 +238,6 @@ pub async fn run<S: EventStore>(
         config.relay.max_handshakes,
         config.relay.max_handshakes_per_source,
     );
-    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let ws_cfg = ws_config(&config);
     let conn_tasks = TaskTracker::new();
     info!(listen = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), relay = %config.relay.id, "relay listening");
@@ -233,10 +260,13 @@ pub async fn run<S: EventStore>(
             config.relay.source_prefix_v4,
             config.relay.source_prefix_v6,
         );
+        // Read once per connection: the TLS certificate, the handshake's
+        // peers and keys, and the limits in force now.
+        let live = hub.live();
         // From a trusted load balancer, the source comes in the PROXY
         // header: the per-source checks run once it is read.
         let proxied = config.relay.proxy_protocol.expects_header(addr.ip());
-        if !proxied && ip_limiter.check_key(&source.addr()).is_err() {
+        if !proxied && live.limiters.connects.check_key(&source.addr()).is_err() {
             hub.metrics
                 .refused
                 .with_label_values(&["rate_limited"])
@@ -268,8 +298,20 @@ pub async fn run<S: EventStore>(
         if let Err(e) = crate::admission::tune_accepted(&tcp, &config.relay) {
             debug!(error = %e, "socket options not set");
         }
-        let (hub, env, acceptor) = (hub.clone(), env.clone(), acceptor.clone());
-        let limiter = ip_limiter.clone();
+        let env = SessionEnv {
+            nonces: nonces.clone(),
+            policy: HandshakePolicy {
+                max_skew_ms: live.config.relay.max_clock_skew_ms,
+                deadline_ms: config.relay.handshake_timeout_ms,
+                require_tls_binding: config.relay.tls_mode == TlsMode::Terminate,
+            },
+            peer_limiter: live.limiters.peer_frames.clone(),
+        };
+        let acceptor = live.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+        // A proxied connection's client is charged the per-source rate of
+        // this config once its header is read; then the config is let go.
+        let limiter = live;
+        let hub = hub.clone();
         let span = tracing::debug_span!("conn", %addr, client = tracing::field::Empty);
         let fut = async move {
             hub.metrics.connections.inc();
@@ -382,7 +424,7 @@ async fn connection<S: EventStore>(
     ws_cfg: WebSocketConfig,
     // How it was admitted at accept, its peer address, the per-source
     // connection rate (applied here to a proxied connection's client).
-    (admission, peer, limiter): (Admission, SocketAddr, Arc<DefaultKeyedRateLimiter<IpAddr>>),
+    (admission, peer, live): (Admission, SocketAddr, Arc<LiveConfig>),
 ) {
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(hub.config.relay.handshake_timeout_ms);
@@ -391,7 +433,7 @@ async fn connection<S: EventStore>(
         &mut tcp,
         peer,
         &hub.config.relay,
-        &limiter,
+        &live.limiters.connects,
         &hub.metrics,
         deadline,
     )
@@ -399,6 +441,7 @@ async fn connection<S: EventStore>(
     else {
         return;
     };
+    drop(live);
     match acceptor {
         Some(acceptor) => {
             let tls = match tokio::time::timeout_at(deadline, Box::pin(acceptor.accept(tcp))).await

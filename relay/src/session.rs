@@ -138,6 +138,9 @@ where
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let m = &hub.metrics;
+    // The configuration in force at this handshake: the session keeps its
+    // limits and timers for its whole life (a reload applies to new ones).
+    let live = hub.live();
     let now = oab_wire::identity::now_ms();
     let issued = ServerHandshake::start(hub.config.relay.id.clone(), now, &mut env.nonces.lock());
     let (hs, challenge) = match issued {
@@ -223,7 +226,7 @@ where
     let now = oab_wire::identity::now_ms();
     let verified = hs.verify(
         &hello,
-        hub.directory.as_ref(),
+        &live.directory,
         &mut env.nonces.lock(),
         &env.policy,
         now,
@@ -253,17 +256,20 @@ where
             return None;
         }
     };
+    let settings = live.config.clone();
+    drop(live);
     let (out, inbox) = outbox(
-        hub.config.limits.session_queue,
-        hub.config.limits.session_queue_bytes,
+        settings.limits.session_queue,
+        settings.limits.session_queue_bytes,
         limits.max_frame() + crate::outbox::CONTROL_HEADROOM_BYTES,
-        Duration::from_millis(hub.config.limits.slow_consumer_ms),
+        Duration::from_millis(settings.limits.slow_consumer_ms),
         &hub.shutdown,
     );
     let me = SessionRef {
         id: SessionId::random(),
         peer: auth.peer.clone(),
         instance: auth.instance,
+        key_id: auth.key_id.clone(),
         since_ms: oab_wire::identity::now_ms(),
         outbox: out,
     };
@@ -281,6 +287,9 @@ where
     // that predate the loss, as the sweep would).
     hub.check_epoch().await;
     hub.register(me.clone());
+    // Verified against the configuration of a moment ago: a reload
+    // installed meanwhile must not miss this session.
+    hub.close_if_revoked(&me);
     if let Err(e) = hub.claim_presence(&me).await {
         warn!(error = %e, "store unavailable for presence");
         m.handshakes.with_label_values(&["store"]).inc();
@@ -345,10 +354,10 @@ where
     let welcome = Frame::Welcome(Welcome {
         session: me.id,
         epoch: hub.epoch(),
-        heartbeat_ms: hub.config.relay.heartbeat_ms,
+        heartbeat_ms: settings.relay.heartbeat_ms,
         max_header: limits.max_header,
         max_payload: limits.max_payload,
-        max_in_flight: hub.config.limits.max_in_flight,
+        max_in_flight: settings.limits.max_in_flight,
         payload: Bytes::from(payload),
     });
     // Under the handshake deadline: a client that authenticated and then
@@ -378,6 +387,7 @@ where
         hub: hub.clone(),
         env: env.clone(),
         me,
+        settings,
         inbox: Some(inbox),
         pending: Vec::new(),
         acks: Vec::new(),
@@ -397,6 +407,9 @@ struct Session<S> {
     hub: Arc<Hub<S>>,
     env: SessionEnv,
     me: SessionRef,
+    /// The configuration in force at the handshake: this session's timers
+    /// and queue limits (a reload applies to later sessions).
+    settings: Arc<crate::config::Config>,
     /// The receiving side of the queues; `run` hands it to the writer.
     inbox: Option<Inbox>,
     pending: Vec<Pending>,
@@ -467,7 +480,7 @@ impl<S: EventStore> Session<S> {
         };
         let hub = self.hub.clone();
         let outbox = self.me.outbox.clone();
-        let stall = Duration::from_millis(hub.config.limits.slow_consumer_ms);
+        let stall = Duration::from_millis(self.settings.limits.slow_consumer_ms);
         let (read_end, write_end) = tokio::join!(
             async {
                 let end = self.read_loop(&mut stream, &limits).await;
@@ -492,7 +505,7 @@ impl<S: EventStore> Session<S> {
         match end {
             End::Closed(..) | End::Shutdown => {
                 let drain = matches!(end, End::Shutdown).then(|| oab_wire::Drain {
-                    reconnect_after_ms: hub.config.relay.reconnect_hint_ms,
+                    reconnect_after_ms: hub.live().config.relay.reconnect_hint_ms,
                 });
                 let (code, reason) = match end {
                     End::Closed(code, reason) => (code, reason),
@@ -541,7 +554,7 @@ impl<S: EventStore> Session<S> {
         R: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
             + Unpin,
     {
-        let idle = Duration::from_millis(self.hub.config.relay.idle_timeout_ms);
+        let idle = Duration::from_millis(self.settings.relay.idle_timeout_ms);
         let cancel = self.me.outbox.cancel_token();
         let mut last_rx = tokio::time::Instant::now();
         loop {
@@ -953,7 +966,10 @@ impl<S: EventStore> Session<S> {
                 return refuse(self, Refusal::StoreUnavailable);
             }
         }
-        let Some(route) = hub.directory.route(&self.me.peer, &open.target) else {
+        // The routes in force now: a route a reload removed refuses new
+        // opens (its open delegations run on to their terminal).
+        let live = hub.live();
+        let Some(route) = live.directory.route(&self.me.peer, &open.target) else {
             return refuse(self, Refusal::NoRoute);
         };
         if open.depth == 0 || open.depth > route.max_depth {
@@ -1104,7 +1120,7 @@ impl<S: EventStore> Session<S> {
             self.refuse(Refusal::RequestRateLimited, None, Direction::Down, 0);
             return;
         }
-        if descriptor.len() > hub.config.limits.max_descriptor {
+        if descriptor.len() > hub.live().config.limits.max_descriptor {
             self.refuse(Refusal::DescriptorTooLarge, None, Direction::Down, 0);
             return;
         }

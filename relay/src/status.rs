@@ -56,6 +56,10 @@ pub struct RelayInfo {
     pub built: String,
     /// When this answer was made (ms since the Unix epoch).
     pub now_ms: u64,
+    /// The generation of the configuration in force (`oab_config_generation`:
+    /// 1 at start, one more per applied reload).
+    #[serde(default)]
+    pub config_generation: u64,
 }
 
 /// One configured peer.
@@ -163,7 +167,9 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
         .into_iter()
         .map(|s| (s.peer.clone(), s))
         .collect();
-    let peers = &hub.directory.peers;
+    // The configuration in force (a reload may have changed peers and routes).
+    let live = hub.live();
+    let peers = &live.directory.peers;
     // Sessions on other instances: their presence records (fleet only).
     let elsewhere = if hub.fleet.enabled && reachable {
         match tokio::time::timeout(STORE_DEADLINE, hub.store.presence(peers)).await {
@@ -201,7 +207,7 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
         })
         .collect();
     let open: std::collections::HashMap<_, _> = hub.open_per_route().into_iter().collect();
-    let routes = hub
+    let routes = live
         .config
         .routes
         .iter()
@@ -239,6 +245,7 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
             commit: oab_ops::build::COMMIT.to_string(),
             built: oab_ops::build::DATE.to_string(),
             now_ms: oab_wire::identity::now_ms(),
+            config_generation: live.generation,
         },
         peers,
         routes,
@@ -265,8 +272,8 @@ impl RelayStatus {
         let when = |ms: u64| utc_rfc3339(i64::try_from(ms / 1_000).unwrap_or(i64::MAX));
         let r = &self.relay;
         let mut out = format!(
-            "relay {} (node {}), version {} (commit {}, built {})\n",
-            r.id, r.node, r.version, r.commit, r.built
+            "relay {} (node {}), version {} (commit {}, built {}), config generation {}\n",
+            r.id, r.node, r.version, r.commit, r.built, r.config_generation
         );
         let s = &self.store;
         out.push_str(&format!(

@@ -150,6 +150,11 @@ wire_enum! {
         ClockSkew = 4506 => "clock_skew",
         /// The relay requires TLS channel binding and the connector offered none.
         BindingRequired = 4507 => "binding_required",
+        /// A configuration reload on the relay removed this peer, or retired
+        /// the key this session authenticated with (removed it, or its
+        /// validity window ended). Do not reconnect with the same identity
+        /// and key: the relay would refuse it (`auth_failed`).
+        Revoked = 4508 => "revoked",
     }
 }
 

@@ -132,6 +132,7 @@ impl Link {
             tokio::select! {
                 () = shutdown.cancelled() => return false,
                 () = tokio::time::sleep_until(until) => return true,
+                () = self.trust_changed.notified() => return true,
                 cmd = self.commands.recv(), if room => match cmd {
                     Some(cmd) => self.apply_command(cmd),
                     None => return false,
@@ -151,7 +152,7 @@ impl Link {
         let (io, binding) = if url.tls {
             let name = rustls::pki_types::ServerName::try_from(url.host.clone())
                 .map_err(|e| Exit::Fatal(format!("relay host name: {e}")))?;
-            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+            let tls = tokio_rustls::TlsConnector::from(self.tls.load_full())
                 .connect(name, tcp)
                 .await
                 .map_err(|e| reconnect(&format!("TLS: {e}")))?;

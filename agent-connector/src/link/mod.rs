@@ -376,6 +376,11 @@ pub(crate) enum SendKind {
 #[derive(Debug, Clone)]
 pub struct LinkHandle {
     tx: mpsc::Sender<Command>,
+    /// How the relay's certificate is trusted at the next connect; a
+    /// configuration reload replaces it (the session up keeps its TLS).
+    tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
+    /// Wakes a link waiting to reconnect when the trust changed.
+    trust_changed: Arc<tokio::sync::Notify>,
     state: watch::Receiver<LinkState>,
     stats: Arc<stats::LinkStats>,
     /// The relay URL without its user info, the pinned relay id and the
@@ -416,6 +421,18 @@ pub struct OpenDelegation {
 }
 
 impl LinkHandle {
+    /// Trusts the relay's certificate as `trust` says from the next
+    /// connection on; the session up now keeps its TLS session. Nothing
+    /// changes when the trust cannot be set up (a CA file without a
+    /// certificate).
+    pub fn set_relay_trust(&self, trust: &RelayTrust) -> Result<(), crate::trust::TrustError> {
+        self.tls.store(crate::trust::client_config(trust)?);
+        // A link waiting out its backoff (the old trust refused the
+        // relay's certificate) tries again now.
+        self.trust_changed.notify_one();
+        Ok(())
+    }
+
     /// The link's counters, gauges and session facts.
     pub fn stats(&self) -> &stats::LinkStats {
         &self.stats
@@ -511,12 +528,17 @@ pub fn spawn(
     incoming: mpsc::Sender<Incoming>,
     shutdown: CancellationToken,
 ) -> Result<(LinkHandle, tokio::task::JoinHandle<()>), crate::trust::TrustError> {
-    let tls = crate::trust::client_config(&settings.trust)?;
+    let tls = Arc::new(arc_swap::ArcSwap::new(crate::trust::client_config(
+        &settings.trust,
+    )?));
     let (tx, rx) = mpsc::channel(settings.queue.max(1));
     let (state_tx, state_rx) = watch::channel(LinkState::Connecting { attempt: 0 });
+    let trust_changed = Arc::new(tokio::sync::Notify::new());
     let stats = Arc::new(stats::LinkStats::default());
     let handle = LinkHandle {
         tx,
+        tls: tls.clone(),
+        trust_changed: trust_changed.clone(),
         state: state_rx,
         stats: stats.clone(),
         relay: Arc::new(RelayFacts {
@@ -531,6 +553,7 @@ pub fn spawn(
         settings,
         stats,
         tls,
+        trust_changed,
         commands: rx,
         incoming,
         state: state_tx,
@@ -563,7 +586,11 @@ struct Link {
     settings: LinkSettings,
     /// What operators see (`/metrics`, `/status`); shared with the handles.
     stats: Arc<stats::LinkStats>,
-    tls: Arc<rustls::ClientConfig>,
+    /// Read at each connect (see [`LinkHandle::set_relay_trust`]).
+    tls: Arc<arc_swap::ArcSwap<rustls::ClientConfig>>,
+    /// Notified by [`LinkHandle::set_relay_trust`]: ends the backoff wait.
+    /// (A notification while connected ends the next wait at once.)
+    trust_changed: Arc<tokio::sync::Notify>,
     commands: mpsc::Receiver<Command>,
     incoming: mpsc::Sender<Incoming>,
     state: watch::Sender<LinkState>,

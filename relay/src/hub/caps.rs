@@ -72,6 +72,6 @@ impl<S: EventStore> Hub<S> {
             .get(&(caller.clone(), callee.clone()))
             .copied()
             .unwrap_or(0);
-        per_caller < self.config.limits.max_open_per_peer && per_route < route_max
+        per_caller < self.live().config.limits.max_open_per_peer && per_route < route_max
     }
 }

@@ -335,7 +335,7 @@ impl<S: EventStore> Hub<S> {
                     .await;
             }
         }
-        let grace = self.config.lifecycle.unknown_grace_ms;
+        let grace = self.live().config.lifecycle.unknown_grace_ms;
         let gone: Vec<(PeerId, u64)> = self
             .offline_since
             .lock()

@@ -23,6 +23,7 @@
 //! | `caps` | open-delegation counts per caller and per route |
 //! | `wakeups` | wake-ups between instances, nudges, catch-up, resync, live instances |
 //! | `peers` | `Peers` payloads and presence announcements |
+//! | `reconfigure` | installing a reloaded configuration: closing revoked sessions |
 //! | `epoch` | the store epoch: a store that lost its data |
 //!
 //! **Locks.** Every lock here is a `parking_lot` mutex held for a few statements,
@@ -30,7 +31,7 @@
 //! before the session table, the subscription index or the counts; the
 //! offline times before the session table.
 
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
@@ -38,14 +39,15 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use oab_wire::{DelegationKey, Direction, InstanceId, PeerId, SessionId};
+use oab_wire::{DelegationKey, Direction, InstanceId, KeyId, PeerId, SessionId};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Directory};
+use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
+use crate::reload::LiveConfig;
 use crate::store::EventStore;
 
 mod caps;
@@ -54,6 +56,7 @@ mod epoch;
 mod lifecycle;
 mod party;
 mod peers;
+mod reconfigure;
 mod registry;
 #[cfg(test)]
 mod test_support;
@@ -66,13 +69,6 @@ pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
 pub use views::{DelegationView, ViewRef};
 pub use wakeups::ResyncCause;
 
-/// The quota of each peer's request meter.
-fn request_quota(config: &Config) -> Quota {
-    let rate = NonZeroU32::new(config.rate.peer_requests_per_second).unwrap_or(NonZeroU32::MIN);
-    let burst = NonZeroU32::new(config.rate.peer_requests_burst).unwrap_or(rate);
-    Quota::per_second(rate).allow_burst(burst)
-}
-
 /// A live session as the hub sees it.
 #[derive(Debug, Clone)]
 pub struct SessionRef {
@@ -82,6 +78,9 @@ pub struct SessionRef {
     pub peer: PeerId,
     /// The peer's process instance.
     pub instance: InstanceId,
+    /// The key the session authenticated with (a reload that retires it
+    /// closes the session).
+    pub key_id: KeyId,
     /// When it was authenticated (ms since the Unix epoch; `/status`).
     pub since_ms: u64,
     /// Its queue.
@@ -154,10 +153,14 @@ impl StoreHealth {
 pub struct Hub<S> {
     /// The durable store.
     pub store: Arc<S>,
-    /// The configuration.
+    /// The configuration the relay started with. Read from it only the
+    /// fields a reload does not apply (`reload::RELOADABLE` lists the
+    /// others): they stay as started. Peers, routes, keys and the reloadable
+    /// limits are in [`Hub::live`].
     pub config: Arc<Config>,
-    /// Peers and routes.
-    pub directory: Arc<Directory>,
+    /// The configuration in force, swapped whole by a reload; read once per
+    /// handshake, open or request, never per frame.
+    live: ArcSwap<LiveConfig>,
     /// Metrics.
     pub metrics: Metrics,
     /// Tracks spawned replay and sweep tasks.
@@ -197,11 +200,6 @@ pub struct Hub<S> {
     epoch_changed: AtomicBool,
     /// The sizes of the hub's per-delegation state, updated at each sweep.
     gauges: HubGauges,
-    /// Each peer's meter of requests besides log frames (`Resume`,
-    /// `PeersQuery`, `Publish`; `rate.peer_requests_per_second`). Keyed by
-    /// authenticated peers only, so it holds at most one cell per
-    /// configured peer.
-    requests: DefaultKeyedRateLimiter<PeerId>,
     /// The `Peers` snapshots owed to each peer's session here (at most one
     /// waiting in its queue); one entry per configured peer that ever got
     /// one, so bounded by the directory.
@@ -256,21 +254,25 @@ impl<S: EventStore> Hub<S> {
         epoch: u64,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
-        let directory = Arc::new(Directory::new(&config));
+        let live = LiveConfig::first(config.clone(), None);
         let now = oab_wire::identity::now_ms();
         // Every configured peer counts as offline since the relay started, so
         // a callee that never comes back still ends `unknown` after the grace.
-        let offline = directory.peers.iter().map(|p| (p.clone(), now)).collect();
+        let offline = live
+            .directory
+            .peers
+            .iter()
+            .map(|p| (p.clone(), now))
+            .collect();
         let fleet = Arc::new(Fleet::new(&config, store.wake_urls()));
         Arc::new(Hub {
             gauges: HubGauges::new(&metrics),
-            requests: RateLimiter::keyed(request_quota(&config)),
             peers_pushes: Mutex::new(HashMap::new()),
             fleet,
             store_health: StoreHealth::default(),
             store,
             config,
-            directory,
+            live: ArcSwap::from_pointee(live),
             metrics,
             tasks: TaskTracker::new(),
             shutdown,
@@ -288,9 +290,12 @@ impl<S: EventStore> Hub<S> {
     /// Charges `cost` units of `peer`'s request meter. `false`: the peer is
     /// over `rate.peer_requests_per_second` and the request is refused with
     /// `rate_limited` (counted in `oab_rate_limited_total{scope="request"}`).
+    /// The meter (`Limiters::requests`) is keyed by authenticated peers
+    /// only, so it holds at most one cell per configured peer.
     pub fn meter_request(&self, peer: &PeerId, cost: u32) -> bool {
+        let live = self.live.load();
         let allowed = NonZeroU32::new(cost)
-            .is_none_or(|n| matches!(self.requests.check_key_n(peer, n), Ok(Ok(()))));
+            .is_none_or(|n| matches!(live.limiters.requests.check_key_n(peer, n), Ok(Ok(()))));
         if !allowed {
             self.metrics
                 .rate_limited

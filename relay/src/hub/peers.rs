@@ -93,12 +93,19 @@ impl WaitingSnapshot {
     }
 }
 
+impl PeersPush {
+    /// Whether a task sends this peer's snapshots now.
+    pub(super) fn is_running(&self) -> bool {
+        self.running
+    }
+}
+
 impl<S: EventStore> Hub<S> {
     /// The `Peers` payload for `peer`: every peer it may reach, its online
     /// state and its published descriptor, within `limits.max_payload`
     /// bytes (see [`bounded_peers_payload`]).
     pub async fn peers_payload(&self, peer: &PeerId) -> Bytes {
-        let targets: Vec<PeerId> = self.directory.reachable_from(peer).into_iter().collect();
+        let targets: Vec<PeerId> = self.live().directory.reachable_from(peer);
         let elsewhere: Vec<bool> = if self.fleet.enabled {
             match self.store.presence(&targets).await {
                 Ok(p) => p
@@ -138,7 +145,7 @@ impl<S: EventStore> Hub<S> {
     /// `peer` (fleet-wide: through their wake channels).
     pub fn announce_presence(self: &Arc<Self>, peer: &PeerId) {
         if !self.fleet.enabled {
-            for caller in self.directory.callers_of(peer) {
+            for caller in self.live().directory.callers_of(peer) {
                 self.send_peers(&caller);
             }
             return;
@@ -148,6 +155,7 @@ impl<S: EventStore> Hub<S> {
         self.tasks.spawn(async move {
             let msg = Bytes::from(format!("P{peer}"));
             let messages = hub
+                .live()
                 .directory
                 .callers_of(&peer)
                 .into_iter()

@@ -83,6 +83,7 @@ pub(super) fn session(name: &str) -> (SessionRef, Inbox) {
         id: SessionId::random(),
         peer: peer(name),
         instance: InstanceId::random(),
+        key_id: oab_wire::KeyId::new("k1").unwrap(),
         since_ms: oab_wire::identity::now_ms(),
         outbox: out,
     };

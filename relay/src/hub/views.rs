@@ -137,6 +137,7 @@ impl<S: EventStore> Hub<S> {
 
     pub(super) fn view_from_meta(&self, meta: &DelegationMeta) -> DelegationView {
         let max_payload = self
+            .live()
             .directory
             .route(&meta.key.caller, &meta.callee)
             .and_then(|r| r.max_payload)

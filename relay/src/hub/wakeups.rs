@@ -333,7 +333,7 @@ impl<S: EventStore> Hub<S> {
         if !self.fleet.is_leader() {
             return;
         }
-        let peers: Vec<PeerId> = self.directory.peers.to_vec();
+        let peers: Vec<PeerId> = self.live().directory.peers.to_vec();
         let Ok(presence) = self.store.presence(&peers).await else {
             return;
         };

@@ -468,6 +468,28 @@ impl RelayProcess {
         self.child.is_some()
     }
 
+    /// Sends SIGHUP (reload the configuration file).
+    pub fn sighup(&self) {
+        let c = self.child.as_ref().expect("running");
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &c.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Polls `/metrics` until the unlabelled metric `name` equals `value`
+    /// (bounded: a relay that never gets there fails the test).
+    pub async fn await_metric(&self, name: &str, value: f64) {
+        for _ in 0..500 {
+            if self.metric(name).await == value {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{name} never became {value}: {}", self.metric(name).await);
+    }
+
     /// SIGTERM (a clean shutdown: drain, then leave the fleet), and waits
     /// for the process to exit.
     pub fn terminate(&mut self) {
@@ -480,6 +502,28 @@ impl RelayProcess {
             let _ = c.wait();
         }
     }
+}
+
+/// A minimal HTTP/1.0 POST with an empty body; returns the status code and
+/// the body.
+pub async fn http_post(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("POST {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// The value of an unlabelled metric in a Prometheus text page (0 if absent).
