@@ -302,6 +302,7 @@ async fn the_status_page_shows_the_peers_online_in_headless_chromium() {
     assert!(row(CALLEE).contains(">online<"));
     assert!(row(OTHER).contains(">offline<"));
     assert!(dom.contains("memory: "), "{dom}");
+    assert!(dom.contains(", config generation 1"), "{dom}");
     assert!(dom.contains("(2 of 3 online)"), "{dom}");
     assert!(
         dom.contains(&format!("<td>{CALLER}</td><td>{CALLEE}</td>")),
