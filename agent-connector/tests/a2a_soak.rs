@@ -169,86 +169,15 @@ async fn soak(sends: usize, concurrency: usize, in_process: bool) {
 /// The relay of a soak run.
 enum SoakRelay {
     InProcess(Relay),
-    Process(Box<ProcessRelay>),
-}
-
-/// An `oab-relay` child process (killed when dropped).
-struct ProcessRelay {
-    addr: std::net::SocketAddr,
-    child: tokio::process::Child,
-    log: std::path::PathBuf,
-    _dir: tempfile::TempDir,
+    Process(Box<RelayProcess>),
 }
 
 impl SoakRelay {
     /// Starts the `oab-relay` binary next to this test's executable on the
-    /// Redis store at `redis_url`.
+    /// Redis store at `redis_url` (`cargo build [--release] -p oab-relay`
+    /// first, or set A2A_SOAK_RELAY=in-process).
     async fn process(env: &Env, redis_url: &str) -> SoakRelay {
-        use tokio::io::AsyncBufReadExt as _;
-        let exe = std::env::current_exe().unwrap();
-        let bin = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .map(|profile| profile.join("oab-relay"))
-            .filter(|p| p.is_file())
-            .unwrap_or_else(|| {
-                panic!("no oab-relay binary next to {exe:?}: run `cargo build [--release] -p oab-relay` first (or set A2A_SOAK_RELAY=in-process)")
-            });
-        let dir = tempfile::tempdir().unwrap();
-        let (config, cert, key) = (
-            dir.path().join("relay.toml"),
-            dir.path().join("cert.pem"),
-            dir.path().join("key.pem"),
-        );
-        std::fs::write(&config, &env.config_text).unwrap();
-        std::fs::write(&cert, &env.cert_pem).unwrap();
-        std::fs::write(&key, &env.key_pem).unwrap();
-        let log = dir.path().join("relay.log");
-        let mut child = tokio::process::Command::new(bin)
-            .arg("--config")
-            .arg(&config)
-            .args(["--store", redis_url])
-            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.2:0"])
-            .arg("--set")
-            .arg(format!("relay.tls_cert={}", cert.display()))
-            .arg("--set")
-            .arg(format!("relay.tls_key={}", key.display()))
-            .env(
-                "OAB_LOG",
-                std::env::var("OAB_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if let Some((_, a)) = line.split_once("listening on wss://") {
-                    return a.trim().parse::<std::net::SocketAddr>().ok();
-                }
-            }
-            None
-        })
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or_else(|| {
-            panic!(
-                "the relay did not listen; its log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            )
-        });
-        // Keep reading its stdout so it never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        SoakRelay::Process(Box::new(ProcessRelay {
-            addr,
-            child,
-            log,
-            _dir: dir,
-        }))
+        SoakRelay::Process(Box::new(RelayProcess::start(env, redis_url).await))
     }
 
     fn addr(&self) -> std::net::SocketAddr {
@@ -262,7 +191,7 @@ impl SoakRelay {
         match self {
             SoakRelay::InProcess(_) => "(in this process)".into(),
             SoakRelay::Process(p) => {
-                let text = std::fs::read_to_string(&p.log).unwrap_or_default();
+                let text = p.log();
                 let lines: Vec<&str> = text.lines().collect();
                 lines[lines.len().saturating_sub(200)..].join("\n")
             }
@@ -272,7 +201,7 @@ impl SoakRelay {
     async fn stop(self) {
         match self {
             SoakRelay::InProcess(r) => r.stop().await,
-            SoakRelay::Process(mut p) => p.child.kill().await.unwrap(),
+            SoakRelay::Process(mut p) => p.kill().await,
         }
     }
 }

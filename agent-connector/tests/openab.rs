@@ -154,11 +154,10 @@ fn start_connector(config: &Path) -> tokio::process::Child {
 
 /// A relay on Redis and the two connector processes with their endpoints.
 struct World {
-    env: Env,
-    redis: oab_testkit::redis::RedisServer,
+    _redis: oab_testkit::redis::RedisServer,
     _relay: Option<Relay>,
-    /// The relay, when the test kills it.
-    killable: Option<Killable>,
+    /// The relay as an `oab-relay` process, when the test kills it.
+    process: Option<RelayProcess>,
     _dir: tempfile::TempDir,
     a: tokio::process::Child,
     b: tokio::process::Child,
@@ -188,12 +187,13 @@ impl World {
         Self::around(env, redis, addr, Some(relay), None, b_extra).await
     }
 
-    /// With a relay [`World::kill_relay`] drops at once.
-    async fn start_killable() -> World {
+    /// With the relay as an `oab-relay` process (in [`World::process`]),
+    /// which a test may kill and start again.
+    async fn start_relay_process() -> World {
         let env = Env::new("");
         let redis =
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
-        let relay = Killable::start(&env, &redis.url(), "127.0.0.1:0");
+        let relay = RelayProcess::start(&env, &redis.url()).await;
         let addr = relay.addr;
         Self::around(env, redis, addr, None, Some(relay), "").await
     }
@@ -203,7 +203,7 @@ impl World {
         redis: oab_testkit::redis::RedisServer,
         relay: std::net::SocketAddr,
         in_process: Option<Relay>,
-        killable: Option<Killable>,
+        process: Option<RelayProcess>,
         b_extra: &str,
     ) -> World {
         let dir = tempfile::tempdir().unwrap();
@@ -221,25 +221,15 @@ impl World {
             }
         }
         World {
-            env,
-            redis,
+            _redis: redis,
             _relay: in_process,
-            killable,
+            process,
             _dir: dir,
             a,
             b,
             pa,
             pb,
         }
-    }
-
-    /// Kills the relay (no drain, no goodbye) and starts a new one on the
-    /// same address and the same Redis.
-    async fn kill_and_restart_relay(&mut self) {
-        let old = self.killable.as_mut().expect("a killable relay");
-        let addr = old.addr;
-        old.kill();
-        self.killable = Some(Killable::restart(&self.env, &self.redis.url(), addr).await);
     }
 
     async fn primary(&self) -> Cp {
@@ -263,80 +253,6 @@ impl World {
     async fn stop(mut self) {
         let _ = self.a.kill().await;
         let _ = self.b.kill().await;
-    }
-}
-
-/// A relay on Redis in a runtime of its own on `addr`, which
-/// [`Killable::kill`] drops at once: every socket closed and every task gone
-/// with no drain, as when the process is killed.
-struct Killable {
-    addr: std::net::SocketAddr,
-    rt: Option<tokio::runtime::Runtime>,
-}
-
-impl Killable {
-    fn start(env: &Env, redis_url: &str, addr: &str) -> Killable {
-        let listener = std::net::TcpListener::bind(addr).unwrap();
-        Self::serve(env, redis_url, listener)
-    }
-
-    /// A relay on `addr` once the killed one's runtime has let go of it
-    /// (`shutdown_background` drops its sockets on another thread).
-    async fn restart(env: &Env, redis_url: &str, addr: std::net::SocketAddr) -> Killable {
-        let until = tokio::time::Instant::now() + STEP;
-        loop {
-            match std::net::TcpListener::bind(addr) {
-                Ok(l) => return Self::serve(env, redis_url, l),
-                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-                    assert!(tokio::time::Instant::now() < until, "{addr} stays in use");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(e) => panic!("binding {addr}: {e}"),
-            }
-        }
-    }
-
-    fn serve(env: &Env, redis_url: &str, listener: std::net::TcpListener) -> Killable {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (config, tls, url) = (
-            Arc::new(env.config.clone()),
-            Some(env.tls.clone()),
-            redis_url.to_string(),
-        );
-        rt.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            let store = RedisStore::connect(&url, Retention::default())
-                .await
-                .unwrap();
-            let _ = oab_relay::run(
-                listener,
-                None,
-                config,
-                Arc::new(store),
-                tls,
-                tokio_util::sync::CancellationToken::new(),
-            )
-            .await;
-        });
-        Killable { addr, rt: Some(rt) }
-    }
-
-    fn kill(&mut self) {
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for Killable {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -914,44 +830,62 @@ async fn a_result_over_256_kib_is_cut_to_the_cap_with_the_cps_marker() {
     w.stop().await;
 }
 
+/// The relay is a real `oab-relay` process on the real redis-server,
+/// `kill -9`ed while the worker holds two tasks and started again on the
+/// same address: one task ends while the relay is down, the other after it
+/// is back. Each reaches the primary as exactly one `cp/delegate_result`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_mid_task_and_restarted_still_gives_exactly_one_result() {
-    let mut w = World::start_killable().await;
+    let mut w = World::start_relay_process().await;
     let mut worker = w.worker("i-w1", 4).await;
     let mut primary = w.primary().await;
-    let ack = primary.delegate("d-k", "reviewer", "survive").await;
+    let mut held = Vec::new();
+    for id in ["d-down", "d-back"] {
+        let ack = primary.delegate(id, "reviewer", id).await;
+        assert!(ack.get("result").is_some(), "{ack}");
+        held.push(worker.request("cp/delegate").await);
+    }
+    let answer = |fwd: &Value| {
+        json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                "status": "completed", "result": format!("done: {}", fwd["prompt"].as_str().unwrap()) })
+    };
+
+    // The worker holds both; the relay dies. One ends while it is down.
+    let relay = w.process.as_mut().unwrap();
+    relay.kill().await;
+    let ok = worker.call("cp/delegate_result", answer(&held[0])).await;
+    assert_eq!(ok["result"]["ok"], true, "{ok}");
+    // Back on the same address, config and Redis; the other ends now.
+    relay.restart().await;
+    let ok = worker.call("cp/delegate_result", answer(&held[1])).await;
+    assert_eq!(ok["result"]["ok"], true, "{ok}");
+
+    // The first result the primary gets for each is the worker's.
+    let mut seen = std::collections::HashMap::new();
+    while seen.len() < 2 {
+        let p = primary.request("cp/delegate_result").await;
+        let id = p["delegation_id"].as_str().unwrap().to_string();
+        assert_eq!(p["status"], "completed", "{p}");
+        assert_eq!(p["result"], format!("done: {id}"), "{p}");
+        assert!(seen.insert(id, p.clone()).is_none(), "a second result: {p}");
+    }
+
+    // A later delegation makes a full round trip through the restarted
+    // relay on the same connections; no second result for either arrives
+    // before (or with) its result.
+    let ack = primary.delegate("d-after", "reviewer", "d-after").await;
     assert!(ack.get("result").is_some(), "{ack}");
     let fwd = worker.request("cp/delegate").await;
-
-    // The relay dies mid-task; the worker finishes while it is down.
-    w.kill_and_restart_relay().await;
-    worker
-        .call(
-            "cp/delegate_result",
-            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
-                    "status": "completed", "result": "made it" }),
-        )
-        .await;
-    let r = primary.result_for("d-k").await;
-    assert_eq!(r["status"], "completed", "{r}");
-    assert_eq!(r["result"], "made it");
-
-    // A second delegation makes a full round trip after it; no second
-    // result for d-k arrives before (or with) its result.
-    let ack = primary.delegate("d-k2", "reviewer", "after").await;
-    assert!(ack.get("result").is_some(), "{ack}");
-    let fwd = worker.request("cp/delegate").await;
-    worker
-        .call(
-            "cp/delegate_result",
-            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
-                    "status": "completed", "result": "second" }),
-        )
-        .await;
+    let ok = worker.call("cp/delegate_result", answer(&fwd)).await;
+    assert_eq!(ok["result"]["ok"], true, "{ok}");
     loop {
         let p = primary.request("cp/delegate_result").await;
-        assert_ne!(p["delegation_id"], "d-k", "a second result for d-k: {p}");
-        if p["delegation_id"] == "d-k2" {
+        assert!(
+            !seen.contains_key(p["delegation_id"].as_str().unwrap()),
+            "a second result: {p}"
+        );
+        if p["delegation_id"] == "d-after" {
+            assert_eq!(p["result"], "done: d-after", "{p}");
             break;
         }
     }

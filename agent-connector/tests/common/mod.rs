@@ -382,3 +382,143 @@ impl TaskExecutor for Paced {
         })
     }
 }
+
+/// The `oab-relay` binary in this profile's target folder (a test runs from
+/// its `deps/` subfolder). It is not a binary of this crate: `cargo test
+/// --workspace` builds it; running one of these tests alone needs `cargo
+/// build [--release] -p oab-relay` first.
+pub fn relay_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .map(|profile| profile.join("oab-relay"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("no oab-relay binary next to {exe:?}: run `cargo build [--release] -p oab-relay` first")
+        })
+}
+
+/// An `oab-relay` process (the real binary, [`relay_bin`]) on a Redis
+/// store, with `env`'s config, certificate and key in a folder of its own.
+/// [`RelayProcess::kill`] is `kill -9`; [`RelayProcess::restart`] starts it
+/// again with the same config on the same address. Killed when dropped.
+pub struct RelayProcess {
+    pub addr: std::net::SocketAddr,
+    child: Option<tokio::process::Child>,
+    redis_url: String,
+    dir: tempfile::TempDir,
+}
+
+impl RelayProcess {
+    /// Starts the relay on a port the OS picks; returns once it listens.
+    pub async fn start(env: &Env, redis_url: &str) -> RelayProcess {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("relay.toml"), &env.config_text).unwrap();
+        std::fs::write(dir.path().join("cert.pem"), &env.cert_pem).unwrap();
+        std::fs::write(dir.path().join("key.pem"), &env.key_pem).unwrap();
+        let mut relay = RelayProcess {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            child: None,
+            redis_url: redis_url.to_string(),
+            dir,
+        };
+        let (child, addr) = relay.spawn().await.unwrap_or_else(|log| {
+            panic!("the relay did not listen; its log:\n{log}");
+        });
+        relay.child = Some(child);
+        relay.addr = addr;
+        relay
+    }
+
+    /// What the relay wrote to stderr so far (every run of it).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("relay.log")).unwrap_or_default()
+    }
+
+    /// SIGKILL: no drain, no close frames; returns once it has exited.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+
+    /// Starts the relay again with the same config and store on the same
+    /// address, retrying while the address is not yet free.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a relay that is running");
+        let until = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            match self.spawn().await {
+                Ok((child, addr)) => {
+                    assert_eq!(addr, self.addr);
+                    self.child = Some(child);
+                    return;
+                }
+                Err(log) => assert!(
+                    tokio::time::Instant::now() < until,
+                    "the relay did not listen on {} again; its log:\n{log}",
+                    self.addr
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// One relay process on `self.addr` and its address once it says it
+    /// listens, or its log when it exits (or stays silent) first.
+    async fn spawn(&self) -> Result<(tokio::process::Child, std::net::SocketAddr), String> {
+        use tokio::io::AsyncBufReadExt as _;
+        let dir = self.dir.path();
+        let log = dir.join("relay.log");
+        let mut child = tokio::process::Command::new(relay_bin())
+            .arg("--config")
+            .arg(dir.join("relay.toml"))
+            .args(["--store", &self.redis_url])
+            .arg("--listen")
+            .arg(self.addr.to_string())
+            .args(["--admin-listen", "127.0.0.2:0"])
+            .arg("--set")
+            .arg(format!("relay.tls_cert={}", dir.join("cert.pem").display()))
+            .arg("--set")
+            .arg(format!("relay.tls_key={}", dir.join("key.pem").display()))
+            .env(
+                "OAB_LOG",
+                std::env::var("OAB_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some((_, a)) = line.split_once("listening on wss://") {
+                    return a.trim().parse::<std::net::SocketAddr>().ok();
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten();
+        match addr {
+            Some(addr) => {
+                // Keep reading its stdout so it never blocks on a full pipe.
+                tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+                Ok((child, addr))
+            }
+            None => {
+                let _ = child.kill().await;
+                Err(std::fs::read_to_string(&log).unwrap_or_default())
+            }
+        }
+    }
+}
