@@ -812,8 +812,11 @@ impl DriverInner {
         };
         let mut cancel = None;
         let resubscribe = outgoing.is_none();
+        // A message to a task the server already has: the answer to an
+        // interrupted state.
+        let follow_up = outgoing.is_some() && s.task_id.is_some();
         let end = self
-            .stream_turn(card, s, &body, resubscribe, run, &mut cancel)
+            .stream_turn(card, s, &body, resubscribe, follow_up, run, &mut cancel)
             .await;
         match end {
             TurnEnd::Terminal(..) | TurnEnd::Message(_) => {
@@ -838,12 +841,20 @@ impl DriverInner {
     /// Posts `body` and consumes the server's answer (an SSE stream, or one
     /// JSON response) until the turn ends. The cancel never cuts the
     /// stream short: see [`DriverInner::next_watching_cancel`].
+    ///
+    /// On a `follow_up` turn, a leading `task` event is the server's stored
+    /// task (the JavaScript SDK starts every stream with one, follow-ups
+    /// included), still in the interrupted state the follow-up answers: it
+    /// is not a new state, so it is neither sent up nor ends the turn (only
+    /// a terminal one does); its ids and artifacts are taken.
+    #[allow(clippy::too_many_arguments)]
     async fn stream_turn<'a>(
         &'a self,
         card: &'a ResolvedCard,
         s: &mut Session,
         body: &Value,
         resubscribe: bool,
+        follow_up: bool,
         run: &TaskRun,
         cancel: &mut Option<CancelInFlight<'a>>,
     ) -> TurnEnd {
@@ -892,6 +903,7 @@ impl DriverInner {
         tokio::pin!(body);
         let mut parser = SseParser::default();
         let mut interrupted = false;
+        let mut leading = follow_up;
         loop {
             let mut next = body.next();
             let Some(chunk) = self
@@ -940,6 +952,15 @@ impl DriverInner {
                 let Some(result) = v.get("result") else {
                     return TurnEnd::Failed("an SSE event without result".into());
                 };
+                if std::mem::take(&mut leading)
+                    && let Some(task) = result.get("task")
+                    && let Some(end) = self.on_snapshot(s, task, &run.sink).await
+                {
+                    match end {
+                        Some(end) => return end,
+                        None => continue,
+                    }
+                }
                 match self.on_result(s, result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => return end,
@@ -1070,6 +1091,42 @@ impl DriverInner {
         Some(TurnEnd::Failed(
             "a result that is neither task, message, statusUpdate nor artifactUpdate".into(),
         ))
+    }
+
+    /// The leading task snapshot of a follow-up turn (see
+    /// [`DriverInner::stream_turn`]): takes its ids and artifacts; a
+    /// terminal state ends the turn, any other is not a new state. `None`
+    /// when it is no snapshot (no state): then it is an ordinary event.
+    async fn on_snapshot(
+        &self,
+        s: &mut Session,
+        task: &Value,
+        sink: &EventSink,
+    ) -> Option<Option<TurnEnd>> {
+        let status = task.get("status")?;
+        let state = status
+            .get("state")
+            .and_then(Value::as_str)
+            .and_then(TaskState::parse)?;
+        if let Some(id) = task.get("id").and_then(Value::as_str) {
+            s.task_id = Some(id.to_string());
+        }
+        if let Some(c) = task.get("contextId").and_then(Value::as_str) {
+            s.context_id = Some(c.to_string());
+        }
+        self.absorb_artifacts(s, task, sink).await;
+        if state.is_terminal() {
+            s.state = Some(state);
+            return Some(Some(TurnEnd::Terminal(
+                state,
+                status.get("message").cloned(),
+            )));
+        }
+        debug!(
+            state = state.as_str(),
+            "the follow-up's stream starts with the stored task; not a new state"
+        );
+        Some(None)
     }
 
     async fn on_status(
