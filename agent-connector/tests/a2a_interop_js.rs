@@ -121,6 +121,23 @@ async fn official_js_sdk_client_and_server_through_the_relay() {
     assert_eq!(chunks[1]["lastChunk"], true);
     assert_eq!(states(streamed).last().unwrap(), "TASK_STATE_COMPLETED");
     assert_eq!(t.last().unwrap(), "streamed");
+    // Event for event what a stream straight from the agent carries (no
+    // extra submitted status after the first task).
+    let shape = |evs: &Value| -> Vec<(String, String, String)> {
+        evs.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let f = |k: &str| e[k].as_str().unwrap_or_default().to_string();
+                (f("kind"), f("state"), f("text"))
+            })
+            .collect()
+    };
+    assert_eq!(
+        shape(streamed),
+        shape(&r["direct_streamed"]),
+        "through the relay vs direct"
+    );
 
     // Blocking send and GetTask.
     let blocking = &r["blocking"];

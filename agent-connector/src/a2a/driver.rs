@@ -1141,13 +1141,19 @@ impl DriverInner {
             .and_then(Value::as_str)
             .and_then(TaskState::parse)?;
         let message = status.get("message");
+        // The caller's task starts submitted.
+        let changed = s.state.unwrap_or(TaskState::Submitted) != state;
         s.state = Some(state);
         if state.is_terminal() {
             return Some(TurnEnd::Terminal(state, message.cloned()));
         }
-        if let Err(e) = sink
-            .status(state.as_str(), upward_message(message), None)
-            .await
+        // A status that neither moves the state nor says anything (the
+        // server's first task, still submitted) is no event for the caller:
+        // a stream through the relay carries what a direct one does.
+        if (changed || message.is_some())
+            && let Err(e) = sink
+                .status(state.as_str(), upward_message(message), None)
+                .await
         {
             debug!(error = %e, "status not sent up");
         }

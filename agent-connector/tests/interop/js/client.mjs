@@ -116,8 +116,10 @@ async function run() {
     extensions: (card.capabilities.extensions ?? []).map((e) => e.uri),
   };
 
-  // 1. Streamed events of a task.
+  // 1. Streamed events of a task, and the same straight from the agent.
   r.streamed = await collect(streaming.sendMessageStream(send(msg('stream-', 'go'))));
+  const direct = await new ClientFactory().createFromUrl(`${agentUrl}/`);
+  r.direct_streamed = await collect(direct.sendMessageStream(send(msg('stream-', 'go'))));
 
   // 2. Blocking send, then GetTask.
   const done = await blocking.sendMessage(send(msg('blocking-', 'hello')));
