@@ -842,11 +842,12 @@ impl DriverInner {
     /// JSON response) until the turn ends. The cancel never cuts the
     /// stream short: see [`DriverInner::next_watching_cancel`].
     ///
-    /// On a `follow_up` turn, a leading `task` event is the server's stored
-    /// task (the JavaScript SDK starts every stream with one, follow-ups
-    /// included), still in the interrupted state the follow-up answers: it
-    /// is not a new state, so it is neither sent up nor ends the turn (only
-    /// a terminal one does); its ids and artifacts are taken.
+    /// On a `follow_up` turn, a leading `task` event still in the
+    /// interrupted state the follow-up answers is the server's stored task
+    /// (the JavaScript SDK starts every stream with one, follow-ups
+    /// included): it is not a new state, so it is neither sent up nor ends
+    /// the turn; its artifacts are taken. A leading task in another state is
+    /// an ordinary event.
     #[allow(clippy::too_many_arguments)]
     async fn stream_turn<'a>(
         &'a self,
@@ -954,12 +955,9 @@ impl DriverInner {
                 };
                 if std::mem::take(&mut leading)
                     && let Some(task) = result.get("task")
-                    && let Some(end) = self.on_snapshot(s, task, &run.sink).await
+                    && self.on_snapshot(s, task, &run.sink).await
                 {
-                    match end {
-                        Some(end) => return end,
-                        None => continue,
-                    }
+                    continue;
                 }
                 match self.on_result(s, result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
@@ -1094,39 +1092,28 @@ impl DriverInner {
     }
 
     /// The leading task snapshot of a follow-up turn (see
-    /// [`DriverInner::stream_turn`]): takes its ids and artifacts; a
-    /// terminal state ends the turn, any other is not a new state. `None`
-    /// when it is no snapshot (no state): then it is an ordinary event.
-    async fn on_snapshot(
-        &self,
-        s: &mut Session,
-        task: &Value,
-        sink: &EventSink,
-    ) -> Option<Option<TurnEnd>> {
-        let status = task.get("status")?;
-        let state = status
-            .get("state")
+    /// [`DriverInner::stream_turn`]): when it shows the interrupted state
+    /// the follow-up answers, its ids and artifacts are taken and its state
+    /// is not a new one (`true`). Any other state is news: `false`, and it
+    /// is an ordinary event.
+    async fn on_snapshot(&self, s: &mut Session, task: &Value, sink: &EventSink) -> bool {
+        let state = task
+            .get("status")
+            .and_then(|st| st.get("state"))
             .and_then(Value::as_str)
-            .and_then(TaskState::parse)?;
-        if let Some(id) = task.get("id").and_then(Value::as_str) {
-            s.task_id = Some(id.to_string());
+            .and_then(TaskState::parse);
+        match state {
+            Some(st) if st.is_interrupted() && s.state == Some(st) => {}
+            _ => return false,
         }
         if let Some(c) = task.get("contextId").and_then(Value::as_str) {
             s.context_id = Some(c.to_string());
         }
         self.absorb_artifacts(s, task, sink).await;
-        if state.is_terminal() {
-            s.state = Some(state);
-            return Some(Some(TurnEnd::Terminal(
-                state,
-                status.get("message").cloned(),
-            )));
-        }
         debug!(
-            state = state.as_str(),
-            "the follow-up's stream starts with the stored task; not a new state"
+            "the follow-up's stream starts with the stored task, still interrupted; not a new state"
         );
-        Some(None)
+        true
     }
 
     async fn on_status(
