@@ -14,6 +14,7 @@ mod common;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
@@ -617,5 +618,77 @@ async fn plain_subscribe_is_snapshot_then_live_and_cancel_and_input_required_wor
     );
     let history = t["result"]["history"].as_array().unwrap();
     assert!(history.iter().any(|m| m["messageId"] == "m-answer"), "{t}");
+    w.stop().await;
+}
+
+/// The card carries `Last-Modified` (CARD-CACHE-003) beside its `ETag`:
+/// `If-Modified-Since` at or after it answers 304, before it 200;
+/// `If-None-Match` wins when both are sent; a newly published card moves
+/// the date, even within the same second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_card_has_last_modified_and_if_modified_since_revalidates() {
+    use reqwest::header::{ETAG, IF_MODIFIED_SINCE, IF_NONE_MATCH, LAST_MODIFIED};
+    let w = world().await;
+    let url = format!("{}.well-known/agent-card.json", w.facade.url(CALLEE));
+    let http = reqwest::Client::new();
+    let get = |headers: Vec<(reqwest::header::HeaderName, String)>| {
+        let mut r = http.get(&url);
+        for (k, v) in headers {
+            r = r.header(k, v);
+        }
+        async move { r.send().await.unwrap() }
+    };
+    let first = get(vec![]).await;
+    assert_eq!(first.status(), 200);
+    let lm = first.headers()[LAST_MODIFIED].to_str().unwrap().to_string();
+    let etag = first.headers()[ETAG].to_str().unwrap().to_string();
+    let date = httpdate::parse_http_date(&lm).expect("Last-Modified is an HTTP date");
+    assert!(date <= std::time::SystemTime::now());
+
+    let same = get(vec![(IF_MODIFIED_SINCE, lm.clone())]).await;
+    assert_eq!(same.status(), 304);
+    assert_eq!(same.headers()[LAST_MODIFIED], lm.as_str());
+    let earlier = httpdate::fmt_http_date(date - Duration::from_secs(3600));
+    assert_eq!(get(vec![(IF_MODIFIED_SINCE, earlier)]).await.status(), 200);
+    assert_eq!(get(vec![(IF_NONE_MATCH, etag.clone())]).await.status(), 304);
+    let both = get(vec![
+        (IF_NONE_MATCH, "\"another\"".into()),
+        (IF_MODIFIED_SINCE, lm.clone()),
+    ])
+    .await;
+    assert_eq!(both.status(), 200, "If-None-Match wins");
+    assert_eq!(
+        get(vec![(IF_MODIFIED_SINCE, "not a date".into())])
+            .await
+            .status(),
+        200
+    );
+
+    // A new card from the peer: a new ETag and a later date.
+    w.b.publish(&json!({ "name": "renamed", "description": "a new card" }))
+        .await
+        .unwrap();
+    let until = tokio::time::Instant::now() + STEP;
+    let changed = loop {
+        let r = get(vec![]).await;
+        if r.headers()[ETAG] != etag.as_str() {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the new card never showed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let lm2 = changed.headers()[LAST_MODIFIED]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        httpdate::parse_http_date(&lm2).unwrap() > date,
+        "{lm} -> {lm2}"
+    );
+    assert_eq!(get(vec![(IF_MODIFIED_SINCE, lm)]).await.status(), 200);
+    assert_eq!(get(vec![(IF_MODIFIED_SINCE, lm2)]).await.status(), 304);
     w.stop().await;
 }

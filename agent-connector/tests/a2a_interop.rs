@@ -96,6 +96,10 @@ async fn official_sdk_client_and_server_through_the_relay() {
     // Streamed: task first, progress in order, the chunked artifact, completed.
     let streamed = &r["streamed"];
     assert_eq!(streamed[0]["kind"], "task", "{streamed}");
+    // Then the agent's first status, as a direct stream has it: no extra
+    // submitted status for the agent's own first task.
+    assert_eq!(streamed[1]["state"], "TASK_STATE_WORKING", "{streamed}");
+    assert_eq!(streamed[1]["text"], "starting", "{streamed}");
     let t = texts(streamed);
     let progress: Vec<&String> = t.iter().filter(|x| x.starts_with("progress")).collect();
     assert_eq!(

@@ -812,8 +812,11 @@ impl DriverInner {
         };
         let mut cancel = None;
         let resubscribe = outgoing.is_none();
+        // A message to a task the server already has: the answer to an
+        // interrupted state.
+        let follow_up = outgoing.is_some() && s.task_id.is_some();
         let end = self
-            .stream_turn(card, s, &body, resubscribe, run, &mut cancel)
+            .stream_turn(card, s, &body, resubscribe, follow_up, run, &mut cancel)
             .await;
         match end {
             TurnEnd::Terminal(..) | TurnEnd::Message(_) => {
@@ -838,12 +841,21 @@ impl DriverInner {
     /// Posts `body` and consumes the server's answer (an SSE stream, or one
     /// JSON response) until the turn ends. The cancel never cuts the
     /// stream short: see [`DriverInner::next_watching_cancel`].
+    ///
+    /// On a `follow_up` turn, a leading `task` event still in the
+    /// interrupted state the follow-up answers is the server's stored task
+    /// (the JavaScript SDK starts every stream with one, follow-ups
+    /// included): it is not a new state, so it is neither sent up nor ends
+    /// the turn; its artifacts are taken. A leading task in another state is
+    /// an ordinary event.
+    #[allow(clippy::too_many_arguments)]
     async fn stream_turn<'a>(
         &'a self,
         card: &'a ResolvedCard,
         s: &mut Session,
         body: &Value,
         resubscribe: bool,
+        follow_up: bool,
         run: &TaskRun,
         cancel: &mut Option<CancelInFlight<'a>>,
     ) -> TurnEnd {
@@ -892,6 +904,7 @@ impl DriverInner {
         tokio::pin!(body);
         let mut parser = SseParser::default();
         let mut interrupted = false;
+        let mut leading = follow_up;
         loop {
             let mut next = body.next();
             let Some(chunk) = self
@@ -940,6 +953,12 @@ impl DriverInner {
                 let Some(result) = v.get("result") else {
                     return TurnEnd::Failed("an SSE event without result".into());
                 };
+                if std::mem::take(&mut leading)
+                    && let Some(task) = result.get("task")
+                    && self.on_snapshot(s, task, &run.sink).await
+                {
+                    continue;
+                }
                 match self.on_result(s, result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => return end,
@@ -1072,6 +1091,31 @@ impl DriverInner {
         ))
     }
 
+    /// The leading task snapshot of a follow-up turn (see
+    /// [`DriverInner::stream_turn`]): when it shows the interrupted state
+    /// the follow-up answers, its ids and artifacts are taken and its state
+    /// is not a new one (`true`). Any other state is news: `false`, and it
+    /// is an ordinary event.
+    async fn on_snapshot(&self, s: &mut Session, task: &Value, sink: &EventSink) -> bool {
+        let state = task
+            .get("status")
+            .and_then(|st| st.get("state"))
+            .and_then(Value::as_str)
+            .and_then(TaskState::parse);
+        match state {
+            Some(st) if st.is_interrupted() && s.state == Some(st) => {}
+            _ => return false,
+        }
+        if let Some(c) = task.get("contextId").and_then(Value::as_str) {
+            s.context_id = Some(c.to_string());
+        }
+        self.absorb_artifacts(s, task, sink).await;
+        debug!(
+            "the follow-up's stream starts with the stored task, still interrupted; not a new state"
+        );
+        true
+    }
+
     async fn on_status(
         &self,
         s: &mut Session,
@@ -1084,13 +1128,19 @@ impl DriverInner {
             .and_then(Value::as_str)
             .and_then(TaskState::parse)?;
         let message = status.get("message");
+        // The caller's task starts submitted.
+        let changed = s.state.unwrap_or(TaskState::Submitted) != state;
         s.state = Some(state);
         if state.is_terminal() {
             return Some(TurnEnd::Terminal(state, message.cloned()));
         }
-        if let Err(e) = sink
-            .status(state.as_str(), upward_message(message), None)
-            .await
+        // A status that neither moves the state nor says anything (the
+        // server's first task, still submitted) is no event for the caller:
+        // a stream through the relay carries what a direct one does.
+        if (changed || message.is_some())
+            && let Err(e) = sink
+                .status(state.as_str(), upward_message(message), None)
+                .await
         {
             debug!(error = %e, "status not sent up");
         }

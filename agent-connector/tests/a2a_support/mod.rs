@@ -395,3 +395,60 @@ pub async fn driver_topology_at(
     }
     (a, b, card)
 }
+
+/// The folder of the JavaScript SDK interop scripts (`scripts/node-env`
+/// installs `@a2a-js/sdk` there with `npm ci`).
+pub fn js_dir() -> std::path::PathBuf {
+    repo().join("agent-connector/tests/interop/js")
+}
+
+/// Node.js for the JavaScript SDK interop tests, or `None` (with a message
+/// on stderr) when no `node` is installed: those tests then skip. With node
+/// present, the SDK must be installed (`scripts/node-env`).
+pub fn node() -> Option<std::path::PathBuf> {
+    let node = std::env::var_os("NODE").map_or_else(|| "node".into(), std::path::PathBuf::from);
+    let ok = std::process::Command::new(&node)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "SKIPPED: no Node.js ({}) on this machine; the JavaScript SDK interop tests need node >= 20 and npm (scripts/node-env)",
+            node.display()
+        );
+        return None;
+    }
+    let sdk = js_dir().join("node_modules/@a2a-js/sdk/package.json");
+    assert!(
+        sdk.exists(),
+        "{} is missing: run scripts/node-env first (it installs @a2a-js/sdk with npm ci)",
+        sdk.display()
+    );
+    Some(node)
+}
+
+/// Starts the JavaScript-SDK sample server (`interop/js/sample_agent.mjs`);
+/// returns it and its port.
+pub async fn js_sample_agent(node: &std::path::Path) -> (tokio::process::Child, u16) {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut child = tokio::process::Command::new(node)
+        .arg(js_dir().join("sample_agent.mjs"))
+        .current_dir(js_dir())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the JS sample agent starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("the JS sample agent is ready in time")
+        .unwrap()
+        .expect("the JS sample agent printed READY");
+    let port = line
+        .strip_prefix("READY ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    (child, port)
+}

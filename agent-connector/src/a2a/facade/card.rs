@@ -1,7 +1,7 @@
 //! Agent cards and the peer list: the facade's two `GET` routes.
 //!
 //! Owns the card served for a peer (built from the descriptor the peer
-//! published through the relay), its `ETag`, and the cached peer list the
+//! published through the relay), its `ETag` and `Last-Modified`, and the cached peer list the
 //! card lookup falls back to. It never starts, reads or changes a task and
 //! never holds the peer-list lock across an await.
 
@@ -10,6 +10,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use oab_wire::{PeerEntry, PeerId};
 use serde_json::{Map, Value, json};
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{Facade, Inner, RouterState, peer_of};
 use crate::a2a::{PROTOCOL_BINDING, PROTOCOL_VERSION, profile};
@@ -30,6 +32,48 @@ fn base_url(inner: &Inner, headers: &HeaderMap) -> String {
         })
         .unwrap_or("127.0.0.1");
     format!("http://{host}")
+}
+
+/// How many peers' card dates a facade keeps. Past it the dates start
+/// over (every card then reads as modified when next served: a client
+/// fetches it once more, nothing else).
+const MAX_CARD_DATES: usize = 4096;
+
+/// When each peer's card was first served with its current content: the
+/// card's `Last-Modified`. A card is built anew per request from the
+/// descriptor the peer published; its date moves when its ETag does.
+#[derive(Debug, Default)]
+pub(super) struct CardDates {
+    by_peer: HashMap<PeerId, (String, SystemTime)>,
+}
+
+impl CardDates {
+    /// The date of `peer`'s card with ETag `etag` (whole seconds, as HTTP
+    /// dates are): now if the content is new, and always later than the
+    /// date of the content it replaces (a change within the same second
+    /// still moves the date, so `If-Modified-Since` never hides it).
+    fn modified(&mut self, peer: &PeerId, etag: &str) -> SystemTime {
+        let before = match self.by_peer.get(peer) {
+            Some((e, at)) if e == etag => return *at,
+            Some((_, at)) => Some(*at),
+            None => None,
+        };
+        let mut now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(UNIX_EPOCH, |d| {
+                UNIX_EPOCH + Duration::from_secs(d.as_secs())
+            });
+        if let Some(at) = before
+            && now <= at
+        {
+            now = at + Duration::from_secs(1);
+        }
+        if self.by_peer.len() >= MAX_CARD_DATES && !self.by_peer.contains_key(peer) {
+            self.by_peer.clear();
+        }
+        self.by_peer.insert(peer.clone(), (etag.to_string(), now));
+        now
+    }
 }
 
 /// What the relay says about a peer.
@@ -172,17 +216,28 @@ pub(super) async fn agent_card(
     let card = build_card(&peer, descriptor.as_ref(), &url);
     let body = serde_json::to_vec(&card).unwrap_or_default();
     let etag = format!("\"{}\"", &oab_wire::Digest::of(&body).to_string()[7..39]);
-    let mut resp = if headers
-        .get(header::IF_NONE_MATCH)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*"))
-    {
+    let modified = ctx.inner.card_dates.lock().modified(&peer, &etag);
+    // `If-None-Match` wins over `If-Modified-Since` (RFC 9110 §13.1.3).
+    let not_modified = match headers.get(header::IF_NONE_MATCH) {
+        Some(v) => v
+            .to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*")),
+        None => headers
+            .get(header::IF_MODIFIED_SINCE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| httpdate::parse_http_date(v).ok())
+            .is_some_and(|since| modified <= since),
+    };
+    let mut resp = if not_modified {
         StatusCode::NOT_MODIFIED.into_response()
     } else {
         ([(header::CONTENT_TYPE, "application/json")], body).into_response()
     };
     if let Ok(v) = HeaderValue::from_str(&etag) {
         resp.headers_mut().insert(header::ETAG, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&httpdate::fmt_http_date(modified)) {
+        resp.headers_mut().insert(header::LAST_MODIFIED, v);
     }
     // Short-lived: a peer may publish a new card at any time (ETag revalidates).
     resp.headers_mut().insert(

@@ -147,6 +147,9 @@ struct Inner {
     /// The relay's last peer list, for card requests when a fresh one cannot
     /// be had in time; replaced whole by each fresh list.
     peers: Mutex<Option<Vec<PeerEntry>>>,
+    /// When each peer's card was first served with its current content
+    /// (by ETag), for `Last-Modified`; bounded: see [`card::CardDates`].
+    card_dates: Mutex<card::CardDates>,
     /// Fired by [`Facade::close`]: stops every tracker and open stream.
     stop: CancellationToken,
 }
@@ -181,6 +184,7 @@ impl Facade {
                 options,
                 tasks,
                 peers: Mutex::new(None),
+                card_dates: Mutex::new(card::CardDates::default()),
                 stop: CancellationToken::new(),
             }),
         }
