@@ -241,29 +241,16 @@ fn main() -> anyhow::Result<()> {
 /// `oab-connector status`: fetches `/status` and prints it.
 #[allow(clippy::print_stdout)]
 fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let url = oab_ops::admin_client::join(admin, "/status");
-    let resp = runtime
-        .block_on(oab_ops::admin_client::get(&url, Duration::from_secs(10)))
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{e} (is the connector running with [admin] listen set, and is --admin that address?)"
-            )
-        })?;
-    anyhow::ensure!(
-        resp.status == 200,
-        "{url}: HTTP {}: {}",
-        resp.status,
-        String::from_utf8_lossy(&resp.body)
-    );
+    let (url, body) = oab_ops::admin_client::fetch_status(
+        admin,
+        "is the connector running with [admin] listen set, and is --admin that address?",
+    )
+    .map_err(anyhow::Error::msg)?;
     if json {
-        println!("{}", String::from_utf8_lossy(&resp.body));
+        println!("{}", String::from_utf8_lossy(&body));
         return Ok(());
     }
-    let status: oab_connector::status::ConnectorStatus = serde_json::from_slice(&resp.body)
+    let status: oab_connector::status::ConnectorStatus = serde_json::from_slice(&body)
         .with_context(|| format!("{url}: not the /status of this connector version"))?;
     print!("{}", status.render());
     Ok(())

@@ -77,6 +77,29 @@ pub fn join(base: &str, path: &str) -> String {
     format!("{}{path}", base.trim_end_matches('/'))
 }
 
+/// What `oab-relay status` and `oab-connector status` do first: `GET
+/// <admin>/status` on a runtime of its own, within 10 s. Returns the URL and
+/// the body of a 200 answer; otherwise a message that names the URL, with
+/// `hint` (where to look) after a failure to get any answer.
+pub fn fetch_status(admin: &str, hint: &str) -> Result<(String, Vec<u8>), String> {
+    let url = join(admin, "/status");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the async runtime: {e}"))?;
+    let resp = runtime
+        .block_on(get(&url, Duration::from_secs(10)))
+        .map_err(|e| format!("{e} ({hint})"))?;
+    if resp.status != 200 {
+        return Err(format!(
+            "{url}: HTTP {}: {}",
+            resp.status,
+            String::from_utf8_lossy(&resp.body)
+        ));
+    }
+    Ok((url, resp.body))
+}
+
 /// Sends `GET url` and reads the whole answer within `timeout`.
 pub async fn get(url: &str, timeout: Duration) -> Result<Response, AdminError> {
     let (addr, path) = split_url(url).ok_or_else(|| AdminError::BadUrl(url.to_string()))?;

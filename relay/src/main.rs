@@ -141,30 +141,16 @@ fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
 /// `oab-relay status`: fetches `/status` and prints it.
 #[allow(clippy::print_stdout)]
 fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let url = oab_ops::admin_client::join(admin, "/status");
-    let resp = runtime
-        .block_on(oab_ops::admin_client::get(
-            &url,
-            std::time::Duration::from_secs(10),
-        ))
-        .map_err(|e| {
-            anyhow::anyhow!("{e} (is the relay running, and is --admin its relay.admin_listen?)")
-        })?;
-    anyhow::ensure!(
-        resp.status == 200,
-        "{url}: HTTP {}: {}",
-        resp.status,
-        String::from_utf8_lossy(&resp.body)
-    );
+    let (url, body) = oab_ops::admin_client::fetch_status(
+        admin,
+        "is the relay running, and is --admin its relay.admin_listen?",
+    )
+    .map_err(anyhow::Error::msg)?;
     if json {
-        println!("{}", String::from_utf8_lossy(&resp.body));
+        println!("{}", String::from_utf8_lossy(&body));
         return Ok(());
     }
-    let status: oab_relay::status::RelayStatus = serde_json::from_slice(&resp.body)
+    let status: oab_relay::status::RelayStatus = serde_json::from_slice(&body)
         .with_context(|| format!("{url}: not the /status of this relay version"))?;
     print!("{}", status.render());
     Ok(())
