@@ -495,7 +495,10 @@ async fn a_receiver_slower_than_its_sender_is_fed_from_the_log_not_cut() {
     }
     sender.await.unwrap();
     let m = relay.metrics().await;
-    assert!(metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0, "{m}");
+    assert!(
+        metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0,
+        "{m}"
+    );
     assert!(metric_value(&m, "oab_replayed_frames_total") > 0.0, "{m}");
     relay.stop().await;
 }

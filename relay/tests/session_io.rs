@@ -311,7 +311,10 @@ async fn idle_then_burst<S: EventStore>(store: Arc<S>) {
     }
     await_ack(&mut b, "burst", Direction::Up, BURST).await;
     let m = relay.metrics().await;
-    assert!(metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0, "{m}");
+    assert!(
+        metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0,
+        "{m}"
+    );
     relay.stop().await;
 }
 
@@ -344,7 +347,10 @@ async fn byte_budget<S: EventStore>(store: Arc<S>) {
         }
     }
     let m = relay.metrics().await;
-    assert!(metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0, "{m}");
+    assert!(
+        metric_value(&m, "oab_disconnects_total{reason=\"slow_consumer\"}") == 0.0,
+        "{m}"
+    );
     assert!(
         metric_value(&m, "oab_replayed_frames_total") > 0.0,
         "the byte budget sent the overflow to the log: {m}"
