@@ -177,6 +177,29 @@ pub struct PolicySection {
     pub max_deadline_ms: u64,
 }
 
+impl PolicySection {
+    /// The policy these settings give: depth one, the deadline bound, and no
+    /// budget bound of its own (budgets come from each request). Fails on a
+    /// capability pattern that does not parse (`ConnectorConfig::load` has
+    /// checked them already).
+    pub fn policy(&self) -> Result<crate::authority::Policy, crate::authority::AuthorityError> {
+        Ok(crate::authority::Policy {
+            allowed_capabilities: crate::authority::CapabilitySet::parse(
+                &self.allowed_capabilities,
+            )?,
+            allow_writes: self.allow_writes,
+            max_depth: 1,
+            budgets: crate::profile::Budgets {
+                tokens: u64::MAX,
+                cost_micros: u64::MAX,
+                risk: crate::profile::RiskLevel::High,
+                output_bytes: u64::MAX,
+            },
+            max_deadline_ms: self.max_deadline_ms,
+        })
+    }
+}
+
 fn default_max_concurrent() -> usize {
     64
 }

@@ -18,12 +18,11 @@ use std::sync::Arc;
 use oab_connector::a2a::{
     A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions, FacadeToken,
 };
-use oab_connector::authority::{CapabilitySet, Grant, Policy};
+use oab_connector::authority::{Grant, Policy};
 use oab_connector::callee::{CalleeOptions, LivePolicy};
 use oab_connector::config::ConnectorConfig;
 use oab_connector::link::LinkSettings;
 use oab_connector::openab::{OpenAbEndpoint, RuntimeKeys};
-use oab_connector::profile::{Budgets, RiskLevel};
 use oab_connector::trust::RelayTrust;
 use oab_connector::{Connector, ConnectorOptions, Reconfiguration};
 use oab_wire::identity::Identity;
@@ -478,19 +477,7 @@ fn relay_trust_of(config: &ConnectorConfig) -> anyhow::Result<RelayTrust> {
 
 /// `[policy]`: the callee side's policy, and the caller side's own grant.
 fn policy_of(config: &ConnectorConfig) -> anyhow::Result<Policy> {
-    let p = &config.policy;
-    Ok(Policy {
-        allowed_capabilities: CapabilitySet::parse(&p.allowed_capabilities)?,
-        allow_writes: p.allow_writes,
-        max_depth: 1,
-        budgets: Budgets {
-            tokens: u64::MAX,
-            cost_micros: u64::MAX,
-            risk: RiskLevel::High,
-            output_bytes: u64::MAX,
-        },
-        max_deadline_ms: p.max_deadline_ms,
-    })
+    Ok(config.policy.policy()?)
 }
 
 /// Re-reads the configuration file (`SIGHUP`) and applies what a reload

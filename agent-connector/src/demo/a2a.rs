@@ -41,12 +41,12 @@ use crate::a2a::model::{agent_text_message, fresh_id, message_text};
 use crate::a2a::{
     A2aDriver, DelegationDefaults, DriverOptions, Facade, FacadeOptions, PROFILE_URI,
 };
-use crate::authority::{CapabilitySet, Grant, Policy};
+use crate::authority::Grant;
 use crate::callee::{CalleeOptions, TaskExecutor};
 use crate::config::ConnectorConfig;
 use crate::connector::{Connector, ConnectorOptions};
 use crate::link::LinkSettings;
-use crate::profile::{Budgets, DelegationResult, RiskLevel};
+use crate::profile::DelegationResult;
 use crate::trust::RelayTrust;
 
 /// The connector config file the development relay writes for `peer`
@@ -94,19 +94,7 @@ fn start_from(
     let mut link = LinkSettings::new(url, trust, identity.clone());
     link.relay_id = c.relay_id.clone();
     let p = &config.policy;
-    let policy = Policy {
-        // validated by ConnectorConfig::load
-        allowed_capabilities: CapabilitySet::parse(&p.allowed_capabilities).unwrap_or_default(),
-        allow_writes: p.allow_writes,
-        max_depth: 1,
-        budgets: Budgets {
-            tokens: u64::MAX,
-            cost_micros: u64::MAX,
-            risk: RiskLevel::High,
-            output_bytes: u64::MAX,
-        },
-        max_deadline_ms: p.max_deadline_ms,
-    };
+    let policy = p.policy().map_err(|e| bad(Path::new("[policy]"), e))?;
     let connector = Connector::start(ConnectorOptions {
         link,
         trust: config.trust(),
