@@ -4,7 +4,8 @@
 //! Routes (axum), for the peer `namespace/name`:
 //! - `GET /peers/{namespace}/{name}/.well-known/agent-card.json`: the card
 //!   the peer published through the relay (or a synthesized one), with
-//!   `supportedInterfaces[0]` = this facade's JSON-RPC URL for the peer;
+//!   `supportedInterfaces` = this facade's JSON-RPC, then HTTP+JSON,
+//!   interface for the peer (one URL, the peer base);
 //! - `POST /peers/{namespace}/{name}/` (and without the trailing slash):
 //!   the JSON-RPC 2.0 binding with every 1.0 method;
 //! - `/peers/{namespace}/{name}/{route}`: the HTTP+JSON binding
