@@ -80,8 +80,9 @@ pub const ENV_PREFIX: &str = "OAB_CONNECTOR__";
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct A2aSection {
-    /// Loopback address of the caller-side facade (A2A JSON-RPC, one agent
-    /// per remote peer under `/peers/{namespace}/{name}/`). Unset: no facade.
+    /// Loopback address of the caller-side facade (A2A JSON-RPC and
+    /// HTTP+JSON, one agent per remote peer under
+    /// `/peers/{namespace}/{name}/`). Unset: no facade.
     #[serde(default)]
     pub facade_listen: Option<std::net::SocketAddr>,
     /// The base URL local clients use to reach the facade (in agent cards).

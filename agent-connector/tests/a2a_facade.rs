@@ -692,3 +692,420 @@ async fn the_card_has_last_modified_and_if_modified_since_revalidates() {
     assert_eq!(get(vec![(IF_MODIFIED_SINCE, lm2)]).await.status(), 304);
     w.stop().await;
 }
+
+/// The HTTP+JSON binding: every method at its route, answered as the
+/// JSON-RPC binding answers it (same tasks, same errors as
+/// `google.rpc.Status` with the HTTP status of the A2A table), `A2A-Version`
+/// checked, bare SSE events, both `:subscribe` methods, the profile's
+/// activation, cursor and metadata, and the `{tenant}/` prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rest_binding_answers_every_method_like_json_rpc() {
+    use reqwest::Method;
+    let w = world().await;
+    let rest = Rest::new(w.facade.url(CALLEE));
+    let none: &[(&str, &str)] = &[];
+
+    // The card lists HTTP+JSON after JSON-RPC, at the same peer base.
+    let card = rest.get(".well-known/agent-card.json", none).await.body;
+    let ifaces = card["supportedInterfaces"].as_array().unwrap();
+    assert_eq!(ifaces.len(), 2, "{card}");
+    assert_eq!(ifaces[0]["protocolBinding"], "JSONRPC");
+    assert_eq!(ifaces[1]["protocolBinding"], "HTTP+JSON");
+    assert_eq!(ifaces[1]["protocolVersion"], "1.0");
+    assert_eq!(ifaces[1]["url"], rest.base.as_str());
+
+    // A2A-Version: missing means 0.3, refused; the query parameter works.
+    let r = rest.get("tasks/nope", none).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    assert_eq!(r.reason(), "VERSION_NOT_SUPPORTED");
+    assert_eq!(r.status_name(), "FAILED_PRECONDITION");
+    assert_eq!(
+        r.body["error"]["details"][0]["metadata"]["requestedVersion"],
+        "0.3"
+    );
+    assert_eq!(
+        rest.get("tasks/nope", &[("A2A-Version", "2.0")])
+            .await
+            .reason(),
+        "VERSION_NOT_SUPPORTED"
+    );
+    let r = rest.get("tasks/nope?A2A-Version=1.0", none).await;
+    assert_eq!((r.status, r.reason().as_str()), (404, "TASK_NOT_FOUND"));
+    assert_eq!(r.status_name(), "NOT_FOUND");
+    assert_eq!(r.headers["content-type"], "application/a2a+json", "{r:?}");
+
+    // Unknown routes, wrong methods, bad bodies, wrong media types.
+    let r = rest.get("nothing/here", V1).await;
+    assert_eq!((r.status, r.reason().as_str()), (404, "METHOD_NOT_FOUND"));
+    let r = Rest::send(rest.request(Method::GET, "message:send", None, V1)).await;
+    assert_eq!(r.status, 405, "{r:?}");
+    assert_eq!(r.headers["allow"], "POST");
+    let r = Rest::send(rest.request(Method::DELETE, "tasks/x:subscribe", None, V1)).await;
+    assert_eq!(
+        (r.status, &r.headers["allow"]),
+        (405, &"GET, POST".parse().unwrap())
+    );
+    let raw = |body: &'static str, ct: &'static str| {
+        Rest::send(
+            rest.request(Method::POST, "message:send", None, V1)
+                .header("content-type", ct)
+                .body(body),
+        )
+    };
+    let r = raw("{not json", "application/json").await;
+    assert_eq!((r.status, r.reason().as_str()), (400, "PARSE_ERROR"));
+    assert_eq!(r.status_name(), "INVALID_ARGUMENT");
+    let r = raw("[1]", "application/json").await;
+    assert_eq!((r.status, r.reason().as_str()), (400, "INVALID_REQUEST"));
+    let r = raw("{}", "text/plain").await;
+    assert_eq!(
+        (r.status, r.reason().as_str()),
+        (415, "CONTENT_TYPE_NOT_SUPPORTED")
+    );
+    let r = rest.post("message:send", &json!({}), V1).await;
+    assert_eq!((r.status, r.reason().as_str()), (400, "INVALID_PARAMS"));
+    let r = rest
+        .post(
+            "message:send",
+            &json!({ "message": { "role": "ROLE_USER" } }),
+            V1,
+        )
+        .await;
+    assert_eq!((r.status, r.reason().as_str()), (400, "INVALID_PARAMS"));
+
+    // Errors of unknown tasks and unsupported features.
+    let r = rest.post("tasks/nope:cancel", &json!({}), V1).await;
+    assert_eq!((r.status, r.reason().as_str()), (404, "TASK_NOT_FOUND"));
+    let s = rest
+        .stream(Method::GET, "tasks/nope:subscribe", None, V1)
+        .await;
+    assert!(!s.sse && s.status == 404);
+    let r = rest.get("extendedAgentCard", V1).await;
+    assert_eq!(
+        (r.status, r.reason().as_str()),
+        (400, "EXTENDED_AGENT_CARD_NOT_CONFIGURED")
+    );
+    // The push-config routes answer what the JSON-RPC methods answer.
+    let push: [(&str, Method, &str, Option<Value>, Value); 4] = [
+        (
+            "CreateTaskPushNotificationConfig",
+            Method::POST,
+            "tasks/nope/pushNotificationConfigs",
+            Some(json!({ "url": "http://127.0.0.1:9/hook" })),
+            json!({ "taskId": "nope", "url": "http://127.0.0.1:9/hook" }),
+        ),
+        (
+            "ListTaskPushNotificationConfigs",
+            Method::GET,
+            "tasks/nope/pushNotificationConfigs",
+            None,
+            json!({ "taskId": "nope" }),
+        ),
+        (
+            "GetTaskPushNotificationConfig",
+            Method::GET,
+            "tasks/nope/pushNotificationConfigs/c1",
+            None,
+            json!({ "taskId": "nope", "id": "c1" }),
+        ),
+        (
+            "DeleteTaskPushNotificationConfig",
+            Method::DELETE,
+            "tasks/nope/pushNotificationConfigs/c1",
+            None,
+            json!({ "taskId": "nope", "id": "c1" }),
+        ),
+    ];
+    for (method, http, path, body, params) in push {
+        let j = w.rpc.call(method, params, V1).await;
+        let r = Rest::send(rest.request(http, path, body.as_ref(), V1)).await;
+        assert_eq!(
+            r.reason(),
+            j["error"]["data"][0]["reason"].as_str().unwrap(),
+            "{method}: {j} vs {r:?}"
+        );
+        assert_eq!(
+            r.status,
+            if code(&j) == -32001 { 404 } else { 400 },
+            "{method}"
+        );
+    }
+
+    // A blocking send: the task, completed; then GetTask with historyLength.
+    let r = rest
+        .post(
+            "message:send",
+            &json!({ "message": message("r-complete", "complete") }),
+            V1,
+        )
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let task = &r.body["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{r:?}");
+    assert_eq!(task["artifacts"][0]["parts"][0]["text"], "all good");
+    let id = task["id"].as_str().unwrap().to_string();
+    let got = rest.get(&format!("tasks/{id}?historyLength=1"), V1).await;
+    assert_eq!(
+        got.body["history"].as_array().map(Vec::len),
+        Some(1),
+        "{got:?}"
+    );
+    let got = rest.get(&format!("tasks/{id}?history_length=0"), V1).await;
+    assert!(got.body.get("history").is_none(), "{got:?}");
+    assert_eq!(got.body["id"], id.as_str());
+    // ... and under a tenant prefix.
+    let got = rest.get(&format!("some-tenant/tasks/{id}"), V1).await;
+    assert_eq!((got.status, &got.body["id"]), (200, &json!(id)));
+
+    // Finished: not cancelable, not subscribable without the profile (GET or POST).
+    let r = rest
+        .post(&format!("tasks/{id}:cancel"), &json!({}), V1)
+        .await;
+    assert_eq!(
+        (r.status, r.reason().as_str()),
+        (400, "TASK_NOT_CANCELABLE")
+    );
+    for m in [Method::GET, Method::POST] {
+        let s = rest
+            .stream(m.clone(), &format!("tasks/{id}:subscribe"), None, V1)
+            .await;
+        assert!(!s.sse, "{m}");
+        assert_eq!(s.status, 400, "{m}");
+        let body = s.json().await;
+        assert_eq!(
+            body["error"]["details"][0]["reason"],
+            "UNSUPPORTED_OPERATION"
+        );
+    }
+    let again = json!({ "message": { "messageId": "r2", "role": "ROLE_USER", "taskId": id, "parts": [{ "text": "more" }] } });
+    assert_eq!(
+        rest.post("message:send", &again, V1).await.reason(),
+        "UNSUPPORTED_OPERATION"
+    );
+
+    // With the profile, both :subscribe methods replay after the cursor:
+    // bare StreamResponses, the SSE id and the metadata as in JSON-RPC.
+    for m in [Method::GET, Method::POST] {
+        let h = with_profile(&[("Last-Event-ID", "0".to_string())]);
+        let s = rest
+            .stream(m.clone(), &format!("tasks/{id}:subscribe"), None, &h)
+            .await;
+        assert!(s.sse, "{m}");
+        assert_eq!(
+            s.headers
+                .get("A2A-Extensions")
+                .and_then(|v| v.to_str().ok()),
+            Some(PROFILE_URI)
+        );
+        let items = s.collect().await;
+        assert!(
+            items.iter().all(|e| e.data.get("result").is_none()),
+            "bare: {items:?}"
+        );
+        let kinds: Vec<&str> = items.iter().map(kind).collect();
+        assert_eq!(
+            kinds,
+            ["task", "artifactUpdate", "statusUpdate"],
+            "{m}: {items:?}"
+        );
+        assert_eq!(
+            items.iter().map(seq).collect::<Vec<_>>(),
+            [Some(2), Some(1), Some(2)]
+        );
+        assert_eq!(items[1].id.as_deref(), Some("1"));
+        let meta = &items[2].data["statusUpdate"]["metadata"][PROFILE_URI];
+        assert_eq!(meta["outcome"], "completed", "{meta}");
+        assert_eq!(meta["verified"], true);
+    }
+
+    // ListTasks from the query: pages, artifacts on request, status filter.
+    rest.post(
+        "message:send",
+        &json!({ "message": message("r-complete-2", "complete") }),
+        V1,
+    )
+    .await;
+    let page = rest.get("tasks?pageSize=1", V1).await;
+    assert_eq!(page.status, 200, "{page:?}");
+    assert_eq!(
+        (
+            page.body["totalSize"].as_u64(),
+            page.body["pageSize"].as_u64()
+        ),
+        (Some(2), Some(1))
+    );
+    assert!(page.body["tasks"][0].get("artifacts").is_none());
+    let token = page.body["nextPageToken"].as_str().unwrap().to_string();
+    assert!(!token.is_empty());
+    let page = rest
+        .get(
+            &format!("tasks?pageSize=1&pageToken={token}&includeArtifacts=true"),
+            V1,
+        )
+        .await;
+    assert_eq!(page.body["tasks"][0]["id"], id.as_str(), "{page:?}");
+    assert_eq!(page.body["nextPageToken"], "");
+    assert!(page.body["tasks"][0]["artifacts"].is_array());
+    let page = rest.get("tasks?status=TASK_STATE_WORKING", V1).await;
+    assert_eq!(page.body["totalSize"], 0, "{page:?}");
+    let r = rest.get("tasks?pageSize=500", V1).await;
+    assert_eq!((r.status, r.reason().as_str()), (400, "INVALID_PARAMS"));
+
+    // A streamed send with the profile: bare events in order, seq from 0;
+    // a dropped stream goes on, and the cursor resumes it over REST.
+    let h = with_profile(&[]);
+    let body = json!({ "message": message("r-gated", "gated") });
+    let mut s = rest
+        .stream(Method::POST, "message:stream", Some(&body), &h)
+        .await;
+    assert!(s.sse && s.status == 200);
+    let first = s.next().await.unwrap();
+    assert_eq!((kind(&first), seq(&first)), ("task", Some(0)));
+    assert_eq!(state(&first).as_deref(), Some("TASK_STATE_SUBMITTED"));
+    let gated = first.data["task"]["id"].as_str().unwrap().to_string();
+    let step = s.next().await.unwrap();
+    assert_eq!((kind(&step), seq(&step)), ("statusUpdate", Some(1)));
+    drop(s);
+    w.script.gate.add_permits(1);
+    let h = with_profile(&[("OAB-Cursor", "1".to_string())]);
+    let items = rest
+        .stream(Method::POST, &format!("tasks/{gated}:subscribe"), None, &h)
+        .await
+        .collect()
+        .await;
+    let seqs: Vec<u64> = items[1..].iter().map(|e| seq(e).unwrap()).collect();
+    assert_eq!(seqs, [2, 3, 4, 5, 6], "{items:?}");
+    assert_eq!(
+        state(items.last().unwrap()).as_deref(),
+        Some("TASK_STATE_COMPLETED")
+    );
+    assert_eq!(w.script.cancels.load(Ordering::SeqCst), 0);
+
+    // Cancel over REST reaches the callee.
+    let r = rest
+        .post(
+            "message:send",
+            &json!({ "message": message("r-hold", "hold"), "configuration": { "returnImmediately": true } }),
+            V1,
+        )
+        .await;
+    let hold = r.body["task"]["id"].as_str().unwrap().to_string();
+    wait_state(&w.rpc, &hold, "TASK_STATE_WORKING").await;
+    let r = rest
+        .post(&format!("tasks/{hold}:cancel"), &json!({ "id": hold }), V1)
+        .await;
+    assert_eq!(r.body["status"]["state"], "TASK_STATE_CANCELED", "{r:?}");
+    assert_eq!(w.script.cancels.load(Ordering::SeqCst), 1);
+
+    // Input required: the stream closes at the interruption; the answer
+    // goes down with message:send and the task completes.
+    let body = json!({ "message": message("r-ask", "ask") });
+    let items = rest
+        .stream(Method::POST, "message:stream", Some(&body), V1)
+        .await
+        .collect()
+        .await;
+    assert_eq!(
+        state(items.last().unwrap()).as_deref(),
+        Some("TASK_STATE_INPUT_REQUIRED"),
+        "{items:?}"
+    );
+    let ask = response(&items[0])["task"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let answer = json!({ "message": { "messageId": "r-answer", "role": "ROLE_USER", "taskId": ask, "parts": [{ "text": "dev" }] } });
+    let r = rest.post("message:send", &answer, V1).await;
+    assert_eq!(
+        r.body["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{r:?}"
+    );
+    assert_eq!(
+        r.body["task"]["artifacts"][0]["parts"][0]["text"],
+        "branch dev"
+    );
+    w.stop().await;
+}
+
+/// The browser-safety checks guard the HTTP+JSON routes too, GET routes
+/// included: a foreign `Host`, a cross-site `Origin` or `Sec-Fetch-Site`,
+/// a form post and a missing bearer token are refused before any method.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rest_routes_pass_the_browser_guard() {
+    use reqwest::Method;
+    let w = world().await;
+    let mut options = facade_options();
+    options.token = Some(oab_connector::a2a::FacadeToken::new("rest-secret").unwrap());
+    let locked = FacadeServer::start(w.a.caller().clone(), options).await;
+    let rest = Rest::new(w.facade.url(CALLEE));
+    let routes = [
+        (Method::GET, "tasks"),
+        (Method::GET, "tasks/x"),
+        (Method::GET, "tasks/x:subscribe"),
+        (Method::POST, "tasks/x:subscribe"),
+        (Method::POST, "tasks/x:cancel"),
+        (Method::POST, "message:send"),
+        (Method::GET, "extendedAgentCard"),
+        (Method::DELETE, "tasks/x/pushNotificationConfigs/c"),
+    ];
+    let status = |r: reqwest::RequestBuilder| async move {
+        tokio::time::timeout(STEP, r.send())
+            .await
+            .unwrap()
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    for (m, path) in &routes {
+        let req = || rest.request(m.clone(), path, None, V1);
+        assert_eq!(
+            status(req().header("host", "evil.example")).await,
+            421,
+            "{m} {path}"
+        );
+        assert_eq!(
+            status(req().header("origin", "https://evil.example")).await,
+            403,
+            "{m} {path}"
+        );
+        assert_eq!(
+            status(req().header("sec-fetch-site", "cross-site")).await,
+            403,
+            "{m} {path}"
+        );
+        // A same-site request passes the guard (and gets a method's answer).
+        assert_ne!(
+            status(req().header("origin", "http://127.0.0.1:3000")).await,
+            403,
+            "{m} {path}"
+        );
+        let locked_rest = Rest::new(locked.url(CALLEE));
+        let lreq = || locked_rest.request(m.clone(), path, None, V1);
+        assert_eq!(status(lreq()).await, 401, "{m} {path}");
+        assert_eq!(
+            status(lreq().header("authorization", "Bearer wrong")).await,
+            401,
+            "{m} {path}"
+        );
+        assert_ne!(
+            status(lreq().header("authorization", "Bearer rest-secret")).await,
+            401,
+            "{m} {path}"
+        );
+    }
+    // A form post (no body needed) is refused by its media type, even on
+    // a route that takes no body.
+    for path in ["tasks/x:cancel", "tasks/x:subscribe", "message:send"] {
+        let r = rest
+            .request(Method::POST, path, None, V1)
+            .header("content-type", "application/x-www-form-urlencoded");
+        assert_eq!(status(r).await, 415, "{path}");
+    }
+    assert_eq!(
+        w.script.runs.load(Ordering::SeqCst),
+        0,
+        "no refused request reached the callee"
+    );
+    locked.stop().await;
+    w.stop().await;
+}

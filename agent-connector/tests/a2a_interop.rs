@@ -46,6 +46,20 @@ fn texts(events: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_sdk_client_and_server_through_the_relay() {
+    sdk_scenarios("jsonrpc").await;
+}
+
+/// The same scenarios with the SDK client restricted to the facade's
+/// HTTP+JSON interface (its REST transport); the driver still speaks
+/// JSON-RPC to the SDK server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_sdk_rest_client_through_the_relay() {
+    sdk_scenarios("http_json").await;
+}
+
+/// Runs `client.py --transport <transport>` through facade, relay and
+/// driver against the SDK sample server and checks what it saw.
+async fn sdk_scenarios(transport: &str) {
     let python = python();
     let (mut agent, port) = sample_agent().await;
     let agent_url = format!("http://127.0.0.1:{port}");
@@ -66,6 +80,8 @@ async fn official_sdk_client_and_server_through_the_relay() {
             .arg(&facade_url)
             .arg("--agent-url")
             .arg(&agent_url)
+            .arg("--transport")
+            .arg(transport)
             .kill_on_drop(true)
             .output(),
     )
@@ -92,6 +108,35 @@ async fn official_sdk_client_and_server_through_the_relay() {
     assert_eq!(r["card"]["interface"]["protocolBinding"], "JSONRPC");
     assert_eq!(r["card"]["interface"]["protocolVersion"], "1.0");
     assert_eq!(r["card"]["extensions"][0], PROFILE_URI);
+    let rest = &r["card"]["interfaces"][1];
+    assert_eq!(rest["protocolBinding"], "HTTP+JSON", "{}", r["card"]);
+    assert_eq!(rest["url"], facade_url.as_str());
+    assert_eq!(rest["protocolVersion"], "1.0");
+
+    // The binding the SDK spoke: every call at its REST route, or every
+    // call a POST to the JSON-RPC endpoint.
+    let routes: Vec<&str> = r["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|r| !r.ends_with("/.well-known/agent-card.json"))
+        .collect();
+    if transport == "http_json" {
+        for want in [
+            "POST /message:send",
+            "POST /message:stream",
+            "GET /tasks/{id}",
+            "GET /tasks",
+            "POST /tasks/{id}:cancel",
+            "POST /tasks/{id}:subscribe",
+        ] {
+            assert!(routes.contains(&want), "{want} not in {routes:?}");
+        }
+        assert!(!routes.contains(&"POST /"), "{routes:?}");
+    } else {
+        assert_eq!(routes, ["POST /"], "{routes:?}");
+    }
 
     // Streamed: task first, progress in order, the chunked artifact, completed.
     let streamed = &r["streamed"];
@@ -210,6 +255,15 @@ async fn official_sdk_client_and_server_through_the_relay() {
     assert_eq!(list["page2"].as_array().unwrap().len() as u64, total - 2);
     assert_eq!(list["next2"], "");
     assert_eq!(list["artifacts_in_list"], false);
+
+    // Errors reach the SDK as its own error classes.
+    let errors = &r["errors"];
+    assert_eq!(errors["get_unknown"], "TaskNotFoundError", "{errors}");
+    assert_eq!(errors["cancel_unknown"], "TaskNotFoundError", "{errors}");
+    assert_eq!(
+        errors["follow_up_finished"], "UnsupportedOperationError",
+        "{errors}"
+    );
 
     facade.stop().await;
     a.shutdown().await;

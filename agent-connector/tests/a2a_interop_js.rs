@@ -48,6 +48,17 @@ fn texts(events: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_js_sdk_client_and_server_through_the_relay() {
+    js_scenarios("jsonrpc").await;
+}
+
+/// The same scenarios with the SDK client preferring the facade's HTTP+JSON
+/// interface (its REST transport).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_js_sdk_rest_client_through_the_relay() {
+    js_scenarios("http_json").await;
+}
+
+async fn js_scenarios(transport: &str) {
     let Some(node) = node() else { return };
     let (mut agent, port) = js_sample_agent(&node).await;
     let agent_url = format!("http://127.0.0.1:{port}");
@@ -71,6 +82,8 @@ async fn official_js_sdk_client_and_server_through_the_relay() {
             .arg(&facade_url)
             .arg("--agent-url")
             .arg(&agent_url)
+            .arg("--transport")
+            .arg(transport)
             .current_dir(js_dir())
             .kill_on_drop(true)
             .output(),
@@ -97,6 +110,33 @@ async fn official_js_sdk_client_and_server_through_the_relay() {
     assert_eq!(r["card"]["interface"]["url"], facade_url.as_str());
     assert_eq!(r["card"]["interface"]["protocolBinding"], "JSONRPC");
     assert_eq!(r["card"]["extensions"][0], PROFILE_URI);
+    assert_eq!(r["card"]["interfaces"][1]["protocolBinding"], "HTTP+JSON");
+    // The binding the SDK spoke.
+    let routes: Vec<&str> = r["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|r| !r.ends_with("/.well-known/agent-card.json"))
+        .collect();
+    if transport == "http_json" {
+        for want in [
+            "POST /message:send",
+            "POST /message:stream",
+            "GET /tasks/{id}",
+            "GET /tasks",
+            "POST /tasks/{id}:cancel",
+        ] {
+            assert!(routes.contains(&want), "{want} not in {routes:?}");
+        }
+        assert!(
+            routes.iter().any(|r| r.ends_with("/tasks/{id}:subscribe")),
+            "{routes:?}"
+        );
+        assert!(!routes.contains(&"POST /"), "{routes:?}");
+    } else {
+        assert_eq!(routes, ["POST /"], "{routes:?}");
+    }
 
     // Streamed: task first, progress in order, the chunked artifact, completed.
     let streamed = &r["streamed"];

@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 
 use super::model::{TaskState, artifact_from_a2a, fresh_id, normalise_message};
 use super::profile::PROFILE_URI;
-use super::{PROTOCOL_BINDING, PROTOCOL_VERSION};
+use super::{JSONRPC_BINDING, PROTOCOL_VERSION};
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
 
@@ -384,7 +384,7 @@ impl DriverInner {
             .and_then(Value::as_array)
             .and_then(|list| {
                 list.iter().find(|i| {
-                    i.get("protocolBinding").and_then(Value::as_str) == Some(PROTOCOL_BINDING)
+                    i.get("protocolBinding").and_then(Value::as_str) == Some(JSONRPC_BINDING)
                         && i.get("protocolVersion")
                             .and_then(Value::as_str)
                             .is_some_and(|v| v == PROTOCOL_VERSION || v.starts_with("1.0."))

@@ -171,6 +171,51 @@ impl A2aError {
         })
     }
 
+    /// The HTTP status and `google.rpc.Code` name of this error on the
+    /// HTTP+JSON binding (SPEC §5.4, v1.0.1 table; the JSON-RPC envelope
+    /// errors as the a2a-python REST server maps them).
+    pub fn http_status(&self) -> (u16, &'static str) {
+        match self {
+            A2aError::TaskNotFound(_) | A2aError::MethodNotFound(_) => (404, "NOT_FOUND"),
+            A2aError::Parse(_)
+            | A2aError::InvalidRequest(_)
+            | A2aError::InvalidParams(_)
+            | A2aError::Refused { .. }
+            | A2aError::ContentTypeNotSupported(_) => (400, "INVALID_ARGUMENT"),
+            A2aError::TaskNotCancelable(_)
+            | A2aError::PushNotificationNotSupported
+            | A2aError::UnsupportedOperation(_)
+            | A2aError::ExtendedAgentCardNotConfigured
+            | A2aError::ExtensionSupportRequired(_)
+            | A2aError::VersionNotSupported(_) => (400, "FAILED_PRECONDITION"),
+            A2aError::Internal(_) | A2aError::InvalidAgentResponse(_) => (500, "INTERNAL"),
+        }
+    }
+
+    /// The HTTP+JSON binding's error body (SPEC §11.6): a
+    /// `google.rpc.Status`, `{"error": {code, status, message, details:
+    /// [ErrorInfo]}}`, where `code` is the HTTP status. The ErrorInfo is the
+    /// one the JSON-RPC error carries.
+    pub fn to_status_body(&self) -> Value {
+        let (http, status) = self.http_status();
+        let mut obj = self.to_error_object();
+        let (message, details) = match obj.as_object_mut() {
+            Some(o) => (
+                o.remove("message").unwrap_or(Value::Null),
+                o.remove("data").unwrap_or(Value::Null),
+            ),
+            None => (Value::Null, Value::Null),
+        };
+        json!({
+            "error": {
+                "code": http,
+                "status": status,
+                "message": message,
+                "details": details,
+            }
+        })
+    }
+
     /// A complete JSON-RPC error response for request `id`.
     pub fn to_response(&self, id: &Value) -> Value {
         json!({ "jsonrpc": "2.0", "id": id, "error": self.to_error_object() })
@@ -424,6 +469,69 @@ mod tests {
             check_version(None, None).unwrap_err(),
             A2aError::VersionNotSupported("0.3".into())
         );
+    }
+
+    #[test]
+    fn rest_errors_are_google_rpc_status() {
+        let v = A2aError::TaskNotFound("t1".into()).to_status_body();
+        assert_eq!(v["error"]["code"], 404);
+        assert_eq!(v["error"]["status"], "NOT_FOUND");
+        assert_eq!(v["error"]["details"][0]["@type"], ERROR_INFO_TYPE);
+        assert_eq!(v["error"]["details"][0]["reason"], "TASK_NOT_FOUND");
+        assert!(v["error"]["message"].as_str().unwrap().contains("t1"));
+        let cases = [
+            (
+                A2aError::TaskNotCancelable(String::new()),
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::PushNotificationNotSupported,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::UnsupportedOperation(String::new()),
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::ContentTypeNotSupported(String::new()),
+                400,
+                "INVALID_ARGUMENT",
+            ),
+            (
+                A2aError::InvalidAgentResponse(String::new()),
+                500,
+                "INTERNAL",
+            ),
+            (
+                A2aError::ExtendedAgentCardNotConfigured,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::ExtensionSupportRequired(String::new()),
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::VersionNotSupported("0.3".into()),
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                A2aError::InvalidParams(String::new()),
+                400,
+                "INVALID_ARGUMENT",
+            ),
+            (A2aError::MethodNotFound(String::new()), 404, "NOT_FOUND"),
+        ];
+        for (e, code, status) in cases {
+            assert_eq!(e.http_status(), (code, status), "{e}");
+        }
+        let internal = A2aError::Internal("/var/lib/secret".into()).to_status_body();
+        assert_eq!(internal["error"]["message"], INTERNAL_MESSAGE);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! | [`model`] | A2A 1.0 JSON shapes: task states, timestamps, messages, artifacts |
 //! | [`profile`] | the OAB Delegation Profile extension: URI, activation, cursor, contract, metadata |
 //! | `tasks` | the facade's task table: delegation events folded into A2A tasks and events |
-//! | [`facade`] | caller side: per-peer agent cards and the JSON-RPC binding with SSE, one module per A2A method |
+//! | [`facade`] | caller side: per-peer agent cards, the JSON-RPC and HTTP+JSON bindings with SSE, one module per A2A method |
 //! | [`server`] | serving the facade on an injected listener until a shutdown token fires |
 //! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server |
 //! | `defaults` | [`DelegationDefaults`]: what a delegation asks for when its client says nothing |
@@ -56,5 +56,9 @@ pub use server::serve;
 /// The A2A protocol version both ends speak (Major.Minor, never a patch).
 pub const PROTOCOL_VERSION: &str = "1.0";
 
-/// The one protocol binding implemented.
-pub const PROTOCOL_BINDING: &str = "JSONRPC";
+/// The JSON-RPC 2.0 binding: the facade's first interface, and the one the
+/// driver speaks to the callee's A2A server.
+pub const JSONRPC_BINDING: &str = "JSONRPC";
+
+/// The HTTP+JSON (REST) binding: the facade's second interface.
+pub const HTTP_JSON_BINDING: &str = "HTTP+JSON";

@@ -155,17 +155,126 @@ impl Rpc {
             .await
             .expect("answer in time")
             .unwrap();
-        let headers = resp.headers().clone();
-        let sse = headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        Sse {
-            headers,
-            sse,
-            body: Box::pin(resp.bytes_stream()),
-            buf: String::new(),
+        Sse::of(resp)
+    }
+}
+
+/// A client of the facade's HTTP+JSON binding for one peer.
+pub struct Rest {
+    pub http: reqwest::Client,
+    /// The peer base, ending in `/`.
+    pub base: String,
+}
+
+/// An HTTP+JSON answer that is not a stream.
+#[derive(Debug)]
+pub struct RestReply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl RestReply {
+    /// The ErrorInfo `reason` of a `google.rpc.Status` error body, checking
+    /// its shape (`code` = the HTTP status, `status`, `message`, details).
+    pub fn reason(&self) -> String {
+        let e = &self.body["error"];
+        assert_eq!(e["code"], self.status, "code is the HTTP status: {self:?}");
+        assert!(
+            e["status"].is_string() && e["message"].is_string(),
+            "{self:?}"
+        );
+        let info = &e["details"][0];
+        assert_eq!(info["@type"], "type.googleapis.com/google.rpc.ErrorInfo");
+        info["reason"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no reason: {self:?}"))
+            .to_string()
+    }
+
+    /// The `google.rpc.Code` name of an error body.
+    pub fn status_name(&self) -> &str {
+        self.body["error"]["status"].as_str().unwrap_or_default()
+    }
+}
+
+impl Rest {
+    pub fn new(base: String) -> Rest {
+        Rest {
+            http: reqwest::Client::new(),
+            base,
         }
+    }
+
+    /// A request to `path` (relative to the peer base), with a JSON body
+    /// when `body` is given.
+    pub fn request<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(K, V)],
+    ) -> reqwest::RequestBuilder {
+        let mut r = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(b) = body {
+            r = r
+                .header("content-type", "application/a2a+json")
+                .body(b.to_string());
+        }
+        for (k, v) in headers {
+            r = r.header(k.as_ref(), v.as_ref());
+        }
+        r
+    }
+
+    /// Sends `r`; returns the status, headers and JSON body.
+    pub async fn send(r: reqwest::RequestBuilder) -> RestReply {
+        let resp = tokio::time::timeout(STEP, r.send())
+            .await
+            .expect("answer in time")
+            .unwrap();
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        let body = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("not JSON ({e}), HTTP {status}: {text}"));
+        RestReply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn get<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        path: &str,
+        headers: &[(K, V)],
+    ) -> RestReply {
+        Rest::send(self.request(reqwest::Method::GET, path, None, headers)).await
+    }
+
+    pub async fn post<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        path: &str,
+        body: &Value,
+        headers: &[(K, V)],
+    ) -> RestReply {
+        Rest::send(self.request(reqwest::Method::POST, path, Some(body), headers)).await
+    }
+
+    /// A streaming route (`message:stream`, `tasks/{id}:subscribe`).
+    pub async fn stream<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(K, V)],
+    ) -> Sse {
+        let resp = tokio::time::timeout(STEP, self.request(method, path, body, headers).send())
+            .await
+            .expect("answer in time")
+            .unwrap();
+        Sse::of(resp)
     }
 }
 
@@ -178,6 +287,7 @@ pub struct SseItem {
 }
 
 pub struct Sse {
+    pub status: u16,
     pub headers: reqwest::header::HeaderMap,
     /// Whether the answer is an event stream (else a JSON error).
     pub sse: bool,
@@ -186,6 +296,22 @@ pub struct Sse {
 }
 
 impl Sse {
+    fn of(resp: reqwest::Response) -> Sse {
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let sse = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        Sse {
+            status,
+            headers,
+            sse,
+            body: Box::pin(resp.bytes_stream()),
+            buf: String::new(),
+        }
+    }
+
     /// The JSON body of an answer that is not a stream.
     pub async fn json(mut self) -> Value {
         assert!(!self.sse, "expected a JSON answer, got a stream");
@@ -244,10 +370,16 @@ impl Sse {
     }
 }
 
+/// The StreamResponse of an event: the JSON-RPC `result`, or the bare
+/// data of the HTTP+JSON binding.
+pub fn response(item: &SseItem) -> &Value {
+    item.data.get("result").unwrap_or(&item.data)
+}
+
 /// The StreamResponse member an event carries: `task`, `message`,
 /// `statusUpdate` or `artifactUpdate`.
 pub fn kind(item: &SseItem) -> &'static str {
-    let r = &item.data["result"];
+    let r = response(item);
     for k in ["task", "message", "statusUpdate", "artifactUpdate"] {
         if r.get(k).is_some() {
             return k;
@@ -258,7 +390,7 @@ pub fn kind(item: &SseItem) -> &'static str {
 
 /// The profile sequence number of an event.
 pub fn seq(item: &SseItem) -> Option<u64> {
-    let r = &item.data["result"];
+    let r = response(item);
     ["task", "statusUpdate", "artifactUpdate"]
         .iter()
         .find_map(|k| r.get(*k))
@@ -267,7 +399,7 @@ pub fn seq(item: &SseItem) -> Option<u64> {
 
 /// The state an event shows (task or status update).
 pub fn state(item: &SseItem) -> Option<String> {
-    let r = &item.data["result"];
+    let r = response(item);
     r.get("task")
         .or_else(|| r.get("statusUpdate"))
         .and_then(|v| v["status"]["state"].as_str())

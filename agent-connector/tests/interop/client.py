@@ -1,15 +1,17 @@
 """The official a2a-sdk client against the OAB facade.
 
 Run by agent-connector/tests/a2a_interop.rs with the facade's URL for the
-callee peer. It resolves the agent card through the facade, runs each
-scenario with the SDK's own client, and prints one JSON object with what it
-saw; the Rust test asserts on it. It never sleeps to wait for a state: the
+callee peer and a transport (`--transport jsonrpc` or `http_json`: the SDK
+client is restricted to that binding of the card). It resolves the agent
+card through the facade, runs each scenario with the SDK's own client, and
+prints one JSON object with what it saw; the Rust test asserts on it. It never sleeps to wait for a state: the
 sample agent's gated tasks are released with an explicit call.
 """
 
 import argparse
 import asyncio
 import json
+import re
 import sys
 import uuid
 
@@ -18,6 +20,7 @@ import httpx
 from google.protobuf.json_format import MessageToDict
 
 from a2a.client import ClientCallContext, ClientConfig, create_client
+from a2a.utils.constants import TransportProtocol
 from a2a.types import (
     CancelTaskRequest,
     GetTaskRequest,
@@ -93,11 +96,30 @@ async def collect(gen, until=None) -> list[dict]:
             return out
 
 
-async def run(facade_url: str, agent_url: str) -> dict:
+BINDINGS = {"jsonrpc": TransportProtocol.JSONRPC, "http_json": TransportProtocol.HTTP_JSON}
+
+
+async def run(facade_url: str, agent_url: str, transport: str) -> dict:
     results: dict = {}
-    streaming = await create_client(facade_url)
-    blocking = await create_client(facade_url, ClientConfig(streaming=False))
-    polling = await create_client(facade_url, ClientConfig(streaming=False, polling=True))
+    # Every request the SDK sends, as "METHOD route" relative to the peer
+    # base (task ids as {id}), so the test sees which binding was spoken.
+    base_path = httpx.URL(facade_url).path.rstrip("/")
+    routes: set[str] = set()
+
+    async def record(request: httpx.Request) -> None:
+        path = request.url.path
+        rel = path[len(base_path):] if path.startswith(base_path) else path
+        routes.add(f"{request.method} {re.sub(r'^/tasks/[^/:]+', '/tasks/{id}', rel) or '/'}")
+
+    sdk_http = httpx.AsyncClient(timeout=STEP, event_hooks={"request": [record]})
+    only = [BINDINGS[transport]]
+
+    def config(**kw) -> ClientConfig:
+        return ClientConfig(supported_protocol_bindings=only, httpx_client=sdk_http, **kw)
+
+    streaming = await create_client(facade_url, config())
+    blocking = await create_client(facade_url, config(streaming=False))
+    polling = await create_client(facade_url, config(streaming=False, polling=True))
     profile = ClientCallContext(service_parameters={"A2A-Extensions": PROFILE})
     http = httpx.AsyncClient(timeout=STEP)
 
@@ -105,6 +127,7 @@ async def run(facade_url: str, agent_url: str) -> dict:
     results["card"] = {
         "name": card.get("name"),
         "interface": card["supportedInterfaces"][0],
+        "interfaces": card["supportedInterfaces"],
         "extensions": [e["uri"] for e in card["capabilities"].get("extensions", [])],
         "streaming": card["capabilities"].get("streaming"),
     }
@@ -191,6 +214,23 @@ async def run(facade_url: str, agent_url: str) -> dict:
         "next2": page2.next_page_token,
         "artifacts_in_list": any(len(t.artifacts) for t in page1.tasks),
     }
+
+    # 10. Error classes as the SDK maps them.
+    errors = {}
+    for name, call in [
+        ("get_unknown", lambda: blocking.get_task(GetTaskRequest(id="no-such-task"))),
+        ("cancel_unknown", lambda: blocking.cancel_task(CancelTaskRequest(id="no-such-task"))),
+        ("follow_up_finished", lambda: collect(
+            blocking.send_message(SendMessageRequest(message=msg("late-", "more", task_id=ask_id))))),
+    ]:
+        try:
+            await call()
+            errors[name] = "no error"
+        except Exception as e:
+            errors[name] = type(e).__name__
+    results["errors"] = errors
+    results["routes"] = sorted(routes)
+    await sdk_http.aclose()
     await http.aclose()
     return results
 
@@ -199,8 +239,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--facade-url", required=True)
     parser.add_argument("--agent-url", required=True)
+    parser.add_argument("--transport", choices=sorted(BINDINGS), default="jsonrpc")
     args = parser.parse_args()
-    results = asyncio.run(run(args.facade_url, args.agent_url))
+    results = asyncio.run(run(args.facade_url, args.agent_url, args.transport))
     json.dump(results, sys.stdout)
     sys.stdout.write("\n")
 

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{Facade, Inner, RouterState, peer_of};
-use crate::a2a::{PROTOCOL_BINDING, PROTOCOL_VERSION, profile};
+use crate::a2a::{HTTP_JSON_BINDING, JSONRPC_BINDING, PROTOCOL_VERSION, profile};
 
 /// The base URL clients reach the facade at: the configured one, else
 /// `http://` and the request's `Host` (when it is a plain host name).
@@ -105,7 +105,8 @@ async fn lookup_peer(inner: &Inner, peer: &PeerId) -> PeerLookup {
 }
 
 /// The card served for `peer`: the published descriptor with this facade's
-/// interface, capabilities and the profile declared; what the facade cannot
+/// interfaces (JSON-RPC first, then HTTP+JSON, both at `interface_url`),
+/// capabilities and the profile declared; what the facade cannot
 /// honour (security schemes, signatures, the callee's own extensions,
 /// 0.3 connection fields) removed.
 pub fn build_card(peer: &PeerId, descriptor: Option<&Value>, interface_url: &str) -> Value {
@@ -178,11 +179,18 @@ pub fn build_card(peer: &PeerId, descriptor: Option<&Value>, interface_url: &str
     card.insert("skills".into(), Value::Array(skills));
     card.insert(
         "supportedInterfaces".into(),
-        json!([{
-            "url": interface_url,
-            "protocolBinding": PROTOCOL_BINDING,
-            "protocolVersion": PROTOCOL_VERSION,
-        }]),
+        json!([
+            {
+                "url": interface_url,
+                "protocolBinding": JSONRPC_BINDING,
+                "protocolVersion": PROTOCOL_VERSION,
+            },
+            {
+                "url": interface_url,
+                "protocolBinding": HTTP_JSON_BINDING,
+                "protocolVersion": PROTOCOL_VERSION,
+            },
+        ]),
     );
     card.insert(
         "capabilities".into(),

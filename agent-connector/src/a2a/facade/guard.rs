@@ -14,8 +14,11 @@
 //!   `WWW-Authenticate: Bearer`.
 //!
 //! The JSON-RPC route also requires `Content-Type: application/json` (see
-//! `rpc`), which a browser cannot send cross-site without a CORS preflight
-//! that the facade never answers.
+//! `rpc`), and the HTTP+JSON routes a JSON media type on any body or
+//! declared `Content-Type` (see `rest`), which a browser cannot send
+//! cross-site without a CORS preflight that the facade never answers. A
+//! cross-site request without a body (a `GET`, a body-less `fetch`) is
+//! refused by the `Origin` and `Sec-Fetch-Site` checks above.
 //!
 //! Never: logs the token, or answers a refused request with anything but the
 //! refusal.

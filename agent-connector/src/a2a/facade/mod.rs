@@ -4,9 +4,12 @@
 //! Routes (axum), for the peer `namespace/name`:
 //! - `GET /peers/{namespace}/{name}/.well-known/agent-card.json`: the card
 //!   the peer published through the relay (or a synthesized one), with
-//!   `supportedInterfaces[0]` = this facade's JSON-RPC URL for the peer;
+//!   `supportedInterfaces` = this facade's JSON-RPC, then HTTP+JSON,
+//!   interface for the peer (one URL, the peer base);
 //! - `POST /peers/{namespace}/{name}/` (and without the trailing slash):
 //!   the JSON-RPC 2.0 binding with every 1.0 method;
+//! - `/peers/{namespace}/{name}/{route}`: the HTTP+JSON binding
+//!   (`message:send`, `tasks/{id}`, … see `rest`), every method again;
 //! - `GET /peers`: the reachable peers and their card URLs.
 //!
 //! Every route first passes the browser-safety checks of `guard` (`Host`,
@@ -28,6 +31,7 @@
 //! | `guard` | browser safety: `Host`, `Origin`, the optional bearer token |
 //! | `card` | agent cards and the peer list (`GET` routes) |
 //! | `rpc` | the JSON-RPC endpoint: envelope checks, the method table, replies |
+//! | `rest` | the HTTP+JSON endpoint: routes to methods, query and body params, `google.rpc.Status` errors |
 //! | `params` | reading typed members out of a method's params |
 //! | `send_message` | `SendMessage` and `SendStreamingMessage`: new task, follow-up |
 //! | `get_task` | `GetTask` |
@@ -42,7 +46,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use oab_wire::{PeerEntry, PeerId};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -60,6 +64,7 @@ mod get_task;
 mod guard;
 mod list_tasks;
 mod params;
+mod rest;
 mod rpc;
 mod send_message;
 mod stream;
@@ -258,6 +263,7 @@ impl Facade {
             )
             .route("/peers/{namespace}/{name}", post(rpc::rpc))
             .route("/peers/{namespace}/{name}/", post(rpc::rpc))
+            .route("/peers/{namespace}/{name}/{*route}", any(rest::rest))
             .layer(axum::middleware::from_fn_with_state(
                 ctx.clone(),
                 guard::guard,
@@ -265,7 +271,8 @@ impl Facade {
             .with_state(ctx)
     }
 
-    /// The JSON-RPC URL of `peer` under `base` (e.g. `http://127.0.0.1:7070`).
+    /// The URL of `peer` under `base` (e.g. `http://127.0.0.1:7070`): its
+    /// JSON-RPC endpoint and the base of its HTTP+JSON routes.
     pub fn interface_url(base: &str, peer: &PeerId) -> String {
         format!("{}/peers/{}/", base.trim_end_matches('/'), peer.as_str())
     }

@@ -3,8 +3,12 @@
 //! reply becomes an HTTP response (JSON, or an SSE stream).
 //!
 //! Each method is answered by a function of [`RpcCall`] in a module of its
-//! own; this module never reads or changes a task itself. Errors become
-//! responses through [`A2aError::to_response`], never built here.
+//! own; this module never reads or changes a task itself. The HTTP+JSON
+//! binding (`rest`) builds the same [`RpcCall`] with [`Binding::Rest`] and
+//! goes through the same method table ([`dispatch`]); the binding only
+//! decides how results and errors are framed. Errors become bodies through
+//! [`A2aError::to_response`] or [`A2aError::to_status_body`], never built
+//! here.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -26,13 +30,42 @@ use crate::a2a::jsonrpc::{
 use crate::a2a::profile::{self, PROFILE_URI};
 use crate::a2a::tasks::TaskCell;
 
-/// One JSON-RPC call, as every method function gets it.
+/// How a call's answers are framed.
+#[derive(Debug, Clone)]
+pub(super) enum Binding {
+    /// JSON-RPC 2.0: every answer (stream events included) is a response
+    /// object echoing the request's id.
+    JsonRpc(Value),
+    /// HTTP+JSON: bare results and stream events; errors are a
+    /// `google.rpc.Status` body.
+    Rest,
+}
+
+impl Binding {
+    /// The body (or SSE data) that carries `result`.
+    pub(super) fn result(&self, result: Value) -> Value {
+        match self {
+            Binding::JsonRpc(id) => result_response(id, result),
+            Binding::Rest => result,
+        }
+    }
+
+    /// The body (or SSE `error` event data) that carries `e`.
+    pub(super) fn error(&self, e: &A2aError) -> Value {
+        match self {
+            Binding::JsonRpc(id) => e.to_response(id),
+            Binding::Rest => e.to_status_body(),
+        }
+    }
+}
+
+/// One A2A call (from either binding), as every method function gets it.
 pub(super) struct RpcCall {
     pub(super) ctx: RouterState,
     /// The peer named by the route.
     pub(super) peer: PeerId,
-    /// The request's id, echoed in every answer (stream events included).
-    pub(super) id: Value,
+    /// How answers are framed (for JSON-RPC, with the request's id).
+    pub(super) binding: Binding,
     pub(super) params: Map<String, Value>,
     /// Whether the request activated the OAB Delegation Profile.
     pub(super) profile: bool,
@@ -54,7 +87,7 @@ fn json_response(value: &Value, profile: bool) -> Response {
     resp
 }
 
-fn echo_profile(resp: &mut Response, profile: bool) {
+pub(super) fn echo_profile(resp: &mut Response, profile: bool) {
     if profile {
         resp.headers_mut().insert(
             profile::EXTENSIONS_HEADER,
@@ -63,7 +96,7 @@ fn echo_profile(resp: &mut Response, profile: bool) {
     }
 }
 
-fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+pub(super) fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
     query?
         .split('&')
         .filter_map(|kv| kv.split_once('='))
@@ -75,11 +108,11 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
 /// type; parameters allowed). A missing type, `text/plain` and the form
 /// types are what a browser sends cross-site without a CORS preflight, so
 /// they are refused before any method runs.
-fn check_media_type(headers: &HeaderMap) -> Result<(), A2aError> {
+pub(super) fn check_media_type(headers: &HeaderMap, binding: &str) -> Result<(), A2aError> {
     let Some(ct) = headers.get(header::CONTENT_TYPE) else {
-        return Err(A2aError::ContentTypeNotSupported(
-            "no Content-Type; the JSON-RPC binding takes application/json".into(),
-        ));
+        return Err(A2aError::ContentTypeNotSupported(format!(
+            "no Content-Type; the {binding} binding takes application/json"
+        )));
     };
     let media = ct
         .to_str()
@@ -95,7 +128,7 @@ fn check_media_type(headers: &HeaderMap) -> Result<(), A2aError> {
         Ok(())
     } else {
         Err(A2aError::ContentTypeNotSupported(format!(
-            "Content-Type {:?}; the JSON-RPC binding takes application/json",
+            "Content-Type {:?}; the {binding} binding takes application/json",
             media.chars().take(64).collect::<String>()
         )))
     }
@@ -111,7 +144,7 @@ pub(super) async fn rpc(
     body: Bytes,
 ) -> Response {
     let profile = profile::requested(&headers);
-    if let Err(e) = check_media_type(&headers) {
+    if let Err(e) = check_media_type(&headers, "JSON-RPC") {
         let mut resp = json_response(&e.to_response(&Value::Null), profile);
         *resp.status_mut() = StatusCode::UNSUPPORTED_MEDIA_TYPE;
         return resp;
@@ -133,7 +166,7 @@ pub(super) async fn rpc(
     let call = RpcCall {
         ctx,
         peer,
-        id: id.clone(),
+        binding: Binding::JsonRpc(id.clone()),
         params,
         profile,
         headers,
@@ -141,16 +174,7 @@ pub(super) async fn rpc(
     let reply = dispatch(&call, &method).instrument(span).await;
     match reply {
         Ok(Reply::Result(v)) => json_response(&result_response(&id, v), profile),
-        Ok(Reply::Stream(rx)) => {
-            let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-                rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
-            });
-            let mut resp = Sse::new(stream)
-                .keep_alive(KeepAlive::default())
-                .into_response();
-            echo_profile(&mut resp, profile);
-            resp
-        }
+        Ok(Reply::Stream(rx)) => sse_response(rx, profile),
         Err(e) => {
             if let A2aError::Internal(detail) = &e {
                 warn!(%detail, "a2a call failed");
@@ -160,8 +184,21 @@ pub(super) async fn rpc(
     }
 }
 
+/// An SSE response fed by `rx` (the producer is `stream`).
+pub(super) fn sse_response(rx: mpsc::Receiver<Event>, profile: bool) -> Response {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    let mut resp = Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response();
+    echo_profile(&mut resp, profile);
+    resp
+}
+
 /// The method table: each A2A 1.0 method and the function that answers it.
-async fn dispatch(call: &RpcCall, method: &str) -> Result<Reply, A2aError> {
+/// Both bindings call it (`rest` with the method its route names).
+pub(super) async fn dispatch(call: &RpcCall, method: &str) -> Result<Reply, A2aError> {
     match method {
         "SendMessage" => call.send_message(false).await,
         "SendStreamingMessage" => call.send_message(true).await,

@@ -19,7 +19,7 @@ use super::params::{history_length, param_bool};
 use super::rpc::{Reply, RpcCall};
 use super::stream::{StreamPlan, StreamStart, sse_event};
 use super::tracker::track_delegation;
-use crate::a2a::jsonrpc::{A2aError, result_response};
+use crate::a2a::jsonrpc::A2aError;
 use crate::a2a::model::{fresh_id, message_text, normalise_message, now_ms, validate_user_message};
 use crate::a2a::profile::{self, Contract};
 use crate::a2a::tasks::{FacadeEvent, NewTask, TaskCell};
@@ -264,7 +264,7 @@ impl RpcCall {
         let _ = tokio::time::timeout(self.inner().options.first_event_wait, wait).await;
         let answer = cell.lock().message_response();
         if let Some(m) = answer {
-            let data = result_response(&self.id, json!({ "message": m }));
+            let data = self.binding.result(json!({ "message": m }));
             let _ = tx.try_send(sse_event(&data, None));
             return Reply::Stream(rx);
         }

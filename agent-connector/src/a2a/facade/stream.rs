@@ -18,8 +18,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, warn};
 
-use super::rpc::RpcCall;
-use crate::a2a::jsonrpc::{A2aError, result_response};
+use super::rpc::{Binding, RpcCall};
+use crate::a2a::jsonrpc::A2aError;
 use crate::a2a::profile::PROFILE_URI;
 use crate::a2a::tasks::TaskCell;
 
@@ -45,11 +45,12 @@ pub(super) enum StreamStart {
 impl RpcCall {
     /// Spawns the producer of one SSE stream for this call, feeding `tx`.
     pub(super) fn spawn_stream(&self, plan: StreamPlan, tx: mpsc::Sender<Event>) {
-        let id = self.id.clone();
+        let binding = self.binding.clone();
         let profile = self.profile;
         let stop = self.ctx.streams_stop.clone();
         tokio::spawn(
-            feed_stream(plan, id, profile, tx, stop).instrument(tracing::debug_span!("a2a_stream")),
+            feed_stream(plan, binding, profile, tx, stop)
+                .instrument(tracing::debug_span!("a2a_stream")),
         );
     }
 }
@@ -64,11 +65,12 @@ pub(super) fn sse_event(data: &Value, id: Option<u64>) -> Event {
     }
 }
 
-/// An SSE `error` event: the JSON-RPC error response for `e`.
-fn sse_error(rpc_id: &Value, e: &A2aError) -> Event {
+/// An SSE `error` event: the binding's error body for `e` (a JSON-RPC
+/// error response, or a `google.rpc.Status`).
+fn sse_error(binding: &Binding, e: &A2aError) -> Event {
     Event::default()
         .event("error")
-        .data(serde_json::to_string(&e.to_response(rpc_id)).unwrap_or_default())
+        .data(serde_json::to_string(&binding.error(e)).unwrap_or_default())
 }
 
 /// Feeds one SSE stream from the task table until the stream closes (a
@@ -76,7 +78,7 @@ fn sse_error(rpc_id: &Value, e: &A2aError) -> Event {
 /// stops or `stop` fires. It never touches the delegation itself.
 async fn feed_stream(
     plan: StreamPlan,
-    rpc_id: Value,
+    binding: Binding,
     profile: bool,
     tx: mpsc::Sender<Event>,
     stop: CancellationToken,
@@ -93,10 +95,7 @@ async fn feed_stream(
         let rec = cell.lock();
         match first {
             StreamStart::Created => sse_event(
-                &result_response(
-                    &rpc_id,
-                    json!({ "task": rec.render_created(&cell, &task_id, profile) }),
-                ),
+                &binding.result(json!({ "task": rec.render_created(&cell, &task_id, profile) })),
                 id_of(0),
             ),
             StreamStart::Snapshot { gap } => {
@@ -113,7 +112,7 @@ async fn feed_stream(
                     );
                 }
                 sse_event(
-                    &result_response(&rpc_id, json!({ "task": task })),
+                    &binding.result(json!({ "task": task })),
                     id_of(rec.last_seq),
                 )
             }
@@ -149,12 +148,12 @@ async fn feed_stream(
             let e = A2aError::Internal(format!(
                 "events after {cursor} are no longer kept; resubscribe (with the profile, from a cursor)"
             ));
-            let _ = tx.send(sse_error(&rpc_id, &e)).await;
+            let _ = tx.send(sse_error(&binding, &e)).await;
             return;
         }
         for (seq, body, closes) in batch {
             if tx
-                .send(sse_event(&result_response(&rpc_id, body), id_of(seq)))
+                .send(sse_event(&binding.result(body), id_of(seq)))
                 .await
                 .is_err()
             {
@@ -171,7 +170,7 @@ async fn feed_stream(
         if let Some(reason) = closed {
             warn!(%reason, "a stream ends: the connector stopped");
             let e = A2aError::Internal(format!("the connector stopped: {reason}"));
-            let _ = tx.send(sse_error(&rpc_id, &e)).await;
+            let _ = tx.send(sse_error(&binding, &e)).await;
             return;
         }
         tokio::select! {

@@ -9,7 +9,11 @@
 // never sleeps to wait for a state: the sample agent's gated tasks are
 // released with an explicit call.
 //
-//   node client.mjs --facade-url http://127.0.0.1:P/peers/callee/ --agent-url http://127.0.0.1:Q
+// `--transport http_json` makes the SDK prefer the card's HTTP+JSON
+// interface (its REST transport) over JSON-RPC; the routes it called on the
+// facade are reported, so the test sees which binding was spoken.
+//
+//   node client.mjs --facade-url http://127.0.0.1:P/peers/callee/ --agent-url http://127.0.0.1:Q [--transport jsonrpc|http_json]
 
 import { ClientFactory, ClientFactoryOptions } from '@a2a-js/sdk/client';
 
@@ -24,6 +28,24 @@ const arg = (name) => {
 };
 const facadeUrl = arg('--facade-url');
 const agentUrl = arg('--agent-url');
+const transport = process.argv.includes('--transport') ? arg('--transport') : 'jsonrpc';
+if (!['jsonrpc', 'http_json'].includes(transport)) throw new Error(`unknown transport ${transport}`);
+const preferred = { preferredTransports: [transport === 'http_json' ? 'HTTP+JSON' : 'JSONRPC'] };
+
+// Every request to the facade, as "METHOD route" relative to the peer base
+// (task ids as {id}).
+const routes = new Set();
+const realFetch = globalThis.fetch;
+globalThis.fetch = (input, init) => {
+  const url = new URL(typeof input === 'string' || input instanceof URL ? input : input.url);
+  const base = new URL(facadeUrl);
+  if (url.origin === base.origin && url.pathname.startsWith(base.pathname.replace(/\/$/, ''))) {
+    const rel = url.pathname.slice(base.pathname.replace(/\/$/, '').length) || '/';
+    const method = (init?.method ?? (typeof input === 'object' && 'method' in input ? input.method : 'GET')).toUpperCase();
+    routes.add(`${method} ${rel.replace(/^\/tasks\/[^/:]+/, '/tasks/{id}')}`);
+  }
+  return realFetch(input, init);
+};
 
 let n = 0;
 const msg = (prefix, t, taskId) => ({
@@ -100,12 +122,14 @@ async function post(url) {
 
 async function run() {
   const r = {};
-  const streaming = await new ClientFactory().createFromUrl(facadeUrl);
+  const streaming = await new ClientFactory(
+    ClientFactoryOptions.createFrom(ClientFactoryOptions.default, preferred),
+  ).createFromUrl(facadeUrl);
   const blocking = await new ClientFactory(
-    ClientFactoryOptions.createFrom(ClientFactoryOptions.default, { clientConfig: { polling: false } }),
+    ClientFactoryOptions.createFrom(ClientFactoryOptions.default, { ...preferred, clientConfig: { polling: false } }),
   ).createFromUrl(facadeUrl);
   const polling = await new ClientFactory(
-    ClientFactoryOptions.createFrom(ClientFactoryOptions.default, { clientConfig: { polling: true } }),
+    ClientFactoryOptions.createFrom(ClientFactoryOptions.default, { ...preferred, clientConfig: { polling: true } }),
   ).createFromUrl(facadeUrl);
   const profile = { serviceParameters: { 'A2A-Extensions': PROFILE } };
 
@@ -113,6 +137,7 @@ async function run() {
   r.card = {
     name: card.name,
     interface: card.supportedInterfaces[0],
+    interfaces: card.supportedInterfaces,
     extensions: (card.capabilities.extensions ?? []).map((e) => e.uri),
   };
 
@@ -213,6 +238,7 @@ async function run() {
     next2: page2.nextPageToken,
     artifacts_in_list: page1.tasks.some((t) => (t.artifacts ?? []).length > 0),
   };
+  r.routes = [...routes].sort();
   return r;
 }
 
