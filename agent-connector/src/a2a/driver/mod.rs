@@ -3,7 +3,9 @@
 //! unchanged.
 //!
 //! Per delegation: resolve the server's agent card (cached), pick its first
-//! JSON-RPC 1.0 interface, send the caller's message with
+//! 1.0 interface the driver speaks, JSON-RPC or HTTP+JSON, in the card's
+//! order of preference (or the binding [`DriverOptions::binding`] forces;
+//! see `card.rs`), send the caller's message with
 //! `SendStreamingMessage` (or a blocking `SendMessage` when the card does
 //! not stream), and map the server's events onto the [`EventSink`]:
 //! status updates become `status` events, artifact updates `artifact`
@@ -17,6 +19,12 @@
 //! A stream that drops mid-task is resumed with `SubscribeToTask` (and
 //! `GetTask` once the task is finished). When `run.cancel` fires the driver
 //! sends `CancelTask` and waits a bounded time for the server's terminal.
+//!
+//! Both bindings behave alike: the wire format is in `transport.rs`
+//! (`jsonrpc.rs`, `rest.rs`), which hands the turns StreamResponse objects
+//! and maps each binding's errors onto [`DriverError::Rpc`] with the A2A
+//! error's JSON-RPC code; everything else (folding events, follow-ups,
+//! resubscribe, cancel, bounds) is written once, here.
 //!
 //! Plain HTTP only (the server is on loopback; no TLS code is linked in).
 //!
@@ -37,11 +45,13 @@ use tracing::{debug, warn};
 
 use super::model::{TaskState, artifact_from_a2a, fresh_id, normalise_message};
 use super::profile::PROFILE_URI;
+use crate::a2a::AgentBinding;
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
 
 mod card;
 mod jsonrpc;
+mod rest;
 mod sse;
 mod transport;
 
@@ -76,6 +86,12 @@ pub struct DriverOptions {
     /// the caller's follow-up before the delegation ends `failed`, its
     /// concurrency slot freed. Default [`DriverOptions::DEFAULT_INPUT_TIMEOUT`].
     pub input_timeout: Duration,
+    /// The binding to speak to the server. `None` (the default): the first
+    /// interface of the card's `supportedInterfaces` (the server's order of
+    /// preference) that is `JSONRPC` or `HTTP+JSON` with protocol version
+    /// 1.0. `Some(b)`: the first 1.0 interface with binding `b`; a card
+    /// without one fails with [`DriverError::NoInterface`].
+    pub binding: Option<AgentBinding>,
 }
 
 impl DriverOptions {
@@ -94,6 +110,7 @@ impl DriverOptions {
             resubscribe_attempts: 5,
             card_ttl: Duration::from_secs(60),
             input_timeout: Self::DEFAULT_INPUT_TIMEOUT,
+            binding: None,
         }
     }
 }
@@ -107,10 +124,25 @@ pub enum DriverError {
     /// Transport failure.
     #[error("HTTP: {0}")]
     Http(String),
-    /// The card is missing, malformed, or has no JSON-RPC 1.0 interface.
+    /// The card is missing or malformed.
     #[error("agent card: {0}")]
     Card(String),
-    /// The server answered with a JSON-RPC error.
+    /// The card offers no interface the driver can use: none with a binding
+    /// it speaks (or the one [`DriverOptions::binding`] forces), protocol
+    /// version 1.0 and an `http://` URL. Every delegation fails with it
+    /// until the card offers one.
+    #[error(
+        "the agent card offers no interface the driver can use: wanted {wanted} for protocol 1.0 at an http:// url; the card offers {offered}"
+    )]
+    NoInterface {
+        /// The bindings looked for.
+        wanted: String,
+        /// The card's interfaces (binding, version, url), at most 8.
+        offered: String,
+    },
+    /// The server answered with an A2A error: a JSON-RPC error, or an
+    /// HTTP+JSON error (google.rpc.Status) given the JSON-RPC code of the
+    /// same A2A error.
     #[error("the A2A server answered {code}: {message}")]
     Rpc {
         /// The JSON-RPC error code.
@@ -162,6 +194,12 @@ impl A2aDriver {
     pub async fn agent_card(&self) -> Result<Value, DriverError> {
         Ok(self.inner.resolve(true).await?.card)
     }
+
+    /// The binding the driver speaks to the local server, as chosen from
+    /// its card (read now, or as cached for [`DriverOptions::card_ttl`]).
+    pub async fn binding(&self) -> Result<AgentBinding, DriverError> {
+        Ok(self.inner.resolve(false).await?.transport.binding())
+    }
 }
 
 /// First pause between attempts of [`publish_card`].
@@ -181,6 +219,7 @@ pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
     let mut pause = PUBLISH_RETRY_INITIAL;
     let mut failures = 0u64;
     loop {
+        let mut unusable = false;
         let failure = match driver.agent_card().await {
             Ok(card) => match connector.publish(&card).await {
                 Ok(()) => {
@@ -189,10 +228,15 @@ pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
                 }
                 Err(e) => format!("the relay did not take it: {e}"),
             },
-            Err(e) => format!("could not read the local A2A server's card: {e}"),
+            Err(e) => {
+                unusable = matches!(e, DriverError::NoInterface { .. });
+                format!("could not read the local A2A server's card: {e}")
+            }
         };
         failures += 1;
-        if failures == 1 {
+        if unusable && failures == 1 {
+            tracing::error!(error = %failure, retry_in_ms = pause.as_millis(), "the local A2A server offers no interface the driver speaks: every delegation fails until its card offers one");
+        } else if failures == 1 {
             tracing::warn!(error = %failure, retry_in_ms = pause.as_millis(), "agent card not published yet; retrying until it is");
         } else {
             tracing::debug!(error = %failure, attempts = failures, "agent card still not published");

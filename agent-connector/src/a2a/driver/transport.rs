@@ -1,5 +1,5 @@
 //! The binding the driver speaks to the local A2A server, chosen from the
-//! server's card (see [`super::card`]). [`AgentTransport`] has one variant
+//! server's card (see `card.rs`). [`AgentTransport`] has one variant
 //! per binding; the driver's turns call it and never see the wire format.
 
 use std::time::Duration;
@@ -8,7 +8,9 @@ use serde_json::Value;
 
 use super::DriverError;
 use super::jsonrpc::JsonRpc;
+use super::rest::Rest;
 use super::sse::SseEvent;
+use crate::a2a::AgentBinding;
 
 /// One A2A operation the driver calls.
 #[derive(Debug, Clone, Copy)]
@@ -46,9 +48,19 @@ impl Call<'_> {
 pub(super) enum AgentTransport {
     /// JSON-RPC 2.0 (SPEC §9).
     JsonRpc(JsonRpc),
+    /// HTTP+JSON, the REST binding (SPEC §11).
+    Rest(Rest),
 }
 
 impl AgentTransport {
+    /// The binding spoken.
+    pub(super) fn binding(&self) -> AgentBinding {
+        match self {
+            AgentTransport::JsonRpc(_) => AgentBinding::JsonRpc,
+            AgentTransport::Rest(_) => AgentBinding::HttpJson,
+        }
+    }
+
     /// Sends `call`; [`Call::bounded`] calls are bounded by `timeout`.
     pub(super) async fn send(
         &self,
@@ -58,6 +70,7 @@ impl AgentTransport {
     ) -> reqwest::Result<reqwest::Response> {
         match self {
             AgentTransport::JsonRpc(t) => t.send(http, call, timeout).await,
+            AgentTransport::Rest(t) => t.send(http, call, timeout).await,
         }
     }
 
@@ -67,6 +80,7 @@ impl AgentTransport {
     pub(super) async fn decode(&self, resp: reqwest::Response) -> Result<Value, DriverError> {
         match self {
             AgentTransport::JsonRpc(t) => t.decode(resp).await,
+            AgentTransport::Rest(t) => t.decode(resp).await,
         }
     }
 
@@ -75,6 +89,7 @@ impl AgentTransport {
     pub(super) fn event(&self, ev: &SseEvent) -> Result<Value, String> {
         match self {
             AgentTransport::JsonRpc(t) => t.event(ev),
+            AgentTransport::Rest(t) => t.event(ev),
         }
     }
 }
