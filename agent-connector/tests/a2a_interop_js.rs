@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
-use oab_connector::a2a::PROFILE_URI;
+use oab_connector::a2a::{A2aDriver, AgentBinding, DriverOptions, PROFILE_URI};
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::Value;
 
@@ -48,9 +48,26 @@ fn texts(events: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_js_sdk_client_and_server_through_the_relay() {
+    js_client_and_server(AgentBinding::JsonRpc).await;
+}
+
+/// The same scenarios with the SDK server serving only HTTP+JSON (its
+/// `restHandler`): the driver speaks REST to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_js_sdk_client_and_rest_only_server_through_the_relay() {
+    js_client_and_server(AgentBinding::HttpJson).await;
+}
+
+async fn js_client_and_server(binding: AgentBinding) {
     let Some(node) = node() else { return };
-    let (mut agent, port) = js_sample_agent(&node).await;
+    let flag = match binding {
+        AgentBinding::JsonRpc => "jsonrpc",
+        AgentBinding::HttpJson => "rest",
+    };
+    let (mut agent, port) = js_sample_agent_with(&node, flag).await;
     let agent_url = format!("http://127.0.0.1:{port}");
+    let driver = A2aDriver::new(DriverOptions::new(agent_url.as_str())).unwrap();
+    assert_eq!(driver.binding().await.unwrap(), binding);
 
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;

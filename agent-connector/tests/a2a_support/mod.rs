@@ -446,9 +446,18 @@ pub fn node() -> Option<std::path::PathBuf> {
 /// Starts the JavaScript-SDK sample server (`interop/js/sample_agent.mjs`);
 /// returns it and its port.
 pub async fn js_sample_agent(node: &std::path::Path) -> (tokio::process::Child, u16) {
+    js_sample_agent_with(node, "jsonrpc").await
+}
+
+/// [`js_sample_agent`] serving `binding` (`jsonrpc` or `rest`).
+pub async fn js_sample_agent_with(
+    node: &std::path::Path,
+    binding: &str,
+) -> (tokio::process::Child, u16) {
     use tokio::io::AsyncBufReadExt as _;
     let mut child = tokio::process::Command::new(node)
         .arg(js_dir().join("sample_agent.mjs"))
+        .arg(format!("--binding={binding}"))
         .current_dir(js_dir())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
