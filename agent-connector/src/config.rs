@@ -110,6 +110,11 @@ pub struct A2aSection {
     /// `failed` and frees its concurrency slot, ms. Unset: two minutes.
     #[serde(default)]
     pub input_timeout_ms: Option<u64>,
+    /// The binding the driver speaks to the local A2A server: `"JSONRPC"`
+    /// or `"HTTP+JSON"`. Unset: the first of the two the server's card
+    /// lists with protocol version 1.0 (the card's order of preference).
+    #[serde(default)]
+    pub driver_binding: Option<crate::a2a::AgentBinding>,
 }
 
 pub use crate::openab::config::{OpenAbRuntime, OpenAbSection, OpenAbServe, OpenAbTarget};

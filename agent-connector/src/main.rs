@@ -307,6 +307,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
             if let Some(ms) = config.a2a.input_timeout_ms {
                 options.input_timeout = Duration::from_millis(ms);
             }
+            options.binding = config.a2a.driver_binding;
             Some(A2aDriver::new(options)?)
         }
         None => None,

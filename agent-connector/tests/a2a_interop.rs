@@ -5,6 +5,9 @@
 //! (client.py)       (in-process)          (in-process)    (in-process)         (sample_agent.py)
 //! ```
 //!
+//! The SDK server serves JSON-RPC, or only HTTP+JSON (REST): the `_rest`
+//! tests run the same scenarios with the driver speaking REST to it.
+//!
 //! Needs the virtualenv made by `scripts/python-env` (`.venv` at the
 //! repository root).
 #![allow(
@@ -22,7 +25,7 @@ use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
-use oab_connector::a2a::PROFILE_URI;
+use oab_connector::a2a::{A2aDriver, AgentBinding, DriverOptions, PROFILE_URI};
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::Value;
 
@@ -46,7 +49,7 @@ fn texts(events: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_sdk_client_and_server_through_the_relay() {
-    sdk_scenarios("jsonrpc").await;
+    sdk_scenarios("jsonrpc", AgentBinding::JsonRpc).await;
 }
 
 /// The same scenarios with the SDK client restricted to the facade's
@@ -54,19 +57,47 @@ async fn official_sdk_client_and_server_through_the_relay() {
 /// JSON-RPC to the SDK server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_sdk_rest_client_through_the_relay() {
-    sdk_scenarios("http_json").await;
+    sdk_scenarios("http_json", AgentBinding::JsonRpc).await;
+}
+
+/// The same scenarios over HTTP+JSON end to end: the SDK client on the
+/// facade's REST interface, and the SDK server serving only HTTP+JSON, which
+/// the driver picks from the card and speaks REST to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_sdk_client_and_rest_only_server_through_the_relay() {
+    sdk_scenarios("http_json", AgentBinding::HttpJson).await;
+}
+
+/// The sample agent's `--binding` for a binding served alone.
+fn agent_flag(binding: AgentBinding) -> &'static str {
+    match binding {
+        AgentBinding::JsonRpc => "jsonrpc",
+        AgentBinding::HttpJson => "rest",
+    }
+}
+
+/// A driver for the server at `url`; asserts the binding it chose.
+async fn expect_binding(url: &str, want: AgentBinding) {
+    let driver = A2aDriver::new(DriverOptions::new(url)).unwrap();
+    assert_eq!(driver.binding().await.unwrap(), want);
 }
 
 /// Runs `client.py --transport <transport>` through facade, relay and
-/// driver against the SDK sample server and checks what it saw.
-async fn sdk_scenarios(transport: &str) {
+/// driver against the SDK sample server serving only `binding`, and checks
+/// what it saw.
+async fn sdk_scenarios(transport: &str, binding: AgentBinding) {
     let python = python();
-    let (mut agent, port) = sample_agent().await;
+    let (mut agent, port) = sample_agent_with(0, agent_flag(binding), None).await;
     let agent_url = format!("http://127.0.0.1:{port}");
+    expect_binding(&agent_url, binding).await;
 
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let (a, b, card) = driver_topology(&env, &relay, &agent_url).await;
+    assert_eq!(
+        card["supportedInterfaces"][0]["protocolBinding"],
+        binding.as_str()
+    );
     assert_eq!(card["name"], "OAB interop sample agent");
     let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
     let facade_url = facade.url(CALLEE);
@@ -289,13 +320,24 @@ fn status_text(message: Option<&Value>) -> Option<String> {
 /// received equals what the agent emitted before its terminal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn progress_around_a_cancel_reaches_the_caller_through_the_driver() {
+    cancel_races(AgentBinding::JsonRpc, 210).await;
+}
+
+/// The same races with the driver speaking HTTP+JSON (`CancelTask` is
+/// `POST tasks/{id}:cancel`), fewer of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_around_a_cancel_reaches_the_caller_through_the_driver_rest() {
+    cancel_races(AgentBinding::HttpJson, 70).await;
+}
+
+async fn cancel_races(binding: AgentBinding, races: usize) {
     use futures_util::StreamExt as _;
     use oab_connector::EventKind;
     use oab_wire::Outcome;
 
-    const RACES: usize = 210;
-    let (_agent, port) = sample_agent().await;
+    let (_agent, port) = sample_agent_with(0, agent_flag(binding), None).await;
     let agent_url = format!("http://127.0.0.1:{port}");
+    expect_binding(&agent_url, binding).await;
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let (a, b, _card) = driver_topology(&env, &relay, &agent_url).await;
@@ -304,7 +346,7 @@ async fn progress_around_a_cancel_reaches_the_caller_through_the_driver() {
     let run = oab_wire::InstanceId::random().to_hex();
     let slots = Arc::new(tokio::sync::Semaphore::new(8));
     let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..RACES {
+    for i in 0..races {
         let (a, http, agent_url) = (a.clone(), http.clone(), agent_url.clone());
         let slot = slots.clone().acquire_owned().await.unwrap();
         // The caller cancels once it saw `after` ticks (0: right after the
@@ -373,9 +415,9 @@ async fn progress_around_a_cancel_reaches_the_caller_through_the_driver() {
             cancel_seen += usize::from(got.last().is_some_and(|t| t == "cancel seen"));
         }
     }
-    println!("{ran} of {RACES} delegations reached the agent before the cancel");
+    println!("{ran} of {races} delegations reached the agent before the cancel");
     assert!(
-        ran >= RACES * 6 / 7,
+        ran >= races * 6 / 7,
         "the cancel raced a running agent: {ran}"
     );
     assert_eq!(
@@ -445,4 +487,164 @@ async fn a_card_is_published_once_an_agent_that_starts_later_answers() {
     agent.kill().await.unwrap();
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// A delegation of the sample agent's `gated-` mode (step 1, step 2, wait
+/// for the gate, step 3, step 4, artifact, completed) through a proxy
+/// that cuts the driver's connections to the agent after step 2: the
+/// driver resumes with `SubscribeToTask` (JSON-RPC, or
+/// `POST tasks/{id}:subscribe` over HTTP+JSON) and the delegation
+/// completes with everything after the break. A2A has no replay: the
+/// subscription starts with the task's snapshot, whose status (step 2)
+/// goes up once more; the gate opens only once it did, so the rest of the
+/// task runs on the resumed stream.
+async fn dropped_agent_stream_resumes(binding: AgentBinding) {
+    use futures_util::StreamExt as _;
+    use oab_connector::EventKind;
+    use oab_wire::Outcome;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_url = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    let (mut agent, port) = sample_agent_with(0, agent_flag(binding), Some(&proxy_url)).await;
+    let proxy = CutProxy::start(listener, port);
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (a, b, card) = driver_topology(&env, &relay, &proxy_url).await;
+    assert!(
+        card["supportedInterfaces"][0]["url"]
+            .as_str()
+            .unwrap()
+            .starts_with(&proxy_url),
+        "{card}"
+    );
+    let mid = format!("gated-{}", oab_wire::InstanceId::random().to_hex());
+    let mut spec = spec("gated");
+    spec.task.a2a_message = Some(serde_json::json!({
+        "messageId": mid, "role": "ROLE_USER", "parts": [{ "text": "gated" }],
+    }));
+    let h = a.caller().delegate(&peer(CALLEE), spec).await.unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    let http = reqwest::Client::new();
+    let (mut got, mut artifacts) = (Vec::new(), Vec::new());
+    let outcome = loop {
+        let ev = tokio::time::timeout(STEP, events.next())
+            .await
+            .expect("the terminal arrives in time")
+            .expect("the stream lasts until the terminal")
+            .unwrap();
+        match ev.kind {
+            EventKind::Status { message, .. } => {
+                let Some(t) = status_text(message.as_ref()) else {
+                    continue;
+                };
+                got.push(t);
+                if got == ["step 1", "step 2"] {
+                    proxy.cut();
+                } else if got.len() == 3 {
+                    // The resumed subscription's snapshot went up: the
+                    // driver listens again. Straight to the agent, not
+                    // through the proxy.
+                    let r = http
+                        .post(format!("http://127.0.0.1:{port}/test/gates/{mid}"))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert!(r.status().is_success());
+                }
+            }
+            EventKind::Artifact { artifact, .. } => artifacts.push(artifact),
+            EventKind::Terminal(t) => break t.outcome,
+            _ => {}
+        }
+    };
+    assert_eq!(outcome, Outcome::Completed, "{got:?}");
+    assert_eq!(
+        got,
+        ["step 1", "step 2", "step 2", "step 3", "step 4"],
+        "the snapshot's status once more, then the rest"
+    );
+    assert_eq!(artifacts.len(), 1, "{artifacts:?}");
+    assert_eq!(artifacts[0].text.as_deref(), Some("gated result"));
+    let subscribed = proxy.sent().iter().any(|c| match binding {
+        AgentBinding::JsonRpc => c.contains("\"SubscribeToTask\""),
+        AgentBinding::HttpJson => c.starts_with("POST ") && c.contains(":subscribe HTTP/1.1"),
+    });
+    assert!(subscribed, "the driver subscribed: {:?}", proxy.sent());
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    agent.kill().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_agent_stream_is_resumed_with_subscribe() {
+    dropped_agent_stream_resumes(AgentBinding::JsonRpc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_agent_stream_is_resumed_with_subscribe_rest() {
+    dropped_agent_stream_resumes(AgentBinding::HttpJson).await;
+}
+
+/// A card listing both bindings, HTTP+JSON first: the driver follows the
+/// card's order unless its options force a binding; forcing one the card
+/// lacks is a typed error at the first read of the card, and every
+/// delegation fails with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cards_order_picks_the_binding_unless_the_options_force_one() {
+    use oab_connector::a2a::DriverError;
+    use oab_wire::Outcome;
+
+    let (mut both, port) = sample_agent_with(0, "both", None).await;
+    let both_url = format!("http://127.0.0.1:{port}");
+    expect_binding(&both_url, AgentBinding::HttpJson).await;
+    let mut forced = DriverOptions::new(both_url.as_str());
+    forced.binding = Some(AgentBinding::JsonRpc);
+    let forced = A2aDriver::new(forced).unwrap();
+    assert_eq!(forced.binding().await.unwrap(), AgentBinding::JsonRpc);
+
+    let (mut rest, port) = sample_agent_with(0, "rest", None).await;
+    let mut options = DriverOptions::new(format!("http://127.0.0.1:{port}"));
+    options.binding = Some(AgentBinding::JsonRpc);
+    let driver = A2aDriver::new(options).unwrap();
+    let e = driver.binding().await.unwrap_err();
+    assert!(matches!(e, DriverError::NoInterface { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("JSONRPC (forced by the driver's options)")
+            && text.contains(&format!(
+                "HTTP+JSON 1.0 at http://127.0.0.1:{port}/a2a/rest"
+            )),
+        "{text}"
+    );
+
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let b = connector(&env, &env.callee, relay.addr, Some(Arc::new(driver)));
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("hello"))
+        .await
+        .unwrap();
+    let t = a.caller().wait(&h, STEP).await.unwrap();
+    assert_eq!(t.outcome, Outcome::Failed);
+    let error = a
+        .caller()
+        .verify(&h, &t)
+        .unwrap()
+        .result
+        .error
+        .unwrap_or_default();
+    assert!(
+        error.contains("offers no interface the driver can use"),
+        "{error}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    both.kill().await.unwrap();
+    rest.kill().await.unwrap();
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use a2a_support::*;
 use common::*;
-use oab_connector::a2a::PROFILE_URI;
+use oab_connector::a2a::{A2aDriver, AgentBinding, DriverOptions, PROFILE_URI};
 use oab_relay::store::{MemoryStore, Retention};
 use serde_json::Value;
 
@@ -48,20 +48,34 @@ fn texts(events: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_js_sdk_client_and_server_through_the_relay() {
-    js_scenarios("jsonrpc").await;
+    js_scenarios("jsonrpc", AgentBinding::JsonRpc).await;
 }
 
 /// The same scenarios with the SDK client preferring the facade's HTTP+JSON
 /// interface (its REST transport).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_js_sdk_rest_client_through_the_relay() {
-    js_scenarios("http_json").await;
+    js_scenarios("http_json", AgentBinding::JsonRpc).await;
 }
 
-async fn js_scenarios(transport: &str) {
+/// HTTP+JSON end to end: the SDK client on the facade's REST interface and
+/// the SDK server serving only HTTP+JSON (its `restHandler`), which the
+/// driver speaks REST to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_js_sdk_client_and_rest_only_server_through_the_relay() {
+    js_scenarios("http_json", AgentBinding::HttpJson).await;
+}
+
+async fn js_scenarios(transport: &str, binding: AgentBinding) {
     let Some(node) = node() else { return };
-    let (mut agent, port) = js_sample_agent(&node).await;
+    let flag = match binding {
+        AgentBinding::JsonRpc => "jsonrpc",
+        AgentBinding::HttpJson => "rest",
+    };
+    let (mut agent, port) = js_sample_agent_with(&node, flag).await;
     let agent_url = format!("http://127.0.0.1:{port}");
+    let driver = A2aDriver::new(DriverOptions::new(agent_url.as_str())).unwrap();
+    assert_eq!(driver.binding().await.unwrap(), binding);
 
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;

@@ -8,7 +8,8 @@
 //! | `tasks` | the facade's task table: delegation events folded into A2A tasks and events |
 //! | [`facade`] | caller side: per-peer agent cards, the JSON-RPC and HTTP+JSON bindings with SSE, one module per A2A method |
 //! | [`server`] | serving the facade on an injected listener until a shutdown token fires |
-//! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server |
+//! | [`driver`] | callee side: a [`crate::TaskExecutor`] that forwards to a local A2A 1.0 server (JSON-RPC or HTTP+JSON) |
+//! | `binding` | [`AgentBinding`]: the bindings the driver speaks |
 //! | `defaults` | [`DelegationDefaults`]: what a delegation asks for when its client says nothing |
 //!
 //! Feature `a2a` (on by default) builds the HTTP parts (`facade`, `server`,
@@ -28,6 +29,7 @@
 //! request that the caller's `authorize_outgoing` checks like any other, and
 //! the A2A server behind the driver runs only what the callee runtime accepted.
 
+mod binding;
 mod defaults;
 #[cfg(feature = "a2a")]
 pub mod driver;
@@ -42,6 +44,7 @@ pub mod server;
 #[cfg(feature = "a2a")]
 mod tasks;
 
+pub use binding::AgentBinding;
 pub use defaults::DelegationDefaults;
 #[cfg(feature = "a2a")]
 pub use driver::{A2aDriver, DriverError, DriverOptions, publish_card};

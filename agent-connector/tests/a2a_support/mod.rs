@@ -447,11 +447,27 @@ pub async fn sample_agent() -> (tokio::process::Child, u16) {
 /// Starts the official-SDK sample server on `port` (0: a free one);
 /// returns it and its port.
 pub async fn sample_agent_at(port: u16) -> (tokio::process::Child, u16) {
+    sample_agent_with(port, "jsonrpc", None).await
+}
+
+/// Starts the official-SDK sample server on `port` (0: a free one) serving
+/// `binding` (`jsonrpc`, `rest` or `both`), its card's interfaces at
+/// `public` (default: its own address); returns it and its port.
+pub async fn sample_agent_with(
+    port: u16,
+    binding: &str,
+    public: Option<&str>,
+) -> (tokio::process::Child, u16) {
     use tokio::io::AsyncBufReadExt as _;
     let script = repo().join("agent-connector/tests/interop/sample_agent.py");
-    let mut child = tokio::process::Command::new(python())
-        .arg(script)
+    let mut cmd = tokio::process::Command::new(python());
+    cmd.arg(script)
         .arg(format!("--port={port}"))
+        .arg(format!("--binding={binding}"));
+    if let Some(p) = public {
+        cmd.arg(format!("--public-url={p}"));
+    }
+    let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)
@@ -562,9 +578,18 @@ pub fn node() -> Option<std::path::PathBuf> {
 /// Starts the JavaScript-SDK sample server (`interop/js/sample_agent.mjs`);
 /// returns it and its port.
 pub async fn js_sample_agent(node: &std::path::Path) -> (tokio::process::Child, u16) {
+    js_sample_agent_with(node, "jsonrpc").await
+}
+
+/// [`js_sample_agent`] serving `binding` (`jsonrpc` or `rest`).
+pub async fn js_sample_agent_with(
+    node: &std::path::Path,
+    binding: &str,
+) -> (tokio::process::Child, u16) {
     use tokio::io::AsyncBufReadExt as _;
     let mut child = tokio::process::Command::new(node)
         .arg(js_dir().join("sample_agent.mjs"))
+        .arg(format!("--binding={binding}"))
         .current_dir(js_dir())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
@@ -583,4 +608,86 @@ pub async fn js_sample_agent(node: &std::path::Path) -> (tokio::process::Child, 
         .and_then(|p| p.trim().parse().ok())
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
     (child, port)
+}
+
+/// A loopback TCP proxy in front of a local A2A server whose open
+/// connections can be cut: the server's streams then break as a crashed
+/// connection breaks them, while new connections go through.
+pub struct CutProxy {
+    /// The proxy's port.
+    pub port: u16,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// What clients sent, per chunk (lossy UTF-8), in order.
+    sent: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl CutProxy {
+    /// Proxies connections to `listener` on to `127.0.0.1:target`.
+    pub fn start(listener: tokio::net::TcpListener, target: u16) -> CutProxy {
+        let port = listener.local_addr().unwrap().port();
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (c, s) = (conns.clone(), sent.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let sent = s.clone();
+                let task = tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                    else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let up = async move {
+                        let mut buf = vec![0u8; 16 << 10];
+                        while let Ok(n) = cr.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            sent.lock()
+                                .unwrap()
+                                .push(String::from_utf8_lossy(&buf[..n]).into_owned());
+                            if sw.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        let _ = sw.shutdown().await;
+                    };
+                    let down = async move {
+                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                        let _ = cw.shutdown().await;
+                    };
+                    tokio::join!(up, down);
+                });
+                c.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        CutProxy {
+            port,
+            conns,
+            sent,
+            accept,
+        }
+    }
+
+    /// Closes every connection open now (both sides).
+    pub fn cut(&self) {
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    /// What clients sent so far.
+    pub fn sent(&self) -> Vec<String> {
+        self.sent.lock().unwrap().clone()
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
 }

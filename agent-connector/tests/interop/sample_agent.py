@@ -4,6 +4,12 @@ Run by agent-connector/tests/a2a_interop.rs as the local A2A server behind
 connector B's driver. It binds 127.0.0.1 on a free port and prints
 ``READY <port>`` on stdout once it serves.
 
+``--public-url`` sets the base URL of the card's interfaces (a proxy in
+front of it). ``--binding`` chooses what it serves, and its card lists: ``jsonrpc`` (the
+default) the JSON-RPC binding at ``/a2a/jsonrpc``, ``rest`` only the
+HTTP+JSON binding at ``/a2a/rest`` (the SDK's REST routes), ``both`` the
+two, HTTP+JSON first.
+
 What it does is chosen by the prefix of the message id:
 
 - ``stream-``: working, three progress updates, a text artifact in two
@@ -51,7 +57,7 @@ from a2a.server.agent_execution.agent_executor import AgentExecutor
 from a2a.server.agent_execution.context import RequestContext
 from a2a.server.events.event_queue import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes, create_rest_routes
 from a2a.server.tasks.inmemory_task_store import InMemoryTaskStore
 from a2a.server.tasks.task_updater import TaskUpdater
 from a2a.types import (
@@ -254,31 +260,39 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--binding", choices=["jsonrpc", "rest", "both"], default="jsonrpc")
+    parser.add_argument("--public-url", default="", help="the base URL in the card (default: its own)")
     args = parser.parse_args()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
-    base = f"http://{args.host}:{port}"
+    base = args.public_url.rstrip("/") or f"http://{args.host}:{port}"
+    rest = AgentInterface(protocol_binding="HTTP+JSON", protocol_version="1.0", url=f"{base}/a2a/rest")
+    jsonrpc = AgentInterface(protocol_binding="JSONRPC", protocol_version="1.0", url=f"{base}/a2a/jsonrpc")
+    interfaces = {"jsonrpc": [jsonrpc], "rest": [rest], "both": [rest, jsonrpc]}[args.binding]
     card = AgentCard(
         name="OAB interop sample agent",
         description="An official a2a-sdk server used by the OAB relay's interop test.",
         version="1.0.0",
-        supported_interfaces=[
-            AgentInterface(protocol_binding="JSONRPC", protocol_version="1.0", url=f"{base}/a2a/jsonrpc"),
-        ],
+        supported_interfaces=interfaces,
         capabilities=AgentCapabilities(streaming=True, push_notifications=False),
         default_input_modes=["text/plain"],
         default_output_modes=["text/plain"],
         skills=[AgentSkill(id="sample", name="Sample", description="Streams, asks, holds.", tags=["test"])],
     )
     handler = DefaultRequestHandler(agent_executor=SampleExecutor(), task_store=InMemoryTaskStore(), agent_card=card)
+    # The test routes come before the REST routes: those end with a
+    # catch-all `/{tenant}` mount.
     routes = [
         *create_agent_card_routes(agent_card=card),
-        *create_jsonrpc_routes(request_handler=handler, rpc_url="/a2a/jsonrpc"),
         Route("/test/gates/{name}", open_gate, methods=["POST"]),
         Route("/test/emitted/{name}", emitted, methods=["GET"]),
     ]
+    if args.binding in ("jsonrpc", "both"):
+        routes += create_jsonrpc_routes(request_handler=handler, rpc_url="/a2a/jsonrpc")
+    if args.binding in ("rest", "both"):
+        routes += create_rest_routes(request_handler=handler, path_prefix="/a2a/rest")
     app = Starlette(routes=routes)
     config = uvicorn.Config(app, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

@@ -3,7 +3,9 @@
 //
 // Run by agent-connector/tests/a2a_interop_js.rs as the local A2A server
 // behind connector B's driver. It binds 127.0.0.1 on a free port and prints
-// `READY <port>` on stdout once it serves.
+// `READY <port>` on stdout once it serves. `--binding=rest` serves (and
+// lists in its card) only the HTTP+JSON binding at `/a2a/rest` (the SDK's
+// `restHandler`) instead of JSON-RPC at `/a2a/jsonrpc`.
 //
 // What it does is chosen by the prefix of the message id:
 //
@@ -28,7 +30,7 @@
 import express from 'express';
 import { AGENT_CARD_PATH } from '@a2a-js/sdk';
 import { DefaultRequestHandler, InMemoryTaskStore } from '@a2a-js/sdk/server';
-import { agentCardHandler, jsonRpcHandler, UserBuilder } from '@a2a-js/sdk/server/express';
+import { agentCardHandler, jsonRpcHandler, restHandler, UserBuilder } from '@a2a-js/sdk/server/express';
 
 // Numeric enums of the SDK (lf.a2a.v1).
 const State = {
@@ -204,6 +206,7 @@ class SampleExecutor {
   }
 }
 
+const rest = process.argv.includes('--binding=rest');
 const app = express();
 const server = app.listen(Number(process.argv.find((a) => a.startsWith('--port='))?.slice(7) ?? 0), '127.0.0.1', () => {
   const port = server.address().port;
@@ -212,7 +215,9 @@ const server = app.listen(Number(process.argv.find((a) => a.startsWith('--port='
     name: 'OAB interop sample agent (JS)',
     description: 'An official @a2a-js/sdk server used by the OAB relay interop test.',
     version: '1.0.0',
-    supportedInterfaces: [{ url: `${base}/a2a/jsonrpc`, protocolBinding: 'JSONRPC', tenant: '', protocolVersion: '1.0' }],
+    supportedInterfaces: rest
+      ? [{ url: `${base}/a2a/rest`, protocolBinding: 'HTTP+JSON', tenant: '', protocolVersion: '1.0' }]
+      : [{ url: `${base}/a2a/jsonrpc`, protocolBinding: 'JSONRPC', tenant: '', protocolVersion: '1.0' }],
     provider: undefined,
     capabilities: { streaming: true, pushNotifications: false, extensions: [] },
     securitySchemes: {},
@@ -224,7 +229,11 @@ const server = app.listen(Number(process.argv.find((a) => a.startsWith('--port='
   };
   const handler = new DefaultRequestHandler(card, new InMemoryTaskStore(), new SampleExecutor());
   app.use(`/${AGENT_CARD_PATH}`, agentCardHandler({ agentCardProvider: handler }));
-  app.use('/a2a/jsonrpc', jsonRpcHandler({ requestHandler: handler, userBuilder: UserBuilder.noAuthentication }));
+  if (rest) {
+    app.use('/a2a/rest', restHandler({ requestHandler: handler, userBuilder: UserBuilder.noAuthentication }));
+  } else {
+    app.use('/a2a/jsonrpc', jsonRpcHandler({ requestHandler: handler, userBuilder: UserBuilder.noAuthentication }));
+  }
   app.post('/test/gates/:name', (req, res) => {
     gate(req.params.name).open();
     res.json({ opened: req.params.name });

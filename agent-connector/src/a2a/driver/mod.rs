@@ -3,7 +3,9 @@
 //! unchanged.
 //!
 //! Per delegation: resolve the server's agent card (cached), pick its first
-//! JSON-RPC 1.0 interface, send the caller's message with
+//! 1.0 interface the driver speaks, JSON-RPC or HTTP+JSON, in the card's
+//! order of preference (or the binding [`DriverOptions::binding`] forces;
+//! see `card.rs`), send the caller's message with
 //! `SendStreamingMessage` (or a blocking `SendMessage` when the card does
 //! not stream), and map the server's events onto the [`EventSink`]:
 //! status updates become `status` events, artifact updates `artifact`
@@ -18,6 +20,12 @@
 //! `GetTask` once the task is finished). When `run.cancel` fires the driver
 //! sends `CancelTask` and waits a bounded time for the server's terminal.
 //!
+//! Both bindings behave alike: the wire format is in `transport.rs`
+//! (`jsonrpc.rs`, `rest.rs`), which hands the turns StreamResponse objects
+//! and maps each binding's errors onto [`DriverError::Rpc`] with the A2A
+//! error's JSON-RPC code; everything else (folding events, follow-ups,
+//! resubscribe, cancel, bounds) is written once, here.
+//!
 //! Plain HTTP only (the server is on loopback; no TLS code is linked in).
 //!
 //! Never: sends the terminal or signs anything: it returns an [`Execution`],
@@ -31,16 +39,25 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt as _;
 use serde_json::{Map, Value, json};
 use tracing::{debug, warn};
 
 use super::model::{TaskState, artifact_from_a2a, fresh_id, normalise_message};
 use super::profile::PROFILE_URI;
-use super::{JSONRPC_BINDING, PROTOCOL_VERSION};
+use crate::a2a::AgentBinding;
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
+
+mod card;
+mod jsonrpc;
+mod rest;
+mod sse;
+mod transport;
+
+use card::ResolvedCard;
+pub(crate) use sse::SseParser;
+use transport::Call;
 
 /// Idle connections to the local server kept for reuse; more are closed
 /// when they fall idle. About the callee's usual concurrency.
@@ -69,6 +86,12 @@ pub struct DriverOptions {
     /// the caller's follow-up before the delegation ends `failed`, its
     /// concurrency slot freed. Default [`DriverOptions::DEFAULT_INPUT_TIMEOUT`].
     pub input_timeout: Duration,
+    /// The binding to speak to the server. `None` (the default): the first
+    /// interface of the card's `supportedInterfaces` (the server's order of
+    /// preference) that is `JSONRPC` or `HTTP+JSON` with protocol version
+    /// 1.0. `Some(b)`: the first 1.0 interface with binding `b`; a card
+    /// without one fails with [`DriverError::NoInterface`].
+    pub binding: Option<AgentBinding>,
 }
 
 impl DriverOptions {
@@ -87,6 +110,7 @@ impl DriverOptions {
             resubscribe_attempts: 5,
             card_ttl: Duration::from_secs(60),
             input_timeout: Self::DEFAULT_INPUT_TIMEOUT,
+            binding: None,
         }
     }
 }
@@ -100,10 +124,25 @@ pub enum DriverError {
     /// Transport failure.
     #[error("HTTP: {0}")]
     Http(String),
-    /// The card is missing, malformed, or has no JSON-RPC 1.0 interface.
+    /// The card is missing or malformed.
     #[error("agent card: {0}")]
     Card(String),
-    /// The server answered with a JSON-RPC error.
+    /// The card offers no interface the driver can use: none with a binding
+    /// it speaks (or the one [`DriverOptions::binding`] forces), protocol
+    /// version 1.0 and an `http://` URL. Every delegation fails with it
+    /// until the card offers one.
+    #[error(
+        "the agent card offers no interface the driver can use: wanted {wanted} for protocol 1.0 at an http:// url; the card offers {offered}"
+    )]
+    NoInterface {
+        /// The bindings looked for.
+        wanted: String,
+        /// The card's interfaces (binding, version, url), at most 8.
+        offered: String,
+    },
+    /// The server answered with an A2A error: a JSON-RPC error, or an
+    /// HTTP+JSON error (google.rpc.Status) given the JSON-RPC code of the
+    /// same A2A error.
     #[error("the A2A server answered {code}: {message}")]
     Rpc {
         /// The JSON-RPC error code.
@@ -114,14 +153,6 @@ pub enum DriverError {
     /// The server's answer is not valid A2A 1.0.
     #[error("invalid answer from the A2A server: {0}")]
     Protocol(String),
-}
-
-#[derive(Debug, Clone)]
-struct ResolvedCard {
-    card: Value,
-    rpc_url: String,
-    tenant: Option<String>,
-    streaming: bool,
 }
 
 #[derive(Debug)]
@@ -163,6 +194,12 @@ impl A2aDriver {
     pub async fn agent_card(&self) -> Result<Value, DriverError> {
         Ok(self.inner.resolve(true).await?.card)
     }
+
+    /// The binding the driver speaks to the local server, as chosen from
+    /// its card (read now, or as cached for [`DriverOptions::card_ttl`]).
+    pub async fn binding(&self) -> Result<AgentBinding, DriverError> {
+        Ok(self.inner.resolve(false).await?.transport.binding())
+    }
 }
 
 /// First pause between attempts of [`publish_card`].
@@ -182,6 +219,7 @@ pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
     let mut pause = PUBLISH_RETRY_INITIAL;
     let mut failures = 0u64;
     loop {
+        let mut unusable = false;
         let failure = match driver.agent_card().await {
             Ok(card) => match connector.publish(&card).await {
                 Ok(()) => {
@@ -190,10 +228,15 @@ pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
                 }
                 Err(e) => format!("the relay did not take it: {e}"),
             },
-            Err(e) => format!("could not read the local A2A server's card: {e}"),
+            Err(e) => {
+                unusable = matches!(e, DriverError::NoInterface { .. });
+                format!("could not read the local A2A server's card: {e}")
+            }
         };
         failures += 1;
-        if failures == 1 {
+        if unusable && failures == 1 {
+            tracing::error!(error = %failure, retry_in_ms = pause.as_millis(), "the local A2A server offers no interface the driver speaks: every delegation fails until its card offers one");
+        } else if failures == 1 {
             tracing::warn!(error = %failure, retry_in_ms = pause.as_millis(), "agent card not published yet; retrying until it is");
         } else {
             tracing::debug!(error = %failure, attempts = failures, "agent card still not published");
@@ -248,99 +291,24 @@ struct CancelInFlight<'a> {
     answer: Option<Value>,
 }
 
-/// SSE framing: splits a byte stream into events (`event:` name, joined
-/// `data:` lines).
-#[derive(Default)]
-pub(crate) struct SseParser {
-    buf: BytesMut,
-}
-
-pub(crate) struct SseEvent {
-    pub(crate) name: String,
-    pub(crate) data: String,
-}
-
-impl SseParser {
-    /// Largest event accepted (the server is local, but bounds are bounds).
-    const MAX_EVENT: usize = 16 << 20;
-
-    pub(crate) fn push(&mut self, chunk: &Bytes) -> Result<Vec<SseEvent>, String> {
-        self.buf.extend_from_slice(chunk);
-        let mut out = Vec::new();
-        loop {
-            let text = &self.buf[..];
-            let end = find_blank_line(text);
-            let Some((end, sep)) = end else {
-                if self.buf.len() > Self::MAX_EVENT {
-                    return Err("an SSE event is larger than 16 MiB".into());
-                }
-                return Ok(out);
-            };
-            let raw = self.buf.split_to(end + sep);
-            let block = String::from_utf8_lossy(&raw[..end]);
-            let mut name = String::from("message");
-            let mut data: Vec<&str> = Vec::new();
-            for line in block.lines() {
-                if line.starts_with(':') {
-                    continue;
-                }
-                let (k, v) = line.split_once(':').unwrap_or((line, ""));
-                let v = v.strip_prefix(' ').unwrap_or(v);
-                match k {
-                    "event" => name = v.to_string(),
-                    "data" => data.push(v),
-                    _ => {}
-                }
-            }
-            if !data.is_empty() {
-                out.push(SseEvent {
-                    name,
-                    data: data.join("\n"),
-                });
-            }
-        }
-    }
-}
-
-fn find_blank_line(b: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
-    while i + 1 < b.len() {
-        if b[i] == b'\n' && b[i + 1] == b'\n' {
-            return Some((i, 2));
-        }
-        if b[i] == b'\r' && b.get(i + 1..i + 4) == Some(b"\n\r\n") {
-            return Some((i, 4));
-        }
-        i += 1;
-    }
-    None
-}
-
-fn rpc_body(method: &str, mut params: Map<String, Value>, tenant: Option<&str>) -> Value {
-    if let Some(t) = tenant {
-        params.insert("tenant".into(), json!(t));
-    }
-    json!({ "jsonrpc": "2.0", "id": fresh_id("rpc"), "method": method, "params": params })
-}
-
-fn rpc_error(v: &Value) -> Option<DriverError> {
-    let e = v.get("error")?;
-    Some(DriverError::Rpc {
-        code: e.get("code").and_then(Value::as_i64).unwrap_or(0),
-        message: e
-            .get("message")
-            .and_then(Value::as_str)
-            .unwrap_or("error")
-            .chars()
-            .take(512)
-            .collect(),
-    })
-}
-
 /// A message from the server, ready to go up: its ids are the server's,
 /// which mean nothing to the caller, so they are removed.
 fn upward_message(m: Option<&Value>) -> Option<Value> {
     m.and_then(|m| normalise_message(m, "ROLE_AGENT"))
+}
+
+/// The A2A error `TaskNotCancelableError` (JSON-RPC code).
+const TASK_NOT_CANCELABLE: i64 = -32002;
+/// The A2A error `UnsupportedOperationError` (JSON-RPC code).
+const UNSUPPORTED_OPERATION: i64 = -32004;
+
+/// A failed call as a turn's failure reason: an A2A error as the server
+/// said it, anything else as a failure of the local server.
+fn failure(e: DriverError) -> String {
+    match e {
+        DriverError::Rpc { .. } => e.to_string(),
+        e => format!("local A2A server: {e}"),
+    }
 }
 
 fn text_of(m: Option<&Value>) -> Option<String> {
@@ -349,109 +317,6 @@ fn text_of(m: Option<&Value>) -> Option<String> {
 }
 
 impl DriverInner {
-    fn card_url(&self) -> String {
-        let u = self.options.url.trim_end_matches('/');
-        if u.ends_with(".json") {
-            u.to_string()
-        } else {
-            format!("{u}/.well-known/agent-card.json")
-        }
-    }
-
-    async fn resolve(&self, fresh: bool) -> Result<ResolvedCard, DriverError> {
-        if !fresh
-            && let Some((at, c)) = self.card.lock().as_ref()
-            && at.elapsed() < self.options.card_ttl
-        {
-            return Ok(c.clone());
-        }
-        let resp = self
-            .http
-            .get(self.card_url())
-            .timeout(self.options.request_timeout)
-            .send()
-            .await
-            .map_err(|e| DriverError::Http(e.to_string()))?;
-        if !resp.status().is_success() {
-            return Err(DriverError::Card(format!("HTTP {}", resp.status())));
-        }
-        let card: Value = resp
-            .json()
-            .await
-            .map_err(|e| DriverError::Card(e.to_string()))?;
-        let iface = card
-            .get("supportedInterfaces")
-            .and_then(Value::as_array)
-            .and_then(|list| {
-                list.iter().find(|i| {
-                    i.get("protocolBinding").and_then(Value::as_str) == Some(JSONRPC_BINDING)
-                        && i.get("protocolVersion")
-                            .and_then(Value::as_str)
-                            .is_some_and(|v| v == PROTOCOL_VERSION || v.starts_with("1.0."))
-                })
-            })
-            .ok_or_else(|| DriverError::Card("no JSON-RPC interface for protocol 1.0".into()))?;
-        let rpc_url = iface
-            .get("url")
-            .and_then(Value::as_str)
-            .filter(|u| u.starts_with("http://"))
-            .ok_or_else(|| DriverError::Card("the JSON-RPC interface has no http:// url".into()))?
-            .to_string();
-        let resolved = ResolvedCard {
-            rpc_url,
-            tenant: iface
-                .get("tenant")
-                .and_then(Value::as_str)
-                .filter(|t| !t.is_empty())
-                .map(str::to_string),
-            streaming: card
-                .pointer("/capabilities/streaming")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            card,
-        };
-        *self.card.lock() = Some((Instant::now(), resolved.clone()));
-        Ok(resolved)
-    }
-
-    fn post(&self, card: &ResolvedCard, body: &Value, stream: bool) -> reqwest::RequestBuilder {
-        let req = self
-            .http
-            .post(&card.rpc_url)
-            .header("A2A-Version", PROTOCOL_VERSION)
-            .json(body);
-        if stream {
-            req.header(reqwest::header::ACCEPT, "text/event-stream")
-        } else {
-            req.header(reqwest::header::ACCEPT, "application/json")
-                .timeout(self.options.request_timeout)
-        }
-    }
-
-    async fn unary(
-        &self,
-        card: &ResolvedCard,
-        method: &str,
-        params: Map<String, Value>,
-    ) -> Result<Value, DriverError> {
-        let body = rpc_body(method, params, card.tenant.as_deref());
-        let resp = self
-            .post(card, &body, false)
-            .send()
-            .await
-            .map_err(|e| DriverError::Http(e.to_string()))?;
-        let v: Value = resp
-            .json()
-            .await
-            .map_err(|e| DriverError::Protocol(e.to_string()))?;
-        if let Some(e) = rpc_error(&v) {
-            return Err(e);
-        }
-        v.get("result")
-            .cloned()
-            .ok_or_else(|| DriverError::Protocol("a response without result".into()))
-    }
-
     /// The first message to the server: the caller's A2A message when the
     /// request came through a facade (its `messageId`, parts and metadata
     /// kept; ids the server did not make removed), else the task text.
@@ -627,11 +492,12 @@ impl DriverInner {
     /// (when the task is no longer cancelable) the task as `GetTask` reads
     /// it; `None` when neither answered.
     async fn cancel_call(&self, card: &ResolvedCard, task_id: String) -> Option<Value> {
-        let mut p = Map::new();
-        p.insert("id".into(), json!(task_id));
-        match self.unary(card, "CancelTask", p).await {
+        match self.call(card, Call::CancelTask(&task_id)).await {
             Ok(t) => Some(t),
-            Err(DriverError::Rpc { code: -32002, .. }) => self.get_task(card, &task_id).await.ok(),
+            Err(DriverError::Rpc {
+                code: TASK_NOT_CANCELABLE,
+                ..
+            }) => self.get_task(card, &task_id).await.ok(),
             Err(e) => {
                 warn!(error = %e, "CancelTask failed");
                 None
@@ -760,9 +626,18 @@ impl DriverInner {
     }
 
     async fn get_task(&self, card: &ResolvedCard, id: &str) -> Result<Value, DriverError> {
-        let mut p = Map::new();
-        p.insert("id".into(), json!(id));
-        self.unary(card, "GetTask", p).await
+        self.call(card, Call::GetTask(id)).await
+    }
+
+    /// A unary call (`GetTask`, `CancelTask`), bounded by the request
+    /// timeout: its result, or the server's A2A error.
+    async fn call(&self, card: &ResolvedCard, call: Call<'_>) -> Result<Value, DriverError> {
+        let resp = card
+            .transport
+            .send(&self.http, call, self.options.request_timeout)
+            .await
+            .map_err(|e| DriverError::Http(e.to_string()))?;
+        card.transport.decode(resp).await
     }
 
     /// Sends the task's artifacts not sent up yet.
@@ -797,17 +672,10 @@ impl DriverInner {
         if !card.streaming {
             return self.blocking_turn(card, s, outgoing, run).await;
         }
-        let body = match (&outgoing, &s.task_id) {
-            (Some(m), _) => {
-                let mut p = Map::new();
-                p.insert("message".into(), m.clone());
-                rpc_body("SendStreamingMessage", p, card.tenant.as_deref())
-            }
-            (None, Some(id)) => {
-                let mut p = Map::new();
-                p.insert("id".into(), json!(id));
-                rpc_body("SubscribeToTask", p, card.tenant.as_deref())
-            }
+        let task_id = s.task_id.clone();
+        let call = match (&outgoing, &task_id) {
+            (Some(m), _) => Call::SendStreamingMessage(m),
+            (None, Some(id)) => Call::SubscribeToTask(id),
             (None, None) => return TurnEnd::Failed("nothing to resume".into()),
         };
         let mut cancel = None;
@@ -816,7 +684,7 @@ impl DriverInner {
         // interrupted state.
         let follow_up = outgoing.is_some() && s.task_id.is_some();
         let end = self
-            .stream_turn(card, s, &body, resubscribe, follow_up, run, &mut cancel)
+            .stream_turn(card, s, call, resubscribe, follow_up, run, &mut cancel)
             .await;
         match end {
             TurnEnd::Terminal(..) | TurnEnd::Message(_) => {
@@ -853,13 +721,15 @@ impl DriverInner {
         &'a self,
         card: &'a ResolvedCard,
         s: &mut Session,
-        body: &Value,
+        call: Call<'_>,
         resubscribe: bool,
         follow_up: bool,
         run: &TaskRun,
         cancel: &mut Option<CancelInFlight<'a>>,
     ) -> TurnEnd {
-        let send = self.post(card, body, true).send();
+        let send = card
+            .transport
+            .send(&self.http, call, self.options.request_timeout);
         tokio::pin!(send);
         let Some(resp) = self
             .next_watching_cancel(card, s, run, cancel, &mut send)
@@ -881,23 +751,17 @@ impl DriverInner {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let v: Value = match resp.json().await {
-                Ok(v) => v,
-                Err(e) => return TurnEnd::Failed(format!("local A2A server: {e}")),
-            };
-            return match rpc_error(&v) {
+            return match card.transport.decode(resp).await {
                 // The task finished: resubscribing is refused; read it.
-                Some(DriverError::Rpc { code: -32004, .. }) if resubscribe => {
-                    self.finished(card, s, run).await
-                }
-                Some(e) => TurnEnd::Failed(e.to_string()),
-                None => match v.get("result") {
-                    Some(r) => self
-                        .on_result(s, r, &run.sink)
-                        .await
-                        .unwrap_or(TurnEnd::Dropped),
-                    None => TurnEnd::Failed("invalid answer from the local A2A server".into()),
-                },
+                Err(DriverError::Rpc {
+                    code: UNSUPPORTED_OPERATION,
+                    ..
+                }) if resubscribe => self.finished(card, s, run).await,
+                Err(e) => TurnEnd::Failed(failure(e)),
+                Ok(r) => self
+                    .on_result(s, &r, &run.sink)
+                    .await
+                    .unwrap_or(TurnEnd::Dropped),
             };
         }
         let body = resp.bytes_stream();
@@ -937,21 +801,9 @@ impl DriverInner {
                 Err(e) => return TurnEnd::Failed(e),
             };
             for ev in events {
-                let v: Value = match serde_json::from_str(&ev.data) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        return TurnEnd::Failed(format!(
-                            "invalid SSE data from the local A2A server: {e}"
-                        ));
-                    }
-                };
-                if let Some(e) = rpc_error(&v)
-                    && (ev.name == "error" || v.get("result").is_none())
-                {
-                    return TurnEnd::Failed(e.to_string());
-                }
-                let Some(result) = v.get("result") else {
-                    return TurnEnd::Failed("an SSE event without result".into());
+                let result = match card.transport.event(&ev) {
+                    Ok(r) => r,
+                    Err(e) => return TurnEnd::Failed(e),
                 };
                 if std::mem::take(&mut leading)
                     && let Some(task) = result.get("task")
@@ -959,7 +811,7 @@ impl DriverInner {
                 {
                     continue;
                 }
-                match self.on_result(s, result, &run.sink).await {
+                match self.on_result(s, &result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => return end,
                     None => {}
@@ -982,38 +834,29 @@ impl DriverInner {
                 None => TurnEnd::Failed("nothing to resume".into()),
             };
         };
-        let mut p = Map::new();
-        p.insert("message".into(), m);
-        let body = rpc_body("SendMessage", p, card.tenant.as_deref());
-        let req = self
-            .http
-            .post(&card.rpc_url)
-            .header("A2A-Version", PROTOCOL_VERSION)
-            .json(&body);
+        let send = card.transport.send(
+            &self.http,
+            Call::SendMessage(&m),
+            self.options.request_timeout,
+        );
         let resp = tokio::select! {
-            r = req.send() => r,
+            r = send => r,
             () = run.cancel.cancelled() => {
                 let (state, message) = self.cancel_now(card, s, run).await;
                 return TurnEnd::Terminal(state, message);
             }
         };
-        let v: Value = match resp {
-            Ok(r) => match r.json().await {
-                Ok(v) => v,
-                Err(e) => return TurnEnd::Failed(format!("local A2A server: {e}")),
-            },
+        let resp = match resp {
+            Ok(r) => r,
             Err(e) => return TurnEnd::Failed(format!("local A2A server: {e}")),
         };
-        if let Some(e) = rpc_error(&v) {
-            return TurnEnd::Failed(e.to_string());
-        }
-        match v.get("result") {
+        match card.transport.decode(resp).await {
             // Still running (the server returned early): follow it.
-            Some(r) => self
-                .on_result(s, r, &run.sink)
+            Ok(r) => self
+                .on_result(s, &r, &run.sink)
                 .await
                 .unwrap_or(TurnEnd::Dropped),
-            None => TurnEnd::Failed("invalid answer from the local A2A server".into()),
+            Err(e) => TurnEnd::Failed(failure(e)),
         }
     }
 
@@ -1252,26 +1095,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    #[test]
-    fn sse_framing() {
-        let mut p = SseParser::default();
-        let evs = p
-            .push(&Bytes::from_static(
-                b": keep-alive\n\ndata: {\"a\":1}\n\nid: 3\ndata: x",
-            ))
-            .unwrap();
-        assert_eq!(evs.len(), 1);
-        assert_eq!(evs[0].data, "{\"a\":1}");
-        let evs = p
-            .push(&Bytes::from_static(
-                b"\ndata: y\r\n\r\nevent: error\ndata: z\n\n",
-            ))
-            .unwrap();
-        assert_eq!(evs.len(), 2);
-        assert_eq!(evs[0].data, "x\ny");
-        assert_eq!(evs[1].name, "error");
-    }
 
     #[test]
     fn merging_chunks() {

@@ -1,0 +1,95 @@
+//! The binding the driver speaks to the local A2A server, chosen from the
+//! server's card (see `card.rs`). [`AgentTransport`] has one variant
+//! per binding; the driver's turns call it and never see the wire format.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::DriverError;
+use super::jsonrpc::JsonRpc;
+use super::rest::Rest;
+use super::sse::SseEvent;
+use crate::a2a::AgentBinding;
+
+/// One A2A operation the driver calls.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Call<'a> {
+    /// `SendMessage`, blocking: the answer comes at the task's terminal or
+    /// interrupted state, so no request timeout applies.
+    SendMessage(&'a Value),
+    /// `SendStreamingMessage`: an SSE stream.
+    SendStreamingMessage(&'a Value),
+    /// `SubscribeToTask`: an SSE stream.
+    SubscribeToTask(&'a str),
+    /// `GetTask`, bounded by [`super::DriverOptions::request_timeout`].
+    GetTask(&'a str),
+    /// `CancelTask`, bounded by [`super::DriverOptions::request_timeout`].
+    CancelTask(&'a str),
+}
+
+impl Call<'_> {
+    /// The answer is an SSE stream.
+    pub(super) fn streams(self) -> bool {
+        matches!(
+            self,
+            Call::SendStreamingMessage(_) | Call::SubscribeToTask(_)
+        )
+    }
+
+    /// The call is bounded by the request timeout.
+    pub(super) fn bounded(self) -> bool {
+        matches!(self, Call::GetTask(_) | Call::CancelTask(_))
+    }
+}
+
+/// How the driver talks to the local A2A server.
+#[derive(Debug, Clone)]
+pub(super) enum AgentTransport {
+    /// JSON-RPC 2.0 (SPEC §9).
+    JsonRpc(JsonRpc),
+    /// HTTP+JSON, the REST binding (SPEC §11).
+    Rest(Rest),
+}
+
+impl AgentTransport {
+    /// The binding spoken.
+    pub(super) fn binding(&self) -> AgentBinding {
+        match self {
+            AgentTransport::JsonRpc(_) => AgentBinding::JsonRpc,
+            AgentTransport::Rest(_) => AgentBinding::HttpJson,
+        }
+    }
+
+    /// Sends `call`; [`Call::bounded`] calls are bounded by `timeout`.
+    pub(super) async fn send(
+        &self,
+        http: &reqwest::Client,
+        call: Call<'_>,
+        timeout: Duration,
+    ) -> reqwest::Result<reqwest::Response> {
+        match self {
+            AgentTransport::JsonRpc(t) => t.send(http, call, timeout).await,
+            AgentTransport::Rest(t) => t.send(http, call, timeout).await,
+        }
+    }
+
+    /// A JSON (not SSE) answer: the operation's result (a Task, or a
+    /// SendMessageResponse / StreamResponse object), or the A2A error the
+    /// server answered with ([`DriverError::Rpc`]).
+    pub(super) async fn decode(&self, resp: reqwest::Response) -> Result<Value, DriverError> {
+        match self {
+            AgentTransport::JsonRpc(t) => t.decode(resp).await,
+            AgentTransport::Rest(t) => t.decode(resp).await,
+        }
+    }
+
+    /// One SSE event of a stream: its StreamResponse, or why the turn fails
+    /// (an error the server sent in the stream, or data that is not A2A).
+    pub(super) fn event(&self, ev: &SseEvent) -> Result<Value, String> {
+        match self {
+            AgentTransport::JsonRpc(t) => t.event(ev),
+            AgentTransport::Rest(t) => t.event(ev),
+        }
+    }
+}
