@@ -648,3 +648,88 @@ async fn the_cards_order_picks_the_binding_unless_the_options_force_one() {
     both.kill().await.unwrap();
     rest.kill().await.unwrap();
 }
+
+/// A card without `streaming`: the driver sends each turn as a blocking
+/// `SendMessage` (HTTP+JSON: `POST message:send`). A task completes with
+/// its artifact; an input-required task waits for the caller's follow-up,
+/// sent blocking with the task's id, which completes it.
+async fn blocking_sends(binding: AgentBinding) {
+    use futures_util::StreamExt as _;
+    use oab_connector::EventKind;
+    use oab_wire::Outcome;
+
+    let flag = format!("{}-blocking", agent_flag(binding));
+    let (mut agent, port) = sample_agent_with(0, &flag, None).await;
+    let agent_url = format!("http://127.0.0.1:{port}");
+    expect_binding(&agent_url, binding).await;
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (a, b, card) = driver_topology(&env, &relay, &agent_url).await;
+    assert_eq!(card["capabilities"]["streaming"], false, "{card}");
+    let run = oab_wire::InstanceId::random().to_hex();
+    for (mid, answer, want) in [
+        (format!("echo-{run}"), None, "echo: hello"),
+        (format!("ask-{run}"), Some("main"), "branch main"),
+    ] {
+        let mut spec = spec("hello");
+        spec.task.a2a_message = Some(serde_json::json!({
+            "messageId": mid, "role": "ROLE_USER", "parts": [{ "text": "hello" }],
+        }));
+        let h = a.caller().delegate(&peer(CALLEE), spec).await.unwrap();
+        let mut events = a.caller().events(&h, 0).await.unwrap();
+        let (mut states, mut artifacts) = (Vec::new(), Vec::new());
+        let outcome = loop {
+            let ev = tokio::time::timeout(STEP, events.next())
+                .await
+                .expect("the terminal arrives in time")
+                .expect("the stream lasts until the terminal")
+                .unwrap();
+            match ev.kind {
+                EventKind::Status { state, .. } => {
+                    if state == "TASK_STATE_INPUT_REQUIRED" {
+                        let answer = answer.expect("only ask- asks");
+                        a.caller()
+                            .send_message(
+                                &h,
+                                serde_json::json!({
+                                    "messageId": format!("answer-{run}"),
+                                    "role": "ROLE_USER",
+                                    "parts": [{ "text": answer }],
+                                }),
+                            )
+                            .await
+                            .unwrap();
+                    }
+                    states.push(state);
+                }
+                EventKind::Artifact { artifact, .. } => artifacts.push(artifact),
+                EventKind::Terminal(t) => break t.outcome,
+                _ => {}
+            }
+        };
+        assert_eq!(outcome, Outcome::Completed, "{mid}: {states:?}");
+        assert_eq!(
+            answer.is_some(),
+            states.iter().any(|s| s == "TASK_STATE_INPUT_REQUIRED"),
+            "{mid}: {states:?}"
+        );
+        assert!(
+            artifacts.iter().any(|x| x.text.as_deref() == Some(want)),
+            "{mid}: {artifacts:?}"
+        );
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    agent.kill().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_does_not_stream_gets_blocking_sends() {
+    blocking_sends(AgentBinding::JsonRpc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_does_not_stream_gets_blocking_sends_rest() {
+    blocking_sends(AgentBinding::HttpJson).await;
+}

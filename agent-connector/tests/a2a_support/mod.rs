@@ -451,8 +451,9 @@ pub async fn sample_agent_at(port: u16) -> (tokio::process::Child, u16) {
 }
 
 /// Starts the official-SDK sample server on `port` (0: a free one) serving
-/// `binding` (`jsonrpc`, `rest` or `both`), its card's interfaces at
-/// `public` (default: its own address); returns it and its port.
+/// `binding` (`jsonrpc`, `rest` or `both`; with `-blocking` appended its
+/// card says it does not stream), its card's interfaces at `public`
+/// (default: its own address); returns it and its port.
 pub async fn sample_agent_with(
     port: u16,
     binding: &str,
@@ -461,11 +462,15 @@ pub async fn sample_agent_with(
     use tokio::io::AsyncBufReadExt as _;
     let script = repo().join("agent-connector/tests/interop/sample_agent.py");
     let mut cmd = tokio::process::Command::new(python());
-    cmd.arg(script)
-        .arg(format!("--port={port}"))
-        .arg(format!("--binding={binding}"));
+    cmd.arg(script).arg(format!("--port={port}")).arg(format!(
+        "--binding={}",
+        binding.trim_end_matches("-blocking")
+    ));
     if let Some(p) = public {
         cmd.arg(format!("--public-url={p}"));
+    }
+    if binding.ends_with("-blocking") {
+        cmd.arg("--no-streaming");
     }
     let mut child = cmd
         .stdout(std::process::Stdio::piped())

@@ -5,7 +5,8 @@ connector B's driver. It binds 127.0.0.1 on a free port and prints
 ``READY <port>`` on stdout once it serves.
 
 ``--public-url`` sets the base URL of the card's interfaces (a proxy in
-front of it). ``--binding`` chooses what it serves, and its card lists: ``jsonrpc`` (the
+front of it); ``--no-streaming`` makes its card say it does not stream.
+``--binding`` chooses what it serves, and its card lists: ``jsonrpc`` (the
 default) the JSON-RPC binding at ``/a2a/jsonrpc``, ``rest`` only the
 HTTP+JSON binding at ``/a2a/rest`` (the SDK's REST routes), ``both`` the
 two, HTTP+JSON first.
@@ -261,6 +262,7 @@ async def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument("--binding", choices=["jsonrpc", "rest", "both"], default="jsonrpc")
+    parser.add_argument("--no-streaming", action="store_true", help="a card without capabilities.streaming")
     parser.add_argument("--public-url", default="", help="the base URL in the card (default: its own)")
     args = parser.parse_args()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -276,7 +278,7 @@ async def main() -> None:
         description="An official a2a-sdk server used by the OAB relay's interop test.",
         version="1.0.0",
         supported_interfaces=interfaces,
-        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        capabilities=AgentCapabilities(streaming=not args.no_streaming, push_notifications=False),
         default_input_modes=["text/plain"],
         default_output_modes=["text/plain"],
         skills=[AgentSkill(id="sample", name="Sample", description="Streams, asks, holds.", tags=["test"])],
