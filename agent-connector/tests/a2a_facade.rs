@@ -732,7 +732,20 @@ async fn rest_binding_answers_every_method_like_json_rpc() {
     let r = rest.get("tasks/nope?A2A-Version=1.0", none).await;
     assert_eq!((r.status, r.reason().as_str()), (404, "TASK_NOT_FOUND"));
     assert_eq!(r.status_name(), "NOT_FOUND");
+    // Plain JSON unless the client asks for application/a2a+json.
+    assert_eq!(r.headers["content-type"], "application/json", "{r:?}");
+    let r = rest
+        .get(
+            "tasks/nope",
+            &[("A2A-Version", "1.0"), ("Accept", "application/a2a+json")],
+        )
+        .await;
+    assert_eq!((r.status, r.reason().as_str()), (404, "TASK_NOT_FOUND"));
     assert_eq!(r.headers["content-type"], "application/a2a+json", "{r:?}");
+    // The interface URL ends in `/`: a client that joins it with a route
+    // starting in `/` reaches the same route.
+    let r = rest.get("/tasks/nope", V1).await;
+    assert_eq!((r.status, r.reason().as_str()), (404, "TASK_NOT_FOUND"));
 
     // Unknown routes, wrong methods, bad bodies, wrong media types.
     let r = rest.get("nothing/here", V1).await;

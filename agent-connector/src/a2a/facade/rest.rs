@@ -29,13 +29,16 @@
 //! wins.
 //!
 //! Checks, in order: the route (unknown: 404, wrong HTTP method: 405 with
-//! `Allow`), the media type of a body or of any `Content-Type` sent
+//! `Allow`; empty segments before the route are skipped, so
+//! `{base}//message:send` is `{base}/message:send`), the media type of a body or of any `Content-Type` sent
 //! (`application/json`, `application/a2a+json` or another `+json` type;
 //! else 415; a request without a body may omit it), `A2A-Version`
 //! (header or query parameter), the body (JSON object), the peer. Every
 //! error is a `google.rpc.Status` body ([`A2aError::to_status_body`]) with
 //! the HTTP status of the A2A error table; results are the bare proto JSON
-//! (`application/a2a+json`), stream events a bare `StreamResponse` per SSE
+//! (`application/json`, or `application/a2a+json` when the request's
+//! `Accept` names it: the specification prefers the latter, the
+//! conformance kit requires the former), stream events a bare `StreamResponse` per SSE
 //! `data:` line. The browser-safety checks (`guard`) run before any route.
 //!
 //! Never: answers a method itself, or reads the task table.
@@ -56,6 +59,9 @@ use crate::a2a::profile;
 
 /// The media type of the binding's bodies (SPEC §11, v1.0.1).
 const MEDIA_TYPE: &str = "application/a2a+json";
+/// What results and errors are labelled unless the request's `Accept`
+/// names [`MEDIA_TYPE`]: the conformance kit requires plain JSON.
+const PLAIN_MEDIA_TYPE: &str = "application/json";
 
 /// Query parameters read as booleans.
 const BOOLEAN_QUERY: &[&str] = &["includeArtifacts"];
@@ -221,7 +227,13 @@ fn split_path(path: &str) -> Option<(String, String, Vec<String>)> {
     }
     let namespace = decode_segment(raw.next()?)?;
     let name = decode_segment(raw.next()?)?;
-    let rest = raw.map(decode_segment).collect::<Option<Vec<_>>>()?;
+    // A client that joins the interface URL (which ends in `/`) and a
+    // route (which starts with one) sends `//message:send`: the empty
+    // segments before the route name nothing.
+    let rest = raw
+        .skip_while(|s| s.is_empty())
+        .map(decode_segment)
+        .collect::<Option<Vec<_>>>()?;
     Some((namespace, name, rest))
 }
 
@@ -313,6 +325,32 @@ fn result_response(value: Value, profile: bool) -> Response {
 /// answered by [`dispatch`].
 pub(super) async fn rest(
     State(ctx): State<RouterState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let asks_a2a_json = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains(MEDIA_TYPE));
+    let mut resp = answer(ctx, method, uri, headers, body).await;
+    if !asks_a2a_json
+        && resp.headers().get(header::CONTENT_TYPE).map(HeaderValue::as_bytes)
+            == Some(MEDIA_TYPE.as_bytes())
+    {
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(PLAIN_MEDIA_TYPE),
+        );
+    }
+    resp
+}
+
+/// One HTTP+JSON request's response, labelled [`MEDIA_TYPE`] when JSON.
+async fn answer(
+    ctx: RouterState,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
