@@ -121,8 +121,8 @@ pub struct PushStats {
     pub overflowed: AtomicU64,
 }
 
-/// `AuthenticationInfo`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `AuthenticationInfo`. Its `Debug` never shows the credentials.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PushAuth {
     pub(crate) scheme: String,
@@ -130,8 +130,9 @@ pub(crate) struct PushAuth {
     pub(crate) credentials: Option<String>,
 }
 
-/// One config as saved (and as the methods show it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One config as saved (and as the methods show it). Its `Debug` never
+/// shows the token.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PushConfig {
     pub(crate) id: String,
@@ -149,6 +150,29 @@ pub(crate) struct PushConfig {
     pub(crate) profile: bool,
     /// The next task event sequence to deliver.
     pub(crate) next: u64,
+}
+
+impl std::fmt::Debug for PushAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushAuth")
+            .field("scheme", &self.scheme)
+            .field("credentials", &self.credentials.as_ref().map(|_| ".."))
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for PushConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushConfig")
+            .field("id", &self.id)
+            .field("task_id", &self.task_id)
+            .field("url", &self.url)
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("authentication", &self.authentication)
+            .field("profile", &self.profile)
+            .field("next", &self.next)
+            .finish()
+    }
 }
 
 impl PushConfig {
@@ -858,5 +882,12 @@ mod tests {
             headers(&c).is_empty(),
             "a scheme without credentials sends nothing"
         );
+        c.token = Some("secret-token".into());
+        c.authentication = Some(PushAuth {
+            scheme: "Bearer".into(),
+            credentials: Some("secret-cred".into()),
+        });
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("secret"), "{shown}");
     }
 }
