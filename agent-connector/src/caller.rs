@@ -495,6 +495,11 @@ impl Caller {
             .map(|r| r.request.clone())
     }
 
+    /// The state folder, when delegations are persisted.
+    pub fn state_dir(&self) -> Option<&std::path::Path> {
+        self.state.as_ref().map(FileState::dir)
+    }
+
     /// Resumes every unfinished delegation saved in the state folder (after a
     /// restart): the open is resent (the relay de-duplicates it) and the up
     /// log resumes after the committed cursor. Returns their handles.

@@ -103,6 +103,11 @@ impl FileState {
         })
     }
 
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn path(&self, key: &DelegationKey) -> PathBuf {
         // Peer ids and request ids use a file-name-safe alphabet except '/'.
         let name = format!("{}.json", key.to_string().replace('/', "~"));

@@ -146,6 +146,10 @@ struct World {
 }
 
 async fn world() -> World {
+    world_with(facade_options()).await
+}
+
+async fn world_with(options: oab_connector::a2a::FacadeOptions) -> World {
     let env = Env::new("");
     let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let script = Arc::new(Script {
@@ -162,7 +166,7 @@ async fn world() -> World {
     let a = connector(&env, &env.caller, relay.addr, None);
     a.connected().await.unwrap();
     b.connected().await.unwrap();
-    let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
+    let facade = FacadeServer::start(a.caller().clone(), options).await;
     let rpc = Rpc::new(facade.url(CALLEE));
     World {
         relay,
@@ -282,8 +286,15 @@ async fn error_codes_follow_the_spec() {
         "DeleteTaskPushNotificationConfig",
     ] {
         assert_eq!(
-            code(&rpc.call(m, json!({ "taskId": "t" }), V1).await),
-            -32003,
+            code(
+                &rpc.call(
+                    m,
+                    json!({ "taskId": "t", "id": "c", "url": "http://127.0.0.1:9/" }),
+                    V1
+                )
+                .await
+            ),
+            -32001,
             "{m}"
         );
     }
@@ -422,7 +433,7 @@ async fn error_codes_follow_the_spec() {
     assert_eq!(iface["protocolBinding"], "JSONRPC");
     assert_eq!(iface["protocolVersion"], "1.0");
     assert_eq!(card["capabilities"]["streaming"], true);
-    assert_eq!(card["capabilities"]["pushNotifications"], false);
+    assert_eq!(card["capabilities"]["pushNotifications"], true);
     assert_eq!(card["capabilities"]["extensions"][0]["uri"], PROFILE_URI);
     assert_eq!(card["capabilities"]["extensions"][0]["required"], false);
     let missing = reqwest::get(format!(
@@ -1120,5 +1131,395 @@ async fn rest_routes_pass_the_browser_guard() {
         "no refused request reached the callee"
     );
     locked.stop().await;
+/// The push config a send registers.
+fn push_config(url: &str, token: &str) -> Value {
+    json!({
+        "url": url,
+        "token": token,
+        "authentication": { "scheme": "Bearer", "credentials": format!("cred-{token}") },
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_gets_every_event_of_a_task_in_order_with_its_token() {
+    let w = world().await;
+    let hook = Webhook::start(0).await;
+    let profile = with_profile(&[]);
+    let r = w
+        .rpc
+        .call(
+            "SendMessage",
+            json!({
+                "message": message("m-push-gated", "gated"),
+                "configuration": {
+                    "returnImmediately": true,
+                    "taskPushNotificationConfig": push_config(&hook.url, "tok-1"),
+                },
+            }),
+            &profile,
+        )
+        .await;
+    let id = r["result"]["task"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a task: {r}"))
+        .to_string();
+    // The task as created and the two steps before the gate.
+    hook.wait_for("three notifications", |got| got.len() >= 3)
+        .await;
+    w.script.gate.add_permits(1);
+    let got = hook.wait_terminal().await;
+    let kinds: Vec<&str> = got.iter().map(body_kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            "task",
+            "statusUpdate",
+            "statusUpdate",
+            "statusUpdate",
+            "statusUpdate",
+            "artifactUpdate",
+            "statusUpdate"
+        ],
+        "{got:?}"
+    );
+    let seqs: Vec<Option<u64>> = got.iter().map(body_seq).collect();
+    assert_eq!(
+        seqs,
+        (0..=6).map(Some).collect::<Vec<_>>(),
+        "in order, no gap"
+    );
+    assert_eq!(
+        got[6]["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    for n in hook.all() {
+        let h = |k: &str| {
+            n.headers
+                .get(k)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        assert_eq!(h("x-a2a-notification-token").as_deref(), Some("tok-1"));
+        assert_eq!(h("authorization").as_deref(), Some("Bearer cred-tok-1"));
+        assert_eq!(h("content-type").as_deref(), Some("application/json"));
+    }
+    // The webhook got exactly what a stream from the start carries.
+    let h = with_profile(&[("OAB-Cursor", "0".to_string())]);
+    let items = w
+        .rpc
+        .stream("SubscribeToTask", json!({ "id": id }), &h)
+        .await
+        .collect()
+        .await;
+    let streamed: Vec<Value> = items
+        .iter()
+        .skip(1)
+        .map(|i| i.data["result"].clone())
+        .collect();
+    let pushed: Vec<Value> = got
+        .iter()
+        .skip(1)
+        .map(|b| {
+            let mut b = b.clone();
+            // The stream names the task by the id it was asked with.
+            for k in ["statusUpdate", "artifactUpdate"] {
+                if let Some(u) = b.get_mut(k) {
+                    u["taskId"] = json!(id);
+                    if let Some(m) = u.get_mut("status").and_then(|s| s.get_mut("message")) {
+                        m["taskId"] = json!(id);
+                    }
+                }
+            }
+            b
+        })
+        .collect();
+    assert_eq!(pushed, streamed);
+    let until = tokio::time::Instant::now() + STEP;
+    let delivered = || {
+        w.facade
+            .facade
+            .push_stats()
+            .delivered
+            .load(Ordering::Relaxed)
+    };
+    while delivered() < 7 {
+        assert!(tokio::time::Instant::now() < until, "7 confirmed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(delivered(), 7);
+    hook.stop();
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_configs_round_trip_and_refuse_what_they_must() {
+    let w = world().await;
+    let rpc = &w.rpc;
+    let hook = Webhook::start(0).await;
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-push-crud", "complete") }),
+            V1,
+        )
+        .await;
+    let id = r["result"]["task"]["id"].as_str().unwrap().to_string();
+
+    // Create, with and without an id.
+    let c1 = rpc
+        .call(
+            "CreateTaskPushNotificationConfig",
+            json!({ "taskId": id, "id": "c1", "url": hook.url, "token": "t1",
+                    "authentication": { "scheme": "Bearer", "credentials": "x" } }),
+            V1,
+        )
+        .await;
+    assert_eq!(
+        c1["result"],
+        json!({ "id": "c1", "taskId": id, "url": hook.url, "token": "t1",
+                "authentication": { "scheme": "Bearer", "credentials": "x" } }),
+        "{c1}"
+    );
+    // The proto field names work too (the TCK sends `task_id`).
+    let c2 = rpc
+        .call(
+            "CreateTaskPushNotificationConfig",
+            json!({ "task_id": id, "url": "https://example.com/hook" }),
+            V1,
+        )
+        .await;
+    let c2_id = c2["result"]["id"].as_str().unwrap().to_string();
+    assert!(c2_id.starts_with("push-"), "a minted id: {c2}");
+    // Get.
+    let got = rpc
+        .call(
+            "GetTaskPushNotificationConfig",
+            json!({ "taskId": id, "id": "c1" }),
+            V1,
+        )
+        .await;
+    assert_eq!(got["result"], c1["result"]);
+    assert_eq!(
+        code(
+            &rpc.call(
+                "GetTaskPushNotificationConfig",
+                json!({ "taskId": id, "id": "nope" }),
+                V1
+            )
+            .await
+        ),
+        -32001
+    );
+    // List, whole and in pages.
+    let all = rpc
+        .call(
+            "ListTaskPushNotificationConfigs",
+            json!({ "taskId": id }),
+            V1,
+        )
+        .await;
+    let ids: Vec<&str> = all["result"]["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["c1", c2_id.as_str()]);
+    assert_eq!(all["result"]["nextPageToken"], "");
+    let p1 = rpc
+        .call(
+            "ListTaskPushNotificationConfigs",
+            json!({ "taskId": id, "pageSize": 1 }),
+            V1,
+        )
+        .await;
+    assert_eq!(p1["result"]["configs"][0]["id"], "c1");
+    let token = p1["result"]["nextPageToken"].as_str().unwrap().to_string();
+    assert!(!token.is_empty());
+    let p2 = rpc
+        .call(
+            "ListTaskPushNotificationConfigs",
+            json!({ "taskId": id, "pageSize": 1, "pageToken": token }),
+            V1,
+        )
+        .await;
+    assert_eq!(p2["result"]["configs"][0]["id"], c2_id.as_str());
+    assert_eq!(p2["result"]["nextPageToken"], "");
+    for bad in [json!({ "pageSize": 500 }), json!({ "pageToken": "zzz" })] {
+        let mut p = bad.clone();
+        p["taskId"] = json!(id);
+        assert_eq!(
+            code(&rpc.call("ListTaskPushNotificationConfigs", p, V1).await),
+            -32602,
+            "{bad}"
+        );
+    }
+    // Delete, twice (idempotent).
+    for _ in 0..2 {
+        let d = rpc
+            .call(
+                "DeleteTaskPushNotificationConfig",
+                json!({ "taskId": id, "id": "c1" }),
+                V1,
+            )
+            .await;
+        assert_eq!(d["result"], json!({}), "{d}");
+    }
+    assert_eq!(
+        code(
+            &rpc.call(
+                "GetTaskPushNotificationConfig",
+                json!({ "taskId": id, "id": "c1" }),
+                V1
+            )
+            .await
+        ),
+        -32001
+    );
+    let all = rpc
+        .call(
+            "ListTaskPushNotificationConfigs",
+            json!({ "taskId": id }),
+            V1,
+        )
+        .await;
+    assert_eq!(all["result"]["configs"].as_array().map(Vec::len), Some(1));
+
+    // Refusals: unknown task, missing or bad url, bad authentication.
+    assert_eq!(
+        code(
+            &rpc.call(
+                "CreateTaskPushNotificationConfig",
+                json!({ "taskId": "nope", "url": hook.url }),
+                V1
+            )
+            .await
+        ),
+        -32001
+    );
+    for bad in [
+        json!({}),
+        json!({ "url": "ftp://127.0.0.1/hook" }),
+        json!({ "url": "http://example.com/hook" }),
+        json!({ "url": "not a url" }),
+        json!({ "url": hook.url, "authentication": { "credentials": "x" } }),
+        json!({ "url": hook.url, "token": "a\r\nInjected: yes" }),
+    ] {
+        let mut p = bad.clone();
+        p["taskId"] = json!(id);
+        assert_eq!(
+            code(&rpc.call("CreateTaskPushNotificationConfig", p, V1).await),
+            -32602,
+            "{bad}"
+        );
+    }
+    // A send with a bad config starts nothing.
+    let runs = w.script.runs.load(Ordering::SeqCst);
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({
+                "message": message("m-push-bad", "complete"),
+                "configuration": { "taskPushNotificationConfig": { "url": "http://example.com/" } },
+            }),
+            V1,
+        )
+        .await;
+    assert_eq!(code(&r), -32602, "{r}");
+    assert_eq!(w.script.runs.load(Ordering::SeqCst), runs);
+
+    // A config made mid-task gets what follows it.
+    let profile = with_profile(&[]);
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({ "message": message("m-push-hold", "hold"), "configuration": { "returnImmediately": true } }),
+            &profile,
+        )
+        .await;
+    let hold = r["result"]["task"]["id"].as_str().unwrap().to_string();
+    let seq_now = loop {
+        let t = rpc.call("GetTask", json!({ "id": hold }), &profile).await;
+        let s = t["result"]["metadata"][PROFILE_URI]["seq"]
+            .as_u64()
+            .unwrap_or(0);
+        if s >= 1 {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let made = rpc
+        .call(
+            "CreateTaskPushNotificationConfig",
+            json!({ "taskId": hold, "url": hook.url }),
+            &profile,
+        )
+        .await;
+    assert!(made["result"]["id"].is_string(), "{made}");
+    rpc.call("CancelTask", json!({ "id": hold }), V1).await;
+    let got = hook.wait_terminal().await;
+    assert_eq!(body_seq(&got[0]), Some(seq_now + 1), "{got:?}");
+    assert_eq!(
+        got.last().unwrap()["statusUpdate"]["status"]["state"],
+        "TASK_STATE_CANCELED"
+    );
+    hook.stop();
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_webhook_is_retried_and_one_that_stays_down_loses_only_what_is_dropped() {
+    let mut options = facade_options();
+    options.push.initial_backoff = Duration::from_millis(5);
+    options.push.max_backoff = Duration::from_millis(40);
+    options.push.max_attempts = 3;
+    let w = world_with(options).await;
+    let profile = with_profile(&[]);
+    // Fails twice, then takes everything: every notification arrives.
+    let flaky = Webhook::start(2).await;
+    // Fails three times: the first notification runs out of attempts.
+    let down = Webhook::start(3).await;
+    for (hook, mid) in [(&flaky, "m-push-flaky"), (&down, "m-push-down")] {
+        let r = w
+            .rpc
+            .call(
+                "SendMessage",
+                json!({
+                    "message": message(mid, "complete"),
+                    "configuration": { "taskPushNotificationConfig": push_config(&hook.url, "t") },
+                }),
+                &profile,
+            )
+            .await;
+        assert_eq!(
+            r["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+            "{r}"
+        );
+    }
+    let got = flaky.wait_terminal().await;
+    let seqs: Vec<Option<u64>> = got.iter().map(body_seq).collect();
+    assert_eq!(seqs, [Some(0), Some(1), Some(2)], "{got:?}");
+    let all = flaky.all();
+    assert_eq!(
+        all.len(),
+        5,
+        "two refused attempts, then three notifications"
+    );
+    assert_eq!(all[0].body, all[2].body, "the same notification retried");
+    let got = down.wait_terminal().await;
+    let seqs: Vec<Option<u64>> = got.iter().map(body_seq).collect();
+    assert_eq!(seqs, [Some(1), Some(2)], "the task as created was dropped");
+    let stats = w.facade.facade.push_stats();
+    assert_eq!(stats.dropped.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.failed_attempts.load(Ordering::Relaxed), 5);
+    // The last confirmation is counted right after the webhook answered.
+    let until = tokio::time::Instant::now() + STEP;
+    while stats.delivered.load(Ordering::Relaxed) < 5 {
+        assert!(tokio::time::Instant::now() < until, "5 confirmed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(stats.delivered.load(Ordering::Relaxed), 5);
+    flaky.stop();
+    down.stop();
     w.stop().await;
 }

@@ -27,7 +27,7 @@ use a2a_support::*;
 use common::*;
 use oab_connector::a2a::{A2aDriver, AgentBinding, DriverOptions, PROFILE_URI};
 use oab_relay::store::{MemoryStore, Retention};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn states(events: &Value) -> Vec<String> {
     events
@@ -732,4 +732,110 @@ async fn a_server_that_does_not_stream_gets_blocking_sends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_does_not_stream_gets_blocking_sends_rest() {
     blocking_sends(AgentBinding::HttpJson).await;
+/// The official SDK client's push notification calls through the facade:
+/// a send with a config delivers the task's events to a webhook (with the
+/// token and credentials), and the four config methods round-trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_sdk_client_push_notification_configs_through_the_facade() {
+    let python = python();
+    let (mut agent, port) = sample_agent().await;
+    let agent_url = format!("http://127.0.0.1:{port}");
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (a, b, _card) = driver_topology(&env, &relay, &agent_url).await;
+    let facade = FacadeServer::start(a.caller().clone(), facade_options()).await;
+    let hook = Webhook::start(0).await;
+
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(&python)
+            .arg(repo().join("agent-connector/tests/interop/push_client.py"))
+            .arg("--facade-url")
+            .arg(facade.url(CALLEE))
+            .arg("--webhook-url")
+            .arg(&hook.url)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the SDK client finishes in time")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "push_client.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let task_id = r["task_id"].as_str().expect("a task id").to_string();
+    assert_eq!(
+        r["created"],
+        json!({ "id": "py-1", "taskId": task_id, "url": hook.url, "token": "second" }),
+        "{r}"
+    );
+    assert_eq!(r["got"], r["created"]);
+    assert_eq!(r["listed"].as_array().map(Vec::len), Some(2), "{r}");
+    assert_eq!(r["delete_again"], "no error");
+    assert_ne!(r["get_deleted"], "no error");
+    assert_ne!(r["unknown_task"], "no error");
+    assert_ne!(r["bad_url"], "no error");
+    assert_eq!(r["listed_after"], 1);
+
+    // The webhook got the task and every event, in order, with the auth.
+    let got = hook.wait_terminal().await;
+    let kinds: Vec<&str> = got.iter().map(body_kind).collect();
+    assert_eq!(kinds.first(), Some(&"task"), "{got:?}");
+    assert_eq!(
+        got.last().unwrap()["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    let texts: Vec<String> = got
+        .iter()
+        .filter_map(|b| b["statusUpdate"]["status"]["message"]["parts"][0]["text"].as_str())
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            "starting",
+            "progress 1",
+            "progress 2",
+            "progress 3",
+            "streamed"
+        ],
+        "{got:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "artifactUpdate").count(),
+        2,
+        "{got:?}"
+    );
+    for b in &got {
+        let id = ["task", "statusUpdate", "artifactUpdate"]
+            .iter()
+            .find_map(|k| b.get(*k))
+            .and_then(|v| v.get("id").or_else(|| v.get("taskId")))
+            .and_then(Value::as_str);
+        assert_eq!(
+            id,
+            Some(task_id.as_str()),
+            "every notification names the task: {b}"
+        );
+    }
+    for n in hook.all() {
+        let h = |k: &str| {
+            n.headers
+                .get(k)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        assert_eq!(h("x-a2a-notification-token").as_deref(), Some("py-token"));
+        assert_eq!(h("authorization").as_deref(), Some("Bearer py-cred"));
+    }
+    hook.stop();
+    facade.stop().await;
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    let _ = agent.kill().await;
 }

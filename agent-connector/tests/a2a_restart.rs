@@ -257,3 +257,103 @@ async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// The push notifications of a task survive a SIGKILL of the caller's
+/// connector: the webhook refuses everything after the first three, the
+/// task reaches its terminal in the connector, the connector is killed
+/// while it retries, and the restarted connector delivers from its saved
+/// cursor: every event, in order, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_notifications_resume_from_their_cursor_after_a_killed_connector_restarts() {
+    let env = Env::new("");
+    let store = Arc::new(MemoryStore::new(Retention::default()));
+    let relay = Relay::start(&env, store.clone()).await;
+    // Two status events, then the run waits for one opening of the gate,
+    // then two more and the end.
+    let exec = Paced::gated(4, Duration::from_millis(1), 2);
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    b.connected().await.unwrap();
+    let hook = Webhook::start(0).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let facade_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let config = caller_config(&env, dir.path(), relay.addr, facade_port);
+    let mut a = start_caller(&config);
+    let rpc = Rpc::new(format!(
+        "http://127.0.0.1:{facade_port}/peers/{}/",
+        env.callee.peer
+    ));
+    facade_up(&rpc).await;
+    let profile = with_profile(&[]);
+    let r = rpc
+        .call(
+            "SendMessage",
+            json!({
+                "message": message("m-push", "task with a webhook"),
+                "configuration": {
+                    "returnImmediately": true,
+                    "taskPushNotificationConfig": { "url": hook.url, "token": "tok" },
+                },
+            }),
+            &profile,
+        )
+        .await;
+    let id = r["result"]["task"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a task: {r}"))
+        .to_string();
+    hook.wait_for("the first three notifications", |got| got.len() >= 3)
+        .await;
+    // The webhook goes down; the task runs to its end in the connector,
+    // whose delivery of the next notification is refused.
+    hook.set_failing(true);
+    exec.open_gate();
+    wait_state(&rpc, &id, "TASK_STATE_COMPLETED").await;
+    hook.wait_all("a refused attempt", |all| {
+        all.iter().any(|n| n.status == 503)
+    })
+    .await;
+    a.kill().await.unwrap();
+    assert_eq!(hook.accepted().len(), 3, "nothing confirmed past the third");
+    hook.set_failing(false);
+
+    let _a = start_caller(&config);
+    let got = hook.wait_terminal().await;
+    let seqs: Vec<u64> = got
+        .iter()
+        .map(|b| body_seq(b).unwrap_or_else(|| panic!("a sequence: {b}")))
+        .collect();
+    // At least once: a repeat may only go back, never skip ahead.
+    for pair in seqs.windows(2) {
+        assert!(pair[1] <= pair[0] + 1, "no gap, in order: {seqs:?}");
+    }
+    let mut distinct = seqs.clone();
+    distinct.dedup();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct,
+        (0..=5).collect::<Vec<_>>(),
+        "every event: {seqs:?}"
+    );
+    assert_eq!(seqs.last(), Some(&5));
+    assert_eq!(
+        got.last().unwrap()["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    assert_eq!(body_kind(&got[0]), "task");
+    for n in hook.all() {
+        assert_eq!(
+            n.headers
+                .get("x-a2a-notification-token")
+                .and_then(|v| v.to_str().ok()),
+            Some("tok")
+        );
+    }
+    hook.stop();
+    b.shutdown().await;
+    relay.stop().await;
+}

@@ -695,4 +695,186 @@ impl Drop for CutProxy {
         self.accept.abort();
         self.cut();
     }
+/// One request a [`Webhook`] received.
+#[derive(Debug, Clone)]
+pub struct Notification {
+    pub headers: axum::http::HeaderMap,
+    pub body: Value,
+    /// The status the receiver answered with.
+    pub status: u16,
+}
+
+/// A push notification receiver on loopback (axum): records every request
+/// in arrival order and answers `503` to the first `fail_first` of them,
+/// `204` after that.
+pub struct Webhook {
+    pub url: String,
+    seen: std::sync::Arc<parking_lot::Mutex<Vec<Notification>>>,
+    changed: std::sync::Arc<tokio::sync::Notify>,
+    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    shutdown: CancellationToken,
+}
+
+impl Webhook {
+    pub async fn start(fail_first: usize) -> Webhook {
+        Self::start_on(
+            tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            fail_first,
+        )
+    }
+
+    pub fn start_on(listener: tokio::net::TcpListener, fail_first: usize) -> Webhook {
+        use axum::extract::State;
+        type Shared = (
+            std::sync::Arc<parking_lot::Mutex<Vec<Notification>>>,
+            std::sync::Arc<tokio::sync::Notify>,
+            std::sync::Arc<std::sync::atomic::AtomicUsize>,
+            usize,
+            std::sync::Arc<std::sync::atomic::AtomicBool>,
+        );
+        async fn hook(
+            State((seen, changed, count, fail_first, failing)): State<Shared>,
+            headers: axum::http::HeaderMap,
+            body: Bytes,
+        ) -> axum::http::StatusCode {
+            let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let status = if n < fail_first || failing.load(std::sync::atomic::Ordering::SeqCst) {
+                axum::http::StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                axum::http::StatusCode::NO_CONTENT
+            };
+            seen.lock().push(Notification {
+                headers,
+                body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+                status: status.as_u16(),
+            });
+            changed.notify_waiters();
+            status
+        }
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let changed = std::sync::Arc::new(tokio::sync::Notify::new());
+        let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let state: Shared = (
+            seen.clone(),
+            changed.clone(),
+            std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            fail_first,
+            failing.clone(),
+        );
+        let router = axum::Router::new()
+            .route("/hook", axum::routing::post(hook))
+            .with_state(state);
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+        });
+        Webhook {
+            url,
+            seen,
+            changed,
+            failing,
+            shutdown,
+        }
+    }
+
+    /// While on, every request is answered `503`.
+    pub fn set_failing(&self, on: bool) {
+        self.failing.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Waits (bounded) until `done` holds for everything received.
+    pub async fn wait_all(&self, what: &str, done: impl Fn(&[Notification]) -> bool) {
+        let until = tokio::time::Instant::now() + STEP;
+        loop {
+            let wait = self.changed.notified();
+            let got = self.all();
+            if done(&got) {
+                return;
+            }
+            assert!(
+                tokio::time::timeout_at(until, wait).await.is_ok(),
+                "the webhook never got {what}: {got:?}"
+            );
+        }
+    }
+
+    /// Everything received so far, failed answers included.
+    pub fn all(&self) -> Vec<Notification> {
+        self.seen.lock().clone()
+    }
+
+    /// The bodies answered with a 2xx, in arrival order.
+    pub fn accepted(&self) -> Vec<Value> {
+        self.seen
+            .lock()
+            .iter()
+            .filter(|n| (200..300).contains(&n.status))
+            .map(|n| n.body.clone())
+            .collect()
+    }
+
+    /// Waits (bounded) until `done` holds for the accepted bodies.
+    pub async fn wait_for(&self, what: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let until = tokio::time::Instant::now() + STEP;
+        loop {
+            let wait = self.changed.notified();
+            let got = self.accepted();
+            if done(&got) {
+                return got;
+            }
+            assert!(
+                tokio::time::timeout_at(until, wait).await.is_ok(),
+                "the webhook never got {what}: {got:?}"
+            );
+        }
+    }
+
+    /// Waits until the accepted bodies include a terminal status update.
+    pub async fn wait_terminal(&self) -> Vec<Value> {
+        self.wait_for("a terminal status", |got| {
+            got.iter().any(is_terminal_update)
+        })
+        .await
+    }
+
+    pub fn stop(&self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Whether a StreamResponse is a status update in a terminal state.
+pub fn is_terminal_update(body: &Value) -> bool {
+    body["statusUpdate"]["status"]["state"]
+        .as_str()
+        .is_some_and(|s| {
+            [
+                "TASK_STATE_COMPLETED",
+                "TASK_STATE_FAILED",
+                "TASK_STATE_CANCELED",
+                "TASK_STATE_REJECTED",
+            ]
+            .contains(&s)
+        })
+}
+
+/// The StreamResponse member of a webhook body.
+pub fn body_kind(body: &Value) -> &'static str {
+    for k in ["task", "message", "statusUpdate", "artifactUpdate"] {
+        if body.get(k).is_some() {
+            return k;
+        }
+    }
+    "none"
+}
+
+/// The profile sequence number of a webhook body.
+pub fn body_seq(body: &Value) -> Option<u64> {
+    ["task", "statusUpdate", "artifactUpdate"]
+        .iter()
+        .find_map(|k| body.get(*k))
+        .and_then(|v| v["metadata"][PROFILE_URI]["seq"].as_u64())
 }

@@ -196,7 +196,7 @@ pub fn build_card(peer: &PeerId, descriptor: Option<&Value>, interface_url: &str
         "capabilities".into(),
         json!({
             "streaming": true,
-            "pushNotifications": false,
+            "pushNotifications": true,
             "extendedAgentCard": false,
             "extensions": [profile::agent_extension()],
         }),

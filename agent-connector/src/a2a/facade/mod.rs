@@ -38,6 +38,9 @@
 //! | `list_tasks` | `ListTasks`: filters and pages |
 //! | `cancel_task` | `CancelTask` |
 //! | `subscribe_to_task` | `SubscribeToTask`, with the profile's cursor |
+//! | `push_config` | the four push notification config methods, and a send's config |
+//! | `push` | push configs, their delivery to webhooks, cursors and persistence |
+//! | `webhook` | the webhook client (one HTTP/1.1 `POST` per notification) and URL rule |
 //! | `stream` | the SSE producer of one stream, fed from the task table |
 //! | `tracker` | the task that folds one delegation's events into the task table |
 
@@ -65,14 +68,18 @@ mod guard;
 mod list_tasks;
 mod params;
 mod rest;
+mod push;
+mod push_config;
 mod rpc;
 mod send_message;
 mod stream;
 mod subscribe_to_task;
 mod tracker;
+mod webhook;
 
 pub use card::build_card;
 pub use guard::{FacadeToken, TokenError};
+pub use push::{PushOptions, PushStats};
 
 /// Facade settings.
 #[derive(Debug, Clone)]
@@ -120,6 +127,8 @@ pub struct FacadeOptions {
     /// update is streamed but not merged into the task's artifacts
     /// (`"artifactsTruncated": true` in its profile metadata).
     pub max_task_bytes: u64,
+    /// Push notifications: bounds, retries, the webhook URL rule.
+    pub push: PushOptions,
 }
 
 impl Default for FacadeOptions {
@@ -137,6 +146,7 @@ impl Default for FacadeOptions {
             max_events_per_task: 10_000,
             max_history_per_task: 100,
             max_task_bytes: 8 * 1024 * 1024,
+            push: PushOptions::default(),
         }
     }
 }
@@ -155,7 +165,10 @@ struct Inner {
     /// When each peer's card was first served with its current content
     /// (by ETag), for `Last-Modified`; bounded: see [`card::CardDates`].
     card_dates: Mutex<card::CardDates>,
-    /// Fired by [`Facade::close`]: stops every tracker and open stream.
+    /// Push configs and their delivery; bounded by [`PushOptions`].
+    push: push::PushRegistry,
+    /// Fired by [`Facade::close`]: stops every tracker, open stream and
+    /// push delivery.
     stop: CancellationToken,
 }
 
@@ -183,10 +196,12 @@ impl Facade {
             max_history: options.max_history_per_task,
             max_task_bytes: options.max_task_bytes,
         });
+        let push = push::PushRegistry::new(options.push.clone(), caller.state_dir());
         Facade {
             inner: Arc::new(Inner {
                 caller,
                 options,
+                push,
                 tasks,
                 peers: Mutex::new(None),
                 card_dates: Mutex::new(card::CardDates::default()),
@@ -200,11 +215,12 @@ impl Facade {
     /// under the same ids, folded anew from the relay's log, so `GetTask`,
     /// `ListTasks` and `SubscribeToTask` (cursors included) work across a
     /// restart. Call it once, before serving. Returns how many were taken
-    /// back.
+    /// back. Push notification configs saved for those tasks are taken back
+    /// too, and resume delivery from their cursors.
     pub async fn restore(&self) -> Result<usize, CallerError> {
         let inner = &self.inner;
         let handles = inner.caller.restore().await?;
-        let mut restored = 0;
+        let mut cells = Vec::new();
         for handle in handles {
             let Some(request) = inner.caller.request(&handle) else {
                 continue;
@@ -235,12 +251,29 @@ impl Facade {
                 created_ms: request.issued_ms,
             });
             if fresh {
-                let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
-                tokio::spawn(track_delegation(inner.clone(), cell.clone()).instrument(span));
-                restored += 1;
+                cells.push(cell);
             }
         }
+        // The push configs first: a tracker that folds a terminal then
+        // finds the configs still delivering it.
+        match inner.push.restore(inner) {
+            Ok(n) if n > 0 => tracing::info!(configs = n, "took back push notification configs"),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the saved push notification configs")
+            }
+        }
+        let restored = cells.len();
+        for cell in cells {
+            let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
+            tokio::spawn(track_delegation(inner.clone(), cell).instrument(span));
+        }
         Ok(restored)
+    }
+
+    /// Counts of push deliveries since the facade started.
+    pub fn push_stats(&self) -> &PushStats {
+        &self.inner.push.stats
     }
 
     /// The routes; open streams end when [`Facade::close`] is called.

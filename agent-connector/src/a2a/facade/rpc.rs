@@ -207,10 +207,10 @@ pub(super) async fn dispatch(call: &RpcCall, method: &str) -> Result<Reply, A2aE
         "CancelTask" => call.cancel_task().await,
         "SubscribeToTask" => call.subscribe_to_task(),
         "GetExtendedAgentCard" => Err(A2aError::ExtendedAgentCardNotConfigured),
-        "CreateTaskPushNotificationConfig"
-        | "GetTaskPushNotificationConfig"
-        | "ListTaskPushNotificationConfigs"
-        | "DeleteTaskPushNotificationConfig" => Err(A2aError::PushNotificationNotSupported),
+        "CreateTaskPushNotificationConfig" => call.create_push_config().await,
+        "GetTaskPushNotificationConfig" => call.get_push_config(),
+        "ListTaskPushNotificationConfigs" => call.list_push_configs(),
+        "DeleteTaskPushNotificationConfig" => call.delete_push_config().await,
         other => Err(A2aError::MethodNotFound(other.chars().take(64).collect())),
     }
 }

@@ -16,6 +16,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use super::params::{history_length, param_bool};
+use super::push::{NewConfig, PushConfig, persist};
+use super::push_config::{config_of_send, register_for_send};
 use super::rpc::{Reply, RpcCall};
 use super::stream::{StreamPlan, StreamStart, sse_event};
 use super::tracker::track_delegation;
@@ -47,11 +49,9 @@ impl RpcCall {
         };
         let return_immediately = param_bool(&config, "returnImmediately")?.unwrap_or(false);
         let history = history_length(&config)?;
-        if config
-            .get("taskPushNotificationConfig")
-            .is_some_and(|v| !v.is_null())
-        {
-            return Err(A2aError::PushNotificationNotSupported);
+        let push = config_of_send(self.inner(), &config, self.profile)?;
+        if push.is_some() {
+            self.inner().push.check_room(self.inner())?;
         }
         let request_metadata = self.params.get("metadata");
         if request_metadata.is_some_and(|m| !m.is_object() && !m.is_null()) {
@@ -59,11 +59,11 @@ impl RpcCall {
         }
         let (cell, task_id, after, created) = match message.get("taskId").and_then(Value::as_str) {
             Some(task_id) => {
-                let (cell, after) = self.follow_up(task_id, message).await?;
+                let (cell, after) = self.follow_up(task_id, message, push).await?;
                 (cell, task_id.to_string(), after, false)
             }
             None => {
-                let cell = self.new_task(message, request_metadata).await?;
+                let cell = self.new_task(message, request_metadata, push).await?;
                 let id = cell.public_id();
                 (cell, id, 0, true)
             }
@@ -90,6 +90,7 @@ impl RpcCall {
         &self,
         message: &Value,
         request_metadata: Option<&Value>,
+        push: Option<PushConfig>,
     ) -> Result<Arc<TaskCell>, A2aError> {
         let inner = self.inner();
         let defaults = &inner.options.defaults;
@@ -173,9 +174,35 @@ impl RpcCall {
             deadline_ms,
             created_ms: now_ms(),
         });
+        // A new task's push config is registered before its tracker starts,
+        // so the tracker finds it delivering when it folds the terminal.
+        let push_again = push.clone().filter(|_| !fresh);
+        let registered = match push {
+            Some(mut config) if fresh => {
+                config.next = 0;
+                inner
+                    .push
+                    .register(&self.ctx.inner, &cell, NewConfig { config })
+                    .map(|_| true)
+            }
+            _ => Ok(false),
+        };
         if fresh {
             let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
             tokio::spawn(track_delegation(self.ctx.inner.clone(), cell.clone()).instrument(span));
+        }
+        match registered {
+            Ok(true) => {
+                if let Err(e) = persist(&self.ctx.inner, &cell.handle.key).await {
+                    tracing::warn!(error = %e, "could not save a push notification config; a restart will not take it back");
+                }
+            }
+            Ok(false) => {
+                if let Some(config) = push_again {
+                    register_for_send(&self.ctx.inner, &cell, config, None, false).await?;
+                }
+            }
+            Err(e) => return Err(e),
         }
         Ok(cell)
     }
@@ -186,6 +213,7 @@ impl RpcCall {
         &self,
         task_id: &str,
         message: &Value,
+        push: Option<PushConfig>,
     ) -> Result<(Arc<TaskCell>, u64), A2aError> {
         let cell = self.find_task(task_id)?;
         let (after, context_id, callee_id) = {
@@ -204,6 +232,17 @@ impl RpcCall {
             }
             (rec.last_seq, rec.context_id.clone(), rec.callee_id.clone())
         };
+        if let Some(config) = push {
+            // The webhook gets what follows this message.
+            register_for_send(
+                &self.ctx.inner,
+                &cell,
+                config,
+                Some(task_id.to_string()),
+                false,
+            )
+            .await?;
+        }
         let mut down = message.clone();
         if let Some(o) = down.as_object_mut() {
             o.insert("contextId".into(), json!(context_id));

@@ -2,7 +2,8 @@
 //! log (replay, then live) into the delegation's task in the task table,
 //! and wakes the task's readers after each event. On the terminal it
 //! verifies the callee's signed result and records the delegation as
-//! finished, so a restart no longer takes it back, and counts the task
+//! finished (once its push configs delivered the terminal, see `push`), so
+//! a restart no longer takes it back, and counts the task
 //! against the task table's bound on finished tasks.
 //!
 //! It is the only writer of a task's state and events once the task is
@@ -14,11 +15,12 @@
 use std::sync::Arc;
 
 use futures_util::StreamExt as _;
-use tracing::{debug, warn};
+use tracing::debug;
 
 #[cfg(doc)]
 use super::Facade;
 use super::Inner;
+use super::push::commit_terminal;
 use crate::a2a::model::TaskState;
 use crate::a2a::tasks::{TaskCell, TerminalView};
 use crate::caller::{DelegationEvent, EventKind};
@@ -55,12 +57,11 @@ pub(super) async fn track_delegation(inner: Arc<Inner>, cell: Arc<TaskCell>) {
                         // Finished: a restart no longer takes it back (the
                         // state file stays while the delegation is within the
                         // caller's finished retention, so a re-sent request
-                        // is still the same delegation).
-                        let (caller, handle) = (inner.caller.clone(), cell.handle.clone());
-                        let saved =
-                            tokio::task::spawn_blocking(move || caller.commit(&handle, &ev)).await;
-                        if let Ok(Err(e)) = saved {
-                            warn!(error = %e, "could not record the delegation as finished");
+                        // is still the same delegation). While push configs
+                        // still deliver, the last of them commits instead,
+                        // so a restart takes the delegation (and them) back.
+                        if let Some(ev) = inner.push.on_terminal(&cell, ev) {
+                            commit_terminal(&inner, &cell, ev).await;
                         }
                         inner.tasks.finished(&cell);
                     }
