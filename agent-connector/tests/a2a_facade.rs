@@ -1131,6 +1131,8 @@ async fn rest_routes_pass_the_browser_guard() {
         "no refused request reached the callee"
     );
     locked.stop().await;
+}
+
 /// The push config a send registers.
 fn push_config(url: &str, token: &str) -> Value {
     json!({

@@ -732,6 +732,8 @@ async fn a_server_that_does_not_stream_gets_blocking_sends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_does_not_stream_gets_blocking_sends_rest() {
     blocking_sends(AgentBinding::HttpJson).await;
+}
+
 /// The official SDK client's push notification calls through the facade:
 /// a send with a config delivers the task's events to a webhook (with the
 /// token and credentials), and the four config methods round-trip.

@@ -695,6 +695,8 @@ impl Drop for CutProxy {
         self.accept.abort();
         self.cut();
     }
+}
+
 /// One request a [`Webhook`] received.
 #[derive(Debug, Clone)]
 pub struct Notification {

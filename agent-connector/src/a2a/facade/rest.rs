@@ -337,7 +337,10 @@ pub(super) async fn rest(
         .any(|v| v.contains(MEDIA_TYPE));
     let mut resp = answer(ctx, method, uri, headers, body).await;
     if !asks_a2a_json
-        && resp.headers().get(header::CONTENT_TYPE).map(HeaderValue::as_bytes)
+        && resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes)
             == Some(MEDIA_TYPE.as_bytes())
     {
         resp.headers_mut().insert(
