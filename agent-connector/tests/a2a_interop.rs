@@ -841,3 +841,79 @@ async fn official_sdk_client_push_notification_configs_through_the_facade() {
     relay.stop().await;
     let _ = agent.kill().await;
 }
+
+/// An agent that asks twice: its answer to the first follow-up is input
+/// required once more, with no message (the A2A conformance kit's agent does
+/// this). The caller sees input required twice and its second follow-up
+/// completes the task: a state re-entered after a follow-up is news, even
+/// without a message. `flag` is the sample agent's binding (a `-blocking`
+/// suffix: the card says no streaming, so each turn is a blocking send).
+async fn asks_twice(flag: &str) {
+    use futures_util::StreamExt as _;
+    use oab_connector::EventKind;
+    use oab_wire::Outcome;
+
+    let (mut agent, port) = sample_agent_with(0, flag, None).await;
+    let agent_url = format!("http://127.0.0.1:{port}");
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (a, b, _card) = driver_topology(&env, &relay, &agent_url).await;
+    let run = oab_wire::InstanceId::random().to_hex();
+    let mut spec = spec("hello");
+    spec.task.a2a_message = Some(serde_json::json!({
+        "messageId": format!("ask-{run}"), "role": "ROLE_USER", "parts": [{ "text": "hello" }],
+    }));
+    let h = a.caller().delegate(&peer(CALLEE), spec).await.unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    let mut answers = ["again", "main"].into_iter();
+    let (mut asked, mut artifacts) = (0, Vec::new());
+    let outcome = loop {
+        let ev = tokio::time::timeout(STEP, events.next())
+            .await
+            .expect("each turn's news arrives in time")
+            .expect("the stream lasts until the terminal")
+            .unwrap();
+        match ev.kind {
+            EventKind::Status { state, .. } if state == "TASK_STATE_INPUT_REQUIRED" => {
+                asked += 1;
+                let answer = answers.next().expect("asked at most twice");
+                a.caller()
+                    .send_message(
+                        &h,
+                        serde_json::json!({
+                            "messageId": format!("answer-{asked}-{run}"),
+                            "role": "ROLE_USER",
+                            "parts": [{ "text": answer }],
+                        }),
+                    )
+                    .await
+                    .unwrap();
+            }
+            EventKind::Artifact { artifact, .. } => artifacts.push(artifact),
+            EventKind::Terminal(t) => break t.outcome,
+            _ => {}
+        }
+    };
+    assert_eq!(outcome, Outcome::Completed);
+    assert_eq!(asked, 2, "input required reached the caller twice");
+    assert!(
+        artifacts
+            .iter()
+            .any(|x| x.text.as_deref() == Some("branch main")),
+        "{artifacts:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+    agent.kill().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_required_twice_reaches_the_caller_twice() {
+    asks_twice("jsonrpc").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_required_twice_reaches_the_caller_twice_blocking_rest() {
+    asks_twice("rest-blocking").await;
+}

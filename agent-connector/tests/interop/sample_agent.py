@@ -142,8 +142,12 @@ class SampleExecutor(AgentExecutor):
             return
 
         if current is not None and current.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
-            # The answer to "which branch?".
+            # The answer to "which branch?". "again" asks once more, with no
+            # message: the state the task re-enters is the only news.
             branch = context.get_user_input()
+            if branch == "again":
+                await updater.requires_input()
+                return
             await updater.start_work(updater.new_agent_message([Part(text="resuming")]))
             await updater.add_artifact([Part(text=f"branch {branch}")], name="answer", last_chunk=True)
             await updater.complete(updater.new_agent_message([Part(text="done")]))

@@ -769,6 +769,8 @@ impl DriverInner {
         let mut parser = SseParser::default();
         let mut interrupted = false;
         let mut leading = follow_up;
+        // The follow-up's first event after any stored snapshot.
+        let mut answered = follow_up;
         loop {
             let mut next = body.next();
             let Some(chunk) = self
@@ -811,6 +813,9 @@ impl DriverInner {
                 {
                     continue;
                 }
+                if std::mem::take(&mut answered) {
+                    Self::left_interruption(s);
+                }
                 match self.on_result(s, &result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => return end,
@@ -834,6 +839,9 @@ impl DriverInner {
                 None => TurnEnd::Failed("nothing to resume".into()),
             };
         };
+        if s.task_id.is_some() {
+            Self::left_interruption(s);
+        }
         let send = card.transport.send(
             &self.http,
             Call::SendMessage(&m),
@@ -932,6 +940,15 @@ impl DriverInner {
         Some(TurnEnd::Failed(
             "a result that is neither task, message, statusUpdate nor artifactUpdate".into(),
         ))
+    }
+
+    /// A follow-up answered the interrupted state: the server's task works
+    /// on it, so the same state entered again (input required once more,
+    /// with or without a message) is news for the caller.
+    fn left_interruption(s: &mut Session) {
+        if s.state.is_some_and(TaskState::is_interrupted) {
+            s.state = Some(TaskState::Working);
+        }
     }
 
     /// The leading task snapshot of a follow-up turn (see
