@@ -505,7 +505,7 @@ impl<T> AppendsInFlight<T> {
                 b.answer = Some(answer);
             }
         }
-        if !self.batches.front().is_some_and(|b| b.answer.is_some()) {
+        if self.batches.front().is_none_or(|b| b.answer.is_none()) {
             return Poll::Pending;
         }
         let Some(AppendBatch {
@@ -993,8 +993,10 @@ impl<S: EventStore> Session<S> {
         let pending = std::mem::take(&mut self.pending);
         let reqs: Vec<AppendRequest> = pending.iter().map(|p| p.req.clone()).collect();
         let hub = self.hub.clone();
-        self.appends
-            .push(pending, Box::pin(async move { hub.store.append(reqs).await }));
+        self.appends.push(
+            pending,
+            Box::pin(async move { hub.store.append(reqs).await }),
+        );
     }
 
     /// Answers every batch in flight, oldest first.
@@ -1503,7 +1505,10 @@ mod tests {
         // The later batches were stored; the first failed.
         let _ = t2.send(appended(3));
         let _ = t3.send(appended(4));
-        let _ = t1.send(Err(StoreError::unavailable("redis append", "connection lost")));
+        let _ = t1.send(Err(StoreError::unavailable(
+            "redis append",
+            "connection lost",
+        )));
         let (id, _, answer) = flight.oldest().await;
         assert_eq!(id, 1);
         assert!(matches!(answer, Answer::Failed(_)), "{answer:?}");

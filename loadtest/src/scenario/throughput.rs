@@ -159,13 +159,20 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
                 )
                 .await
                 .with_context(|| format!("redis XADD baseline, {size} B"))?;
-                tracing::info!(payload = size, per_sec = x.per_sec.round(), "redis XADD baseline done");
+                tracing::info!(
+                    payload = size,
+                    per_sec = x.per_sec.round(),
+                    "redis XADD baseline done"
+                );
                 xadds.push((size, x));
             }
         }
         relay.stop().await;
     }
-    for r in results.iter_mut().filter(|r| r.path == Path::Relay(StoreKind::Redis)) {
+    for r in results
+        .iter_mut()
+        .filter(|r| r.path == Path::Relay(StoreKind::Redis))
+    {
         r.vs_xadd = xadds
             .iter()
             .find(|(s, x)| *s == r.payload_bytes && x.per_sec > 0.0)
