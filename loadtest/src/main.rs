@@ -144,6 +144,10 @@ struct Cli {
     /// The relay's store.max_log_entries for the run (at least the window).
     #[arg(long, global = true, default_value_t = 4096, value_name = "N")]
     max_log_entries: u64,
+    /// The relay's limits.append_batches_in_flight for the run (default: the
+    /// relay's own default).
+    #[arg(long, global = true, value_name = "N")]
+    append_batches: Option<usize>,
     #[command(subcommand)]
     command: Command,
 }
@@ -757,6 +761,7 @@ fn common(cli: &Cli) -> Result<Common, String> {
     }
     let tuning = Tuning {
         max_log_entries: cli.max_log_entries.max(1),
+        append_batches_in_flight: cli.append_batches,
         ..Tuning::default()
     };
     Ok(Common {

@@ -247,6 +247,12 @@ impl RelayUnderTest {
         }
     }
 
+    /// The unix socket of the relay's own `redis-server` (`None`: the
+    /// memory store, or a store someone else runs).
+    pub fn redis_socket(&self) -> Option<std::path::PathBuf> {
+        self._redis.as_ref().map(RedisServer::socket_path)
+    }
+
     /// The relay's process id when it runs as a child process.
     pub fn pid(&self) -> Option<u32> {
         match &self.running {

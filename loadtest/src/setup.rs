@@ -58,6 +58,9 @@ pub struct Tuning {
     /// makes it short when it stalls links, so a half-open link is found dead
     /// in a fraction of a second instead of 45 s); `None`: the relay default.
     pub heartbeat_ms: Option<u32>,
+    /// `limits.append_batches_in_flight` when the run sets it
+    /// (`--append-batches`); `None`: the relay default.
+    pub append_batches_in_flight: Option<usize>,
 }
 
 impl Default for Tuning {
@@ -72,6 +75,7 @@ impl Default for Tuning {
             max_payload: oab_wire::limits::DEFAULT_MAX_PAYLOAD,
             slow_consumer_ms: None,
             heartbeat_ms: None,
+            append_batches_in_flight: None,
         }
     }
 }
@@ -214,6 +218,7 @@ impl Setup {
              max_payload = {max_payload}\n\
              session_queue_bytes = {queue_bytes}\n\
              {slow_consumer}\n\
+             {append_batches}\n\
              [rate]\n\
              peer_frames_per_second = {fps}\n\
              peer_frames_burst = {fps}\n\
@@ -235,6 +240,10 @@ impl Setup {
             cps = t.connects_per_second_per_ip,
             max_log = t.max_log_entries,
             ttl = t.finished_ttl_ms,
+            append_batches = t
+                .append_batches_in_flight
+                .map(|n| format!("append_batches_in_flight = {n}"))
+                .unwrap_or_default(),
         );
         for id in std::iter::once(&caller)
             .chain(std::iter::once(&callee))

@@ -203,7 +203,29 @@ pub fn outbox(
     stall: Duration,
     parent: &CancellationToken,
 ) -> (Outbox, Inbox) {
-    let (ctx, crx) = mpsc::channel(CONTROL_CAPACITY);
+    outbox_with_control(
+        CONTROL_CAPACITY,
+        data_capacity,
+        budget,
+        control_reserve,
+        stall,
+        parent,
+    )
+}
+
+/// [`outbox`] with a control lane of `control_capacity` frames instead of
+/// [`CONTROL_CAPACITY`] (a session with several append batches in flight
+/// reserves room for each batch's replies). Slots are allocated as frames
+/// are queued, so an idle session costs the same whatever the capacity.
+pub fn outbox_with_control(
+    control_capacity: usize,
+    data_capacity: usize,
+    budget: usize,
+    control_reserve: usize,
+    stall: Duration,
+    parent: &CancellationToken,
+) -> (Outbox, Inbox) {
+    let (ctx, crx) = mpsc::channel(control_capacity.max(1));
     let (dtx, drx) = mpsc::channel(data_capacity.max(1));
     let cancel = parent.child_token();
     let shared = Arc::new(Shared {

@@ -57,6 +57,7 @@ pub const RELOADABLE: &[&str] = &[
     "limits.session_queue",
     "limits.session_queue_bytes",
     "limits.slow_consumer_ms",
+    "limits.append_batches_in_flight",
     "limits.max_open_per_peer",
     "limits.max_descriptor",
     "rate.peer_frames_per_second",
@@ -182,6 +183,7 @@ pub fn effective(running: &Config, new: &Config) -> (Config, Vec<String>) {
     l.session_queue = n.session_queue;
     l.session_queue_bytes = n.session_queue_bytes;
     l.slow_consumer_ms = n.slow_consumer_ms;
+    l.append_batches_in_flight = n.append_batches_in_flight;
     l.max_open_per_peer = n.max_open_per_peer;
     l.max_descriptor = n.max_descriptor;
     eff.rate = new.rate.clone();

@@ -12,7 +12,11 @@
 //! against its delegation's view (`stage`, `check`) and staged, the staged
 //! frames go to the store in one pipelined `EventStore::append` (`flush`), and
 //! each durable entry is handed to the hub (`Hub::appended`) and acknowledged
-//! with one cumulative `Ack` per log. An `Open` is answered by `open`:
+//! with one cumulative `Ack` per log (`answer`). Up to
+//! `limits.append_batches_in_flight` batches are in flight at once: the next
+//! batch is read and handed to the store while earlier ones are still being
+//! made durable; answers are released oldest first, and a failed batch fails
+//! the ones in flight behind it (`AppendsInFlight`). An `Open` is answered by `open`:
 //! idempotency check, route, depth, deadline, size, digest, caps,
 //! `EventStore::open`, `Hub::created`.
 //!
@@ -23,7 +27,10 @@
 //! delegation payload beyond its length and, for an `Open`, its digest.
 
 use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -45,7 +52,7 @@ use tracing::{Instrument as _, debug, info, warn};
 
 use crate::admission::{HandshakePermit, PRE_AUTH_READ_BYTES, PreAuthLimit};
 use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
-use crate::outbox::{Inbox, outbox};
+use crate::outbox::{Inbox, outbox_with_control};
 use crate::refusal::Refusal;
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
 use tokio_util::sync::CancellationToken;
@@ -57,14 +64,25 @@ const MAX_BATCH: usize = 256;
 pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
 /// Frames written before a flush.
 const MAX_WRITE_BATCH: usize = 256;
-/// The reader reads the next batch only while at most this many control
-/// frames wait: a batch of [`MAX_BATCH`] frames queues at most one reply
-/// each, and [`HUB_CONTROL_HEADROOM`] is left for what the hub queues on its
-/// own meanwhile, so the peer's own acks and errors never overflow the
+/// The reader reads the next batch only while at most
+/// `read_control_depth(in flight)` control frames wait: a batch of
+/// [`MAX_BATCH`] frames queues at most one reply each, so room is kept for
+/// the batch about to be read and for every batch still in flight, and
+/// [`HUB_CONTROL_HEADROOM`] is left for what the hub queues on its own
+/// meanwhile. The peer's own acks and errors then never overflow the
 /// control lane; a peer that does not read them is back-pressured instead
 /// of cut.
-const READ_CONTROL_DEPTH: usize =
-    crate::outbox::CONTROL_CAPACITY - MAX_BATCH - HUB_CONTROL_HEADROOM;
+fn read_control_depth(control_capacity: usize, in_flight: usize) -> usize {
+    control_capacity.saturating_sub((in_flight + 1) * MAX_BATCH + HUB_CONTROL_HEADROOM)
+}
+
+/// The control lane of a session that keeps up to `batches` append batches
+/// in flight: the base [`crate::outbox::CONTROL_CAPACITY`] (which holds one
+/// batch's replies, the next batch's and the hub's headroom) plus one
+/// batch's replies for every further batch in flight.
+fn control_capacity(batches: usize) -> usize {
+    crate::outbox::CONTROL_CAPACITY + batches.saturating_sub(1) * MAX_BATCH
+}
 /// Control frames the hub may queue for a session between two of its read
 /// batches without a request of its own: at most one `Peers` snapshot
 /// (coalesced), and `Gap`s and errors of replays.
@@ -258,7 +276,8 @@ where
     };
     let settings = live.config.clone();
     drop(live);
-    let (out, inbox) = outbox(
+    let (out, inbox) = outbox_with_control(
+        control_capacity(settings.limits.append_batches_in_flight),
         settings.limits.session_queue,
         settings.limits.session_queue_bytes,
         limits.max_frame() + crate::outbox::CONTROL_HEADROOM_BYTES,
@@ -390,6 +409,7 @@ where
         settings,
         inbox: Some(inbox),
         pending: Vec::new(),
+        appends: AppendsInFlight::default(),
         acks: Vec::new(),
         batch_at: (Instant::now(), oab_wire::identity::now_ms()),
         batch_limited: false,
@@ -403,6 +423,122 @@ struct Pending {
     received: Instant,
 }
 
+/// What the store answers for one append batch.
+type AppendResult = Result<Vec<AppendOutcome>, crate::store::StoreError>;
+
+/// A store call of one append batch.
+type AppendCall = Pin<Box<dyn Future<Output = AppendResult> + Send>>;
+
+/// One append batch handed to the store: its staged frames (`T`), the
+/// store's call, and the answer once it came.
+struct AppendBatch<T> {
+    staged: T,
+    started: Instant,
+    call: AppendCall,
+    answer: Option<AppendResult>,
+}
+
+/// How an answered batch is to be taken.
+#[derive(Debug)]
+enum Answer {
+    /// The store's outcomes, one per frame.
+    Outcomes(Vec<AppendOutcome>),
+    /// The store failed this batch: nothing of it is acknowledged.
+    Failed(crate::store::StoreError),
+    /// An earlier batch failed while this one was in flight: whatever the
+    /// store answered, nothing of it is acknowledged.
+    BehindFailure,
+}
+
+/// A session's append batches in flight, oldest first.
+///
+/// Order: the batches' store calls are polled oldest first, every time,
+/// so each batch's commands reach the store's connection after those of
+/// the batches staged before it (the Redis store sends a call's commands
+/// on its one multiplexed connection, which keeps their order, and a
+/// call's next step waits for replies that arrive in that order too). The
+/// store checks every entry against its log's tail anyway: a batch that
+/// overtook an earlier one of the same log would get `Hole`s (refused,
+/// never acknowledged), not a wrong ack. Answers are released oldest first
+/// only, and a failed batch fails the batches in flight behind it.
+struct AppendsInFlight<T> {
+    batches: VecDeque<AppendBatch<T>>,
+    /// Batches still to be failed because an earlier one failed while they
+    /// were in flight.
+    failing: usize,
+}
+
+impl<T> Default for AppendsInFlight<T> {
+    fn default() -> Self {
+        AppendsInFlight {
+            batches: VecDeque::new(),
+            failing: 0,
+        }
+    }
+}
+
+impl<T> AppendsInFlight<T> {
+    fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// Puts a batch in flight behind the others; its call is first polled
+    /// by the next [`Self::oldest`], after theirs.
+    fn push(&mut self, staged: T, call: AppendCall) {
+        self.batches.push_back(AppendBatch {
+            staged,
+            started: Instant::now(),
+            call,
+            answer: None,
+        });
+    }
+
+    /// Drives every unanswered batch, oldest first; ready with the oldest
+    /// batch once the store answered it.
+    fn poll_oldest(&mut self, cx: &mut std::task::Context<'_>) -> Poll<(T, Instant, Answer)> {
+        for b in self.batches.iter_mut().filter(|b| b.answer.is_none()) {
+            if let Poll::Ready(answer) = b.call.as_mut().poll(cx) {
+                b.answer = Some(answer);
+            }
+        }
+        if self.batches.front().is_none_or(|b| b.answer.is_none()) {
+            return Poll::Pending;
+        }
+        let Some(AppendBatch {
+            staged,
+            started,
+            answer: Some(answer),
+            ..
+        }) = self.batches.pop_front()
+        else {
+            return Poll::Pending;
+        };
+        let behind = self.failing > 0;
+        self.failing = self.failing.saturating_sub(1);
+        let answer = match answer {
+            Ok(_) if behind => Answer::BehindFailure,
+            Ok(outcomes) => Answer::Outcomes(outcomes),
+            Err(e) => {
+                // Every batch in flight now was sent before this failure
+                // was known.
+                self.failing = self.batches.len();
+                Answer::Failed(e)
+            }
+        };
+        Poll::Ready((staged, started, answer))
+    }
+
+    /// The oldest batch, once answered: its staged frames, when it was put
+    /// in flight, and how to take its answer.
+    async fn oldest(&mut self) -> (T, Instant, Answer) {
+        std::future::poll_fn(|cx| self.poll_oldest(cx)).await
+    }
+}
+
 struct Session<S> {
     hub: Arc<Hub<S>>,
     env: SessionEnv,
@@ -413,6 +549,9 @@ struct Session<S> {
     /// The receiving side of the queues; `run` hands it to the writer.
     inbox: Option<Inbox>,
     pending: Vec<Pending>,
+    /// Append batches handed to the store and not yet answered (at most
+    /// `limits.append_batches_in_flight`).
+    appends: AppendsInFlight<Vec<Pending>>,
     acks: Vec<(DelegationKey, Direction, u64)>,
     /// When the current batch was read (monotonic, and ms since the epoch).
     batch_at: (Instant, u64),
@@ -556,27 +695,31 @@ impl<S: EventStore> Session<S> {
     {
         let idle = Duration::from_millis(self.settings.relay.idle_timeout_ms);
         let cancel = self.me.outbox.cancel_token();
+        let batches = self.settings.limits.append_batches_in_flight.max(1);
+        let capacity = control_capacity(batches);
         let mut last_rx = tokio::time::Instant::now();
-        loop {
-            if self.me.outbox.control_depth() > READ_CONTROL_DEPTH {
-                // Back-pressure: the peer's replies are not being taken.
-                tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return End::Cancelled,
-                    () = self.me.outbox.control_room(READ_CONTROL_DEPTH) => {}
-                }
-                last_rx = tokio::time::Instant::now();
-            }
+        let end = loop {
+            // Reads only with room for another batch in flight and for its
+            // replies (back-pressure: the peer's replies are not being taken).
+            let reading = self.appends.len() < batches;
+            let depth = read_control_depth(capacity, self.appends.len());
+            let room = self.me.outbox.control_depth() <= depth;
             tokio::select! {
                 biased;
-                () = cancel.cancelled() => return End::Cancelled,
-                msg = stream.next() => {
+                () = cancel.cancelled() => break End::Cancelled,
+                batch = self.appends.oldest(), if !self.appends.is_empty() => {
+                    self.answer(batch);
+                }
+                () = self.me.outbox.control_room(depth), if reading && !room => {
+                    last_rx = tokio::time::Instant::now();
+                }
+                msg = stream.next(), if reading && room => {
                     last_rx = tokio::time::Instant::now();
                     let mut batch = Vec::with_capacity(8);
                     match self.decode_into_batch(msg, limits, &mut batch) {
                         Ok(true) => {}
-                        Ok(false) => return End::Transport,
-                        Err(end) => return end,
+                        Ok(false) => break End::Transport,
+                        Err(end) => break end,
                     }
                     // Take whatever else is already buffered, without waiting.
                     let mut stop = None;
@@ -605,14 +748,19 @@ impl<S: EventStore> Session<S> {
                     // session.
                     Box::pin(self.process(batch)).await;
                     if let Some(end) = stop {
-                        return end;
+                        break end;
                     }
                 }
-                () = tokio::time::sleep_until(last_rx + idle) => {
-                    return End::Closed(CloseCode::IdleTimeout, "no frame within the idle timeout".into());
+                () = tokio::time::sleep_until(last_rx + idle), if reading && room => {
+                    break End::Closed(CloseCode::IdleTimeout, "no frame within the idle timeout".into());
                 }
             }
-        }
+        };
+        // Whatever ends the session, the batches in flight are answered
+        // first (their acks queued, their frames delivered), as a batch
+        // being processed always was.
+        Box::pin(self.settle()).await;
+        end
     }
 
     /// Decodes one read result into the batch. `Ok(false)`: the peer went away.
@@ -659,7 +807,7 @@ impl<S: EventStore> Session<S> {
         for frame in batch {
             self.handle(frame).await;
         }
-        self.flush().await;
+        self.flush();
     }
 
     fn push(&self, frame: &Frame) {
@@ -688,12 +836,17 @@ impl<S: EventStore> Session<S> {
             }
             // Rare frames: boxed, so their state does not enlarge every
             // session's task for its whole life.
+            // Answered after every frame before them, as if no batch were
+            // in flight: the staged frames go to the store and every batch
+            // in flight is answered first.
             Frame::Open(open) => {
-                self.flush().await;
+                self.flush();
+                Box::pin(self.settle()).await;
                 Box::pin(self.open(open, raw)).await;
             }
             Frame::Resume(r) => {
-                self.flush().await;
+                self.flush();
+                Box::pin(self.settle()).await;
                 Box::pin(self.resume(r.key, r.direction, r.after)).await;
             }
             Frame::Ping(p) => self.push(&Frame::Pong(p)),
@@ -829,41 +982,59 @@ impl<S: EventStore> Session<S> {
         }
     }
 
-    /// Appends staged frames in one pipelined call, then acks and delivers.
-    async fn flush(&mut self) {
+    /// Hands the staged frames to the store in one pipelined call, in flight
+    /// beside the earlier batches still unanswered ([`AppendsInFlight`]);
+    /// their answers ack and deliver, in order ([`Self::answer`]).
+    fn flush(&mut self) {
         if self.pending.is_empty() {
             self.send_acks();
             return;
         }
         let pending = std::mem::take(&mut self.pending);
         let reqs: Vec<AppendRequest> = pending.iter().map(|p| p.req.clone()).collect();
-        let started = Instant::now();
-        let res = self.hub.store.append(reqs).await;
+        let hub = self.hub.clone();
+        self.appends.push(
+            pending,
+            Box::pin(async move { hub.store.append(reqs).await }),
+        );
+    }
+
+    /// Answers every batch in flight, oldest first.
+    async fn settle(&mut self) {
+        while !self.appends.is_empty() {
+            let batch = self.appends.oldest().await;
+            self.answer(batch);
+        }
+    }
+
+    /// Acks and delivers an answered batch (the oldest in flight). A failed
+    /// batch refuses all its frames with `store_unavailable`, and so do the
+    /// batches that were in flight behind it, whatever the store answered
+    /// them: nothing after a failure is acknowledged before the peer
+    /// resends (a resent entry the store holds is a `Duplicate`, acked and
+    /// delivered then).
+    fn answer(&mut self, (pending, started, answer): (Vec<Pending>, Instant, Answer)) {
         self.hub
             .metrics
             .hot
             .append_latency
             .observe(started.elapsed().as_secs_f64());
-        if let Err(e) = &res {
-            self.hub
-                .metrics
-                .store_errors
-                .with_label_values(&["append"])
-                .inc();
-            self.hub.store_health.failed("append", Some(e));
-        }
-        let outcomes = match res {
-            Ok(o) => o,
-            Err(e) => {
+        let outcomes = match answer {
+            Answer::Outcomes(o) => o,
+            Answer::Failed(e) => {
+                self.hub
+                    .metrics
+                    .store_errors
+                    .with_label_values(&["append"])
+                    .inc();
+                self.hub.store_health.failed("append", Some(&e));
                 warn!(error = %e, "append failed; nothing acknowledged");
-                for p in &pending {
-                    self.refuse(
-                        Refusal::StoreUnavailable,
-                        Some(&p.req.key),
-                        p.req.dir,
-                        p.req.seq,
-                    );
-                }
+                self.refuse_all(&pending);
+                return;
+            }
+            Answer::BehindFailure => {
+                warn!("append batch in flight behind a failed one; nothing acknowledged");
+                self.refuse_all(&pending);
                 return;
             }
         };
@@ -918,6 +1089,18 @@ impl<S: EventStore> Session<S> {
             }
         }
         self.send_acks();
+    }
+
+    /// Refuses every frame of a batch with `store_unavailable`.
+    fn refuse_all(&self, pending: &[Pending]) {
+        for p in pending {
+            self.refuse(
+                Refusal::StoreUnavailable,
+                Some(&p.req.key),
+                p.req.dir,
+                p.req.seq,
+            );
+        }
     }
 
     /// Remembers the highest ack per log; acks are cumulative.
@@ -1249,4 +1432,113 @@ async fn close_with_control<IO>(
         }
     }
     close_ws(&mut ws, code, reason).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreError;
+    use tokio::sync::oneshot;
+
+    /// A store call that records when it is first polled and answers what
+    /// its sender sends.
+    fn call(
+        id: u32,
+        polled: &Arc<Mutex<Vec<u32>>>,
+        answer: oneshot::Receiver<AppendResult>,
+    ) -> AppendCall {
+        let polled = polled.clone();
+        Box::pin(async move {
+            polled.lock().push(id);
+            answer
+                .await
+                .unwrap_or_else(|_| Err(StoreError::unavailable("test", "dropped")))
+        })
+    }
+
+    fn appended(seq: u64) -> AppendResult {
+        Ok(vec![AppendOutcome::Appended { seq }])
+    }
+
+    #[tokio::test]
+    async fn batches_are_sent_oldest_first_and_answered_in_order() {
+        let polled = Arc::new(Mutex::new(Vec::new()));
+        let mut flight = AppendsInFlight::default();
+        let mut senders = Vec::new();
+        for id in 1..=3 {
+            let (tx, rx) = oneshot::channel();
+            flight.push(id, call(id, &polled, rx));
+            senders.push(tx);
+        }
+        let mut oldest = Box::pin(flight.oldest());
+        assert!((&mut oldest).now_or_never().is_none());
+        drop(oldest);
+        assert_eq!(*polled.lock(), vec![1, 2, 3], "first polled oldest first");
+        // The newest is answered first: nothing is released before the oldest.
+        let mut senders = senders.into_iter();
+        let (t1, t2, t3) = (senders.next(), senders.next(), senders.next());
+        let _ = t3.map(|t| t.send(appended(4)));
+        let _ = t2.map(|t| t.send(appended(3)));
+        assert!(Box::pin(flight.oldest()).now_or_never().is_none());
+        let _ = t1.map(|t| t.send(appended(2)));
+        for (want_id, want_seq) in [(1, 2), (2, 3), (3, 4)] {
+            let (id, _, answer) = flight.oldest().await;
+            assert_eq!(id, want_id);
+            assert!(
+                matches!(&answer, Answer::Outcomes(o) if o == &[AppendOutcome::Appended { seq: want_seq }]),
+                "{answer:?}"
+            );
+        }
+        assert!(flight.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_fails_those_in_flight_behind_it_and_no_later_one() {
+        let polled = Arc::new(Mutex::new(Vec::new()));
+        let mut flight = AppendsInFlight::default();
+        let (t1, r1) = oneshot::channel();
+        let (t2, r2) = oneshot::channel();
+        let (t3, r3) = oneshot::channel();
+        flight.push(1, call(1, &polled, r1));
+        flight.push(2, call(2, &polled, r2));
+        flight.push(3, call(3, &polled, r3));
+        // The later batches were stored; the first failed.
+        let _ = t2.send(appended(3));
+        let _ = t3.send(appended(4));
+        let _ = t1.send(Err(StoreError::unavailable(
+            "redis append",
+            "connection lost",
+        )));
+        let (id, _, answer) = flight.oldest().await;
+        assert_eq!(id, 1);
+        assert!(matches!(answer, Answer::Failed(_)), "{answer:?}");
+        for want in [2, 3] {
+            let (id, _, answer) = flight.oldest().await;
+            assert_eq!(id, want);
+            assert!(matches!(answer, Answer::BehindFailure), "{answer:?}");
+        }
+        // A batch put in flight after the failure was known is taken as answered.
+        let (t4, r4) = oneshot::channel();
+        flight.push(4, call(4, &polled, r4));
+        let _ = t4.send(appended(5));
+        let (id, _, answer) = flight.oldest().await;
+        assert_eq!(id, 4);
+        assert!(matches!(answer, Answer::Outcomes(_)), "{answer:?}");
+    }
+
+    #[test]
+    fn the_control_lane_holds_the_replies_of_every_batch_in_flight() {
+        for batches in 1..=crate::config::MAX_APPEND_BATCHES_IN_FLIGHT {
+            let capacity = control_capacity(batches);
+            // Reading with batches - 1 in flight: room for all of them, the
+            // batch read and the hub's headroom.
+            let depth = read_control_depth(capacity, batches - 1);
+            assert_eq!(depth + batches * MAX_BATCH + HUB_CONTROL_HEADROOM, capacity);
+        }
+        // One batch in flight: as before append batches overlapped.
+        assert_eq!(
+            read_control_depth(control_capacity(1), 0),
+            crate::outbox::CONTROL_CAPACITY - MAX_BATCH - HUB_CONTROL_HEADROOM
+        );
+    }
 }

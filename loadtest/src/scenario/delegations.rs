@@ -109,6 +109,67 @@ pub struct Baseline {
     pub violations: Vec<String>,
 }
 
+/// What the signatures of one delegation cost on this machine, measured in
+/// the run: the ceiling no amount of relay or store speed passes.
+#[derive(Debug, Clone, Serialize)]
+pub struct SignatureCeiling {
+    /// Bytes of the signed message (about a request envelope's).
+    pub message_bytes: usize,
+    /// One ed25519 signature, µs of one core.
+    pub sign_us: f64,
+    /// One strict verification (`verify_strict`), µs of one core.
+    pub verify_us: f64,
+    /// Per delegation: two signatures (request, result) and two strict
+    /// verifications (by the callee, by the caller), µs of one core.
+    pub per_delegation_us: f64,
+    /// Cores this process may use (`available_parallelism`).
+    pub cores: usize,
+    /// `cores / per_delegation`: delegations per second if the machine
+    /// did nothing but their signatures.
+    pub delegations_per_sec: f64,
+}
+
+/// Bytes signed per signature in [`signature_ceiling`]: about the size of a
+/// delegation request envelope's signed bytes.
+const SIGNED_MESSAGE_BYTES: usize = 512;
+
+/// Times `Identity::sign` and `PublicKey::verify_strict` (what the
+/// connectors call) on one core for about `seconds` each.
+pub fn signature_ceiling(
+    identity: &oab_wire::identity::Identity,
+    seconds: f64,
+) -> SignatureCeiling {
+    let public = identity.public_key();
+    let message = vec![0x5au8; SIGNED_MESSAGE_BYTES];
+    let budget = Duration::from_secs_f64(seconds.max(0.01));
+    let time = |f: &mut dyn FnMut()| {
+        let t = std::time::Instant::now();
+        let mut n = 0u64;
+        while t.elapsed() < budget {
+            for _ in 0..64 {
+                f();
+            }
+            n += 64;
+        }
+        t.elapsed().as_secs_f64() * 1e6 / n as f64
+    };
+    let mut signature = identity.sign(&message);
+    let sign_us = time(&mut || signature = std::hint::black_box(identity.sign(&message)));
+    let mut ok = true;
+    let verify_us = time(&mut || ok &= public.verify_strict(&message, &signature));
+    debug_assert!(ok);
+    let per_delegation_us = 2.0 * sign_us + 2.0 * verify_us;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    SignatureCeiling {
+        message_bytes: message.len(),
+        sign_us,
+        verify_us,
+        per_delegation_us,
+        cores,
+        delegations_per_sec: cores as f64 * 1e6 / per_delegation_us,
+    }
+}
+
 /// Emits `events` status events, then completes.
 struct Streamer {
     events: u32,
@@ -159,6 +220,19 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
     let mut levels = Vec::new();
     let mut baselines = Vec::new();
     let mut violations = Vec::new();
+    // Before any relay runs: the signatures alone, on the same cores.
+    let ceiling = tokio::task::spawn_blocking({
+        let identity = setup.caller.clone();
+        move || signature_ceiling(&identity, 0.5)
+    })
+    .await
+    .context("signature timing task")?;
+    tracing::info!(
+        sign_us = format!("{:.1}", ceiling.sign_us),
+        verify_us = format!("{:.1}", ceiling.verify_us),
+        ceiling = ceiling.delegations_per_sec.round(),
+        "signature-bound ceiling measured"
+    );
     for &store in &opts.stores {
         let relay = RelayUnderTest::start(&setup, &common.relay, store, common.redis_persistence)
             .await
@@ -240,6 +314,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
             "events/s",
             "raw frames/s",
             "overhead/event",
+            "vs sig ceiling",
             "rtt p50",
             "rtt p99",
             "verified",
@@ -259,6 +334,10 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
             fmt_count(raw),
             r.overhead_us_per_event
                 .map_or("-".into(), |v| format!("{v:.1}µs")),
+            format!(
+                "{:.2}",
+                r.delegations_per_sec / ceiling.delegations_per_sec.max(f64::MIN_POSITIVE)
+            ),
             fmt_us(r.round_trip.p50_us),
             fmt_us(r.round_trip.p99_us),
             fmt_count(r.verified as f64),
@@ -270,6 +349,19 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
         obj.insert("params".into(), serde_json::to_value(opts)?);
         obj.insert("baselines".into(), serde_json::to_value(&baselines)?);
         obj.insert("levels".into(), serde_json::to_value(&levels)?);
+        obj.insert("signature_ceiling".into(), serde_json::to_value(&ceiling)?);
+        let ratios: Vec<serde_json::Value> = levels
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "store": r.store,
+                    "in_flight": r.in_flight,
+                    "delegations_per_sec": r.delegations_per_sec,
+                    "vs_signature_ceiling": r.delegations_per_sec / ceiling.delegations_per_sec,
+                })
+            })
+            .collect();
+        obj.insert("vs_signature_ceiling".into(), ratios.into());
     }
     Ok(Report {
         scenario: "delegations",
@@ -283,6 +375,17 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
                  delegation). raw frames/s: pipelined raw Data frames of the same payload size \
                  ({payload} B) through the same relay, window 1024.",
                 opts.events
+            ),
+            format!(
+                "vs sig ceiling: deleg/s / (cores / cost of 2 ed25519 signatures + 2 strict \
+                 verifications of {} B), measured in this run on one core: sign {:.1} µs, \
+                 verify {:.1} µs, {:.1} µs per delegation, {} cores: ceiling {}/s.",
+                ceiling.message_bytes,
+                ceiling.sign_us,
+                ceiling.verify_us,
+                ceiling.per_delegation_us,
+                ceiling.cores,
+                fmt_count(ceiling.delegations_per_sec)
             ),
             "overhead/event: 1/(events/s) - 1/(raw frames/s); an upper bound on the \
              connector's cost per event, as it includes each delegation's open, signing and \

@@ -77,6 +77,10 @@ pub struct CaseResult {
     pub frame_mb_per_sec: f64,
     /// Relay frames/s divided by direct frames/s for this size.
     pub vs_direct: Option<f64>,
+    /// Redis store only: relay frames/s divided by the same `redis-server`'s
+    /// own pipelined `XADD` rate for entries of this frame length, measured
+    /// in the same run ([`crate::xadd`]).
+    pub vs_xadd: Option<f64>,
     /// One-way delay under this saturating load (send stamp to receipt).
     pub one_way: Percentiles,
     /// Times the sender waited for the window.
@@ -107,6 +111,7 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
     let limits = setup.config.wire_limits();
     let mut results: Vec<CaseResult> = Vec::new();
     let mut relay_pids = serde_json::Map::new();
+    let mut xadds: Vec<(usize, crate::xadd::XaddResult)> = Vec::new();
 
     let direct = Arc::new(DirectListener::bind(&setup, &setup.config).await?);
     for &size in &opts.sizes {
@@ -135,7 +140,43 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
             log_case(&r);
             results.push(r);
         }
+        if let Some(socket) = relay.redis_socket() {
+            // Redis on its own, on the same server, right after the relay's
+            // cases (the relay idles meanwhile).
+            for &size in &opts.sizes {
+                let frame_bytes = results
+                    .iter()
+                    .find(|r| r.path == Path::Relay(store) && r.payload_bytes == size)
+                    .map_or(size, |r| r.frame_bytes);
+                let x = crate::xadd::measure(
+                    &socket,
+                    &format!("oab:bench:xadd:{size}"),
+                    frame_bytes,
+                    setup.tuning.max_log_entries,
+                    opts.window,
+                    opts.seconds,
+                    opts.max_frames,
+                )
+                .await
+                .with_context(|| format!("redis XADD baseline, {size} B"))?;
+                tracing::info!(
+                    payload = size,
+                    per_sec = x.per_sec.round(),
+                    "redis XADD baseline done"
+                );
+                xadds.push((size, x));
+            }
+        }
         relay.stop().await;
+    }
+    for r in results
+        .iter_mut()
+        .filter(|r| r.path == Path::Relay(StoreKind::Redis))
+    {
+        r.vs_xadd = xadds
+            .iter()
+            .find(|(s, x)| *s == r.payload_bytes && x.per_sec > 0.0)
+            .map(|(_, x)| r.frames_per_sec / x.per_sec);
     }
 
     // Ratios against the direct baseline of the same size.
@@ -169,6 +210,7 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
             "frames/s",
             "MB/s",
             "vs direct",
+            "vs XADD",
             "frames",
             "one-way p50",
             "one-way p99",
@@ -188,6 +230,7 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
             fmt_count(r.frames_per_sec),
             format!("{:.1}", r.payload_mb_per_sec),
             r.vs_direct.map_or("-".into(), |v| format!("{v:.2}x")),
+            r.vs_xadd.map_or("-".into(), |v| format!("{v:.2}x")),
             fmt_count(r.check.received as f64),
             fmt_us(r.one_way.p50_us),
             fmt_us(r.one_way.p99_us),
@@ -198,12 +241,42 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
             r.check.reordered.to_string(),
             r.errors.len().to_string(),
         ]);
+        if r.path == Path::Relay(StoreKind::Redis)
+            && let Some((_, x)) = xadds.iter().find(|(s, _)| *s == r.payload_bytes)
+        {
+            let mut row = vec![
+                fmt_size(r.payload_bytes),
+                "redis XADD alone".into(),
+                fmt_count(x.per_sec),
+                format!("{:.1}", x.per_sec * r.payload_bytes as f64 / 1e6),
+                "-".into(),
+                "1".into(),
+                fmt_count(x.appended as f64),
+            ];
+            row.extend(std::iter::repeat_n("-".to_string(), 6));
+            table.row(row);
+        }
     }
     let mut json = run_header("throughput", common, relay_bin(common).as_deref());
     if let Some(obj) = json.as_object_mut() {
         obj.insert("params".into(), serde_json::to_value(opts)?);
         obj.insert("relay_pids".into(), relay_pids.into());
         obj.insert("cases".into(), serde_json::to_value(&results)?);
+        let xadd: Vec<serde_json::Value> = xadds
+            .iter()
+            .map(|(size, x)| {
+                let relay = results
+                    .iter()
+                    .find(|r| r.path == Path::Relay(StoreKind::Redis) && r.payload_bytes == *size);
+                serde_json::json!({
+                    "payload_bytes": size,
+                    "xadd": x,
+                    "relay_frames_per_sec": relay.map(|r| r.frames_per_sec),
+                    "relay_vs_xadd": relay.and_then(|r| r.vs_xadd),
+                })
+            })
+            .collect();
+        obj.insert("redis_xadd_baseline".into(), xadd.into());
     }
     Ok(Report {
         scenario: "throughput",
@@ -214,6 +287,10 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
                 .into(),
             "one-way: send stamp to receipt on one clock, under this saturating load (queueing \
              included). relay CPU/frame: relay process CPU time / frames (process mode)."
+                .into(),
+            "vs XADD (Redis store): relay frames/s / the same redis-server's own pipelined XADD \
+             rate (one stream, entries as long as the frames, MAXLEN as the relay's, chunks of \
+             256, the same window), measured right after the relay's cases."
                 .into(),
             "the window is advanced by acks (relay: durable; direct: received) and bounded by \
              the receiver's progress; all endpoints and the relay share this machine's CPUs."
@@ -471,6 +548,7 @@ async fn pair<A: Ws, B: Ws>(
             payload_mb_per_sec: per_sec(recv.payload_bytes as f64) / 1e6,
             frame_mb_per_sec: per_sec((frames * frame_bytes as u64) as f64) / 1e6,
             vs_direct: None,
+            vs_xadd: None,
             one_way: Percentiles::of(&recv.one_way),
             window_waits: sent.window_waits,
             drained: sent.drained,
