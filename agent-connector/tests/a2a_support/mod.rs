@@ -617,14 +617,35 @@ pub async fn js_sample_agent_with(
 
 /// A loopback TCP proxy in front of a local A2A server whose open
 /// connections can be cut: the server's streams then break as a crashed
-/// connection breaks them, while new connections go through.
+/// connection breaks them, while new connections go through. It records
+/// what goes through, both ways, and wakes [`CutProxy::until`] at each
+/// chunk.
 pub struct CutProxy {
     /// The proxy's port.
     pub port: u16,
     conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
-    /// What clients sent, per chunk (lossy UTF-8), in order.
-    sent: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    traffic: std::sync::Arc<Traffic>,
     accept: tokio::task::JoinHandle<()>,
+}
+
+/// What went through a [`CutProxy`], per chunk (lossy UTF-8), in order.
+#[derive(Default)]
+struct Traffic {
+    /// From clients to the server.
+    sent: std::sync::Mutex<Vec<String>>,
+    /// From the server to clients.
+    received: std::sync::Mutex<Vec<String>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Traffic {
+    fn record(&self, up: bool, chunk: &[u8]) {
+        let log = if up { &self.sent } else { &self.received };
+        log.lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(chunk).into_owned());
+        self.changed.notify_waiters();
+    }
 }
 
 impl CutProxy {
@@ -632,11 +653,11 @@ impl CutProxy {
     pub fn start(listener: tokio::net::TcpListener, target: u16) -> CutProxy {
         let port = listener.local_addr().unwrap().port();
         let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (c, s) = (conns.clone(), sent.clone());
+        let traffic = std::sync::Arc::new(Traffic::default());
+        let (c, t) = (conns.clone(), traffic.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let sent = s.clone();
+                let (up_log, down_log) = (t.clone(), t.clone());
                 let task = tokio::spawn(async move {
                     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
                     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
@@ -651,9 +672,7 @@ impl CutProxy {
                             if n == 0 {
                                 break;
                             }
-                            sent.lock()
-                                .unwrap()
-                                .push(String::from_utf8_lossy(&buf[..n]).into_owned());
+                            up_log.record(true, &buf[..n]);
                             if sw.write_all(&buf[..n]).await.is_err() {
                                 break;
                             }
@@ -661,7 +680,16 @@ impl CutProxy {
                         let _ = sw.shutdown().await;
                     };
                     let down = async move {
-                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                        let mut buf = vec![0u8; 16 << 10];
+                        while let Ok(n) = sr.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            if cw.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                            down_log.record(false, &buf[..n]);
+                        }
                         let _ = cw.shutdown().await;
                     };
                     tokio::join!(up, down);
@@ -672,7 +700,7 @@ impl CutProxy {
         CutProxy {
             port,
             conns,
-            sent,
+            traffic,
             accept,
         }
     }
@@ -686,7 +714,41 @@ impl CutProxy {
 
     /// What clients sent so far.
     pub fn sent(&self) -> Vec<String> {
-        self.sent.lock().unwrap().clone()
+        self.traffic.sent.lock().unwrap().clone()
+    }
+
+    /// What the server sent back so far (recorded once passed on).
+    pub fn received(&self) -> Vec<String> {
+        self.traffic.received.lock().unwrap().clone()
+    }
+
+    /// Waits until `done(sent, received)` holds (checked now and at every
+    /// chunk through the proxy), at most `limit`; panics naming `what`
+    /// when it does not.
+    pub async fn until(
+        &self,
+        what: &str,
+        limit: std::time::Duration,
+        done: impl Fn(&[String], &[String]) -> bool,
+    ) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let changed = self.traffic.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the check: a chunk recorded in between
+            // still wakes the wait.
+            changed.as_mut().enable();
+            if done(&self.sent(), &self.received()) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                panic!(
+                    "{what}: not within {limit:?}; sent {:?}, received {:?}",
+                    self.sent(),
+                    self.received()
+                );
+            }
+        }
     }
 }
 

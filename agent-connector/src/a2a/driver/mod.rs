@@ -17,8 +17,11 @@
 //! wait runs out the driver cancels the server's task and the delegation
 //! ends `failed` ("limit exceeded: input_timeout ...").
 //! A stream that drops mid-task is resumed with `SubscribeToTask` (and
-//! `GetTask` once the task is finished). When `run.cancel` fires the driver
-//! sends `CancelTask` and waits a bounded time for the server's terminal.
+//! `GetTask` once the task is finished); the subscription's leading task
+//! snapshot sends up only what the caller has not seen: not the last status
+//! sent up again, nor artifacts already sent (see `UpStatus`). When
+//! `run.cancel` fires the driver sends `CancelTask` and waits a bounded
+//! time for the server's terminal.
 //!
 //! Both bindings behave alike: the wire format is in `transport.rs`
 //! (`jsonrpc.rs`, `rest.rs`), which hands the turns StreamResponse objects
@@ -276,9 +279,59 @@ struct Session {
     artifacts: Vec<Artifact>,
     /// Artifact ids already sent up.
     sent: std::collections::HashSet<String>,
+    /// The last status sent up: a resumed stream's leading snapshot that
+    /// repeats it is not sent again (see [`UpStatus::repeated_by`]). Replaced
+    /// at every status sent up; dropped with the session.
+    last_up: Option<UpStatus>,
     cancel_sent: bool,
     /// The grace ran out before the server confirmed the cancel.
     cancel_unconfirmed: bool,
+}
+
+/// A status as it was sent up, to recognise it in a resumed stream's
+/// leading task snapshot.
+#[derive(Debug, Clone, PartialEq)]
+struct UpStatus {
+    state: TaskState,
+    /// The server's `messageId` of the status message, if it gave one.
+    message_id: Option<String>,
+    /// What the message says: the message without its ids.
+    content: Option<Value>,
+}
+
+impl UpStatus {
+    /// `state` with `message` as the server sent them.
+    fn new(state: TaskState, message: Option<&Value>) -> Self {
+        let message_id = message
+            .and_then(|m| m.get("messageId"))
+            .and_then(Value::as_str)
+            .filter(|id| !id.is_empty())
+            .map(str::to_string);
+        let content = message.map(|m| {
+            let mut m = m.clone();
+            if let Some(o) = m.as_object_mut() {
+                for id in ["messageId", "taskId", "contextId"] {
+                    o.remove(id);
+                }
+            }
+            m
+        });
+        UpStatus {
+            state,
+            message_id,
+            content,
+        }
+    }
+
+    /// Whether `other` is this status again: the same state and the same
+    /// message, by `messageId` when both have one, else by content.
+    fn repeated_by(&self, other: &UpStatus) -> bool {
+        self.state == other.state
+            && match (&self.message_id, &other.message_id) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.content == other.content,
+            }
+    }
 }
 
 /// A cancel under way during a streaming turn.
@@ -759,7 +812,7 @@ impl DriverInner {
                 }) if resubscribe => self.finished(card, s, run).await,
                 Err(e) => TurnEnd::Failed(failure(e)),
                 Ok(r) => self
-                    .on_result(s, &r, &run.sink)
+                    .on_result(s, &r, &run.sink, resubscribe)
                     .await
                     .unwrap_or(TurnEnd::Dropped),
             };
@@ -768,7 +821,7 @@ impl DriverInner {
         tokio::pin!(body);
         let mut parser = SseParser::default();
         let mut interrupted = false;
-        let mut leading = follow_up;
+        let mut leading = follow_up || resubscribe;
         // The follow-up's first event after any stored snapshot.
         let mut answered = follow_up;
         loop {
@@ -807,7 +860,9 @@ impl DriverInner {
                     Ok(r) => r,
                     Err(e) => return TurnEnd::Failed(e),
                 };
-                if std::mem::take(&mut leading)
+                let first = std::mem::take(&mut leading);
+                if first
+                    && follow_up
                     && let Some(task) = result.get("task")
                     && self.on_snapshot(s, task, &run.sink).await
                 {
@@ -816,7 +871,8 @@ impl DriverInner {
                 if std::mem::take(&mut answered) {
                     Self::left_interruption(s);
                 }
-                match self.on_result(s, &result, &run.sink).await {
+                let resumed = first && resubscribe;
+                match self.on_result(s, &result, &run.sink, resumed).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => return end,
                     None => {}
@@ -861,7 +917,7 @@ impl DriverInner {
         match card.transport.decode(resp).await {
             // Still running (the server returned early): follow it.
             Ok(r) => self
-                .on_result(s, &r, &run.sink)
+                .on_result(s, &r, &run.sink, false)
                 .await
                 .unwrap_or(TurnEnd::Dropped),
             Err(e) => TurnEnd::Failed(failure(e)),
@@ -877,7 +933,7 @@ impl DriverInner {
             Ok(t) => {
                 let mut wrapped = Map::new();
                 wrapped.insert("task".into(), t);
-                self.on_result(s, &Value::Object(wrapped), &run.sink)
+                self.on_result(s, &Value::Object(wrapped), &run.sink, false)
                     .await
                     .unwrap_or(TurnEnd::Dropped)
             }
@@ -886,8 +942,17 @@ impl DriverInner {
     }
 
     /// Maps one StreamResponse (or SendMessageResponse) onto the sink.
-    /// `Some` when the turn ends with it.
-    async fn on_result(&self, s: &mut Session, r: &Value, sink: &EventSink) -> Option<TurnEnd> {
+    /// `Some` when the turn ends with it. `resumed`: `r` leads a resumed
+    /// stream (`SubscribeToTask`), so a task in it is the server's snapshot
+    /// of what the driver may have seen already: its status goes up only if
+    /// it is not the last one sent up, its artifacts only if not sent yet.
+    async fn on_result(
+        &self,
+        s: &mut Session,
+        r: &Value,
+        sink: &EventSink,
+        resumed: bool,
+    ) -> Option<TurnEnd> {
         if let Some(task) = r.get("task") {
             if let Some(id) = task.get("id").and_then(Value::as_str) {
                 s.task_id = Some(id.to_string());
@@ -896,7 +961,7 @@ impl DriverInner {
                 s.context_id = Some(c.to_string());
             }
             self.absorb_artifacts(s, task, sink).await;
-            return self.on_status(s, task.get("status"), sink).await;
+            return self.on_status(s, task.get("status"), sink, resumed).await;
         }
         if let Some(u) = r.get("statusUpdate") {
             if s.task_id.is_none() {
@@ -906,7 +971,7 @@ impl DriverInner {
                     .and_then(Value::as_str)
                     .map(str::to_string);
             }
-            return self.on_status(s, u.get("status"), sink).await;
+            return self.on_status(s, u.get("status"), sink, false).await;
         }
         if let Some(u) = r.get("artifactUpdate") {
             let Some(art) = u.get("artifact").and_then(artifact_from_a2a) else {
@@ -929,11 +994,12 @@ impl DriverInner {
             }
             // A message inside a task's stream: show it as progress.
             let state = s.state.unwrap_or(TaskState::Working);
-            if let Err(e) = sink
+            match sink
                 .status(state.as_str(), upward_message(Some(m)), None)
                 .await
             {
-                debug!(error = %e, "status not sent up");
+                Ok(()) => s.last_up = Some(UpStatus::new(state, Some(m))),
+                Err(e) => debug!(error = %e, "status not sent up"),
             }
             return None;
         }
@@ -976,11 +1042,14 @@ impl DriverInner {
         true
     }
 
+    /// A task's status (from a task or a status update). `resumed`: the
+    /// status is a resumed stream's snapshot (see [`DriverInner::on_result`]).
     async fn on_status(
         &self,
         s: &mut Session,
         status: Option<&Value>,
         sink: &EventSink,
+        resumed: bool,
     ) -> Option<TurnEnd> {
         let status = status?;
         let state = status
@@ -994,15 +1063,24 @@ impl DriverInner {
         if state.is_terminal() {
             return Some(TurnEnd::Terminal(state, message.cloned()));
         }
-        // A status that neither moves the state nor says anything (the
-        // server's first task, still submitted) is no event for the caller:
-        // a stream through the relay carries what a direct one does.
-        if (changed || message.is_some())
-            && let Err(e) = sink
+        let up = UpStatus::new(state, message);
+        if resumed && s.last_up.as_ref().is_some_and(|last| last.repeated_by(&up)) {
+            // A2A has no replay: a subscription starts with the task as it
+            // stands, whose status the caller has seen if nothing happened
+            // while the stream was down.
+            debug!("the resumed stream starts with the status already sent up; not sent again");
+        } else if changed || message.is_some() {
+            // (A status that neither moves the state nor says anything, the
+            // server's first task still submitted, is no event for the
+            // caller: a stream through the relay carries what a direct one
+            // does.)
+            match sink
                 .status(state.as_str(), upward_message(message), None)
                 .await
-        {
-            debug!(error = %e, "status not sent up");
+            {
+                Ok(()) => s.last_up = Some(up),
+                Err(e) => debug!(error = %e, "status not sent up"),
+            }
         }
         // Input-required closes the server's stream; auth-required keeps it
         // open (SPEC §7.6.1), and its end then means the same.
@@ -1129,5 +1207,58 @@ mod tests {
         assert_eq!(list, vec![text("chunk-1 chunk-2")]);
         merge(&mut list, &text("new"), false);
         assert_eq!(list, vec![text("new")]);
+    }
+
+    /// A resumed stream's snapshot repeats the last status sent up when the
+    /// state is the same and so is the message: by `messageId` when both
+    /// have one, else by content (the server's ids aside).
+    #[test]
+    fn a_snapshot_repeating_the_last_status() {
+        let working = TaskState::Working;
+        let msg = |id: Option<&str>, text: &str| {
+            let mut m = json!({ "role": "ROLE_AGENT", "parts": [{ "text": text }], "taskId": "t1", "contextId": "c1" });
+            if let Some(id) = id {
+                m["messageId"] = json!(id);
+            }
+            m
+        };
+        let sent = |id: Option<&str>, text: &str| UpStatus::new(working, Some(&msg(id, text)));
+        let cases = [
+            // (last sent up, snapshot, repeated)
+            (sent(Some("m2"), "step 2"), sent(Some("m2"), "step 2"), true),
+            (
+                sent(Some("m2"), "step 2"),
+                sent(Some("m3"), "step 2"),
+                false,
+            ),
+            (sent(Some("m2"), "step 2"), sent(Some("m2"), "edited"), true),
+            (sent(None, "step 2"), sent(None, "step 2"), true),
+            (sent(None, "step 2"), sent(None, "step 3"), false),
+            (sent(Some("m2"), "step 2"), sent(None, "step 2"), true),
+            (sent(None, "step 2"), sent(Some("m3"), "step 3"), false),
+            (
+                sent(Some("m2"), "step 2"),
+                UpStatus::new(TaskState::InputRequired, Some(&msg(Some("m2"), "step 2"))),
+                false,
+            ),
+            (
+                UpStatus::new(working, None),
+                UpStatus::new(working, None),
+                true,
+            ),
+            (sent(None, "step 2"), UpStatus::new(working, None), false),
+        ];
+        for (i, (last, snapshot, repeated)) in cases.iter().enumerate() {
+            assert_eq!(
+                last.repeated_by(snapshot),
+                *repeated,
+                "case {i}: {last:?} / {snapshot:?}"
+            );
+        }
+        // The ids the server gives the message in a snapshot (its task's)
+        // are not content.
+        let mut other_task = msg(None, "step 2");
+        other_task["taskId"] = json!("t2");
+        assert!(sent(None, "step 2").repeated_by(&UpStatus::new(working, Some(&other_task))));
     }
 }
