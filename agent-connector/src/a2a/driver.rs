@@ -47,6 +47,14 @@ use crate::profile::{Artifact, Usage};
 const MAX_IDLE_CONNECTIONS: usize = 16;
 /// An idle connection to the local server is closed after this.
 const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// After the terminal event of a stream, how long the driver reads on until
+/// the server ends the response, so the connection goes back to the pool
+/// instead of being closed (a server ends the stream right after the
+/// terminal). Past this, or past [`TERMINAL_DRAIN_MAX_BYTES`], the
+/// connection is closed, as before.
+const TERMINAL_DRAIN: Duration = Duration::from_millis(200);
+/// At most this many bytes are read after the terminal event of a stream.
+const TERMINAL_DRAIN_MAX_BYTES: usize = 64 << 10;
 
 /// Where the local A2A server is and how to talk to it.
 #[derive(Debug, Clone)]
@@ -300,6 +308,24 @@ impl SseParser {
             }
         }
     }
+}
+
+/// Reads what is left of a stream after its terminal event (see
+/// [`TERMINAL_DRAIN`]), so hyper can reuse the connection.
+async fn drain_after_terminal<S>(body: &mut std::pin::Pin<&mut S>)
+where
+    S: futures_util::Stream<Item = reqwest::Result<Bytes>>,
+{
+    let drain = async {
+        let mut read = 0usize;
+        while let Some(Ok(chunk)) = body.next().await {
+            read = read.saturating_add(chunk.len());
+            if read > TERMINAL_DRAIN_MAX_BYTES {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(TERMINAL_DRAIN, drain).await;
 }
 
 fn find_blank_line(b: &[u8]) -> Option<(usize, usize)> {
@@ -961,7 +987,10 @@ impl DriverInner {
                 }
                 match self.on_result(s, result, &run.sink).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
-                    Some(end) => return end,
+                    Some(end) => {
+                        drain_after_terminal(&mut body).await;
+                        return end;
+                    }
                     None => {}
                 }
             }
