@@ -321,7 +321,7 @@ impl Records {
 
 /// What a saved delegation weighs: the length of its state file's JSON.
 fn saved_weight(saved: &SavedDelegation) -> u64 {
-    serde_json::to_vec_pretty(saved).map_or(0, |b| u64::try_from(b.len()).unwrap_or(u64::MAX))
+    serde_json::to_vec(saved).map_or(0, |b| u64::try_from(b.len()).unwrap_or(u64::MAX))
 }
 
 /// An unfinished delegation whose deadline passed longer ago than this is

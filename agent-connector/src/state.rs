@@ -122,7 +122,7 @@ impl FileState {
             path: path.display().to_string(),
             source,
         };
-        let bytes = serde_json::to_vec_pretty(saved).map_err(|e| StateError::Corrupt {
+        let bytes = serde_json::to_vec(saved).map_err(|e| StateError::Corrupt {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;

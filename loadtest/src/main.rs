@@ -13,6 +13,7 @@ use oab_loadtest::relay::{
     RedisPersistence, RelayMode, SharedStoreKind, StoreKind, find_relay_bin,
 };
 use oab_loadtest::report::Report;
+use oab_loadtest::scenario::a2a_sdk::A2aSdkOptions;
 use oab_loadtest::scenario::cancel_race::CancelRaceOptions;
 use oab_loadtest::scenario::cross_instance::CrossInstanceOptions;
 use oab_loadtest::scenario::delegations::{DelegationsMode, DelegationsOptions};
@@ -85,6 +86,10 @@ Scenarios:
               used_memory at checkpoints; growth per delegation over the
               second half and back at idle; Redis bytes per finished
               delegation
+  a2a-sdk     blocking A2A SendMessage, official Python SDK client and
+              agent, direct and through facade -> relay (Redis) -> driver
+              (each its own process): delegations/s, CPU per delegation
+              of every process, Redis commands per delegation
   chart       an SVG of throughput.json and latency.json (no scenario)
 
 Short correctness smoke runs (each well under 20 s in a debug build):
@@ -342,6 +347,47 @@ enum Command {
     /// is not back at idle within 50 B per delegation (growth under a
     /// noise floor never fails).
     Soak(SoakArgs),
+    /// Blocking A2A SendMessage calls, official Python SDK client and
+    /// agent, directly and through OAB, with each process's CPU per
+    /// delegation.
+    ///
+    /// bench.py --blocking (the official a2a-sdk client) -> sample_agent.py
+    /// (the official SDK server, completing each call at once), once
+    /// directly and once through connector A's facade -> the relay (Redis
+    /// store) -> connector B's driver, all `oab-connector run` / `oab-relay`
+    /// child processes, --rounds times alternating the order. Reports
+    /// delegations/s against direct, call latency, CPU µs per delegation of
+    /// the agent, the relay, both connectors and Redis, and Redis commands
+    /// per delegation. Needs the virtualenv of scripts/python-env. --check
+    /// fails on a failed call.
+    A2aSdk(A2aSdkArgs),
+}
+
+#[derive(Debug, Args)]
+struct A2aSdkArgs {
+    /// Measured calls per path and round.
+    #[arg(long, default_value_t = 2_000)]
+    tasks: u64,
+    /// Calls in flight at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: u64,
+    /// Unmeasured calls before each run.
+    #[arg(long, default_value_t = 50)]
+    warmup: u64,
+    /// Rounds, each running both paths (the order alternates).
+    #[arg(long, default_value_t = 2)]
+    rounds: u32,
+    /// The oab-connector binary [default: next to this executable].
+    #[arg(long, value_name = "PATH")]
+    connector_bin: Option<PathBuf>,
+    /// The Python with the official a2a-sdk [default: .venv/bin/python of
+    /// the source tree, made by scripts/python-env].
+    #[arg(long, value_name = "PATH")]
+    python: Option<PathBuf>,
+    /// The folder with bench.py and sample_agent.py [default:
+    /// agent-connector/tests/interop of the source tree].
+    #[arg(long, value_name = "DIR")]
+    interop_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -950,6 +996,29 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 delegation_timeout: Duration::from_secs_f64(a.delegation_timeout_seconds),
             };
             scenario::soak::run(&opts, common).await
+        }
+        Command::A2aSdk(a) => {
+            let connector_bin = find_connector_bin(a.connector_bin.as_deref()).context(
+                "the oab-connector binary is not next to this executable: build it \
+                 (cargo build --release -p oab-connector) or pass --connector-bin",
+            )?;
+            let tree = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let opts = A2aSdkOptions {
+                tasks: a.tasks.max(1),
+                concurrency: a.concurrency.max(1),
+                warmup: a.warmup,
+                rounds: a.rounds.max(1),
+                connector_bin,
+                python: a
+                    .python
+                    .clone()
+                    .unwrap_or_else(|| tree.join(".venv/bin/python")),
+                interop_dir: a
+                    .interop_dir
+                    .clone()
+                    .unwrap_or_else(|| tree.join("agent-connector/tests/interop")),
+            };
+            scenario::a2a_sdk::run(&opts, common).await
         }
         Command::Chart(_) => anyhow::bail!("chart runs no scenario"),
     }

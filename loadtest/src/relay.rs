@@ -417,6 +417,49 @@ impl RelayUnderTest {
         redis_footprint(&mut s).await
     }
 
+    /// CPU seconds (user + system) the relay's own `redis-server` has used
+    /// (`INFO cpu`). Fails on the memory store.
+    pub async fn redis_cpu_seconds(&self) -> anyhow::Result<f64> {
+        let server = self
+            ._redis
+            .as_ref()
+            .context("the relay runs on no redis-server of its own")?;
+        let s = tokio::net::UnixStream::connect(server.socket_path())
+            .await
+            .context("connecting to redis-server")?;
+        redis_cpu_seconds(s).await
+    }
+
+    /// Calls per command so far on the relay's own `redis-server`
+    /// (`INFO commandstats`: `cmdstat_<name>:calls=N,...`), by command
+    /// name. Fails on the memory store.
+    pub async fn redis_command_calls(
+        &self,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+        let server = self
+            ._redis
+            .as_ref()
+            .context("the relay runs on no redis-server of its own")?;
+        let mut s = tokio::net::UnixStream::connect(server.socket_path())
+            .await
+            .context("connecting to redis-server")?;
+        let Resp::Text(body) = redis_command(&mut s, &["INFO", "commandstats"]).await? else {
+            bail!("INFO commandstats did not answer text");
+        };
+        Ok(body
+            .lines()
+            .filter_map(|l| {
+                let (name, rest) = l.trim_end().strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix("calls="))?
+                    .parse()
+                    .ok()?;
+                Some((name.to_string(), calls))
+            })
+            .collect())
+    }
+
     /// The tail of the child's log (stderr), for error messages.
     pub fn log_tail(&self) -> String {
         match &self.running {

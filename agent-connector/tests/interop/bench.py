@@ -25,6 +25,12 @@ What is measured (all on this machine's clocks):
   kind (the task); ``ttfbe_ms``: to the first bench event;
 - ``task_ms``: from the call to the end of the stream.
 
+With ``--blocking`` each task is instead one blocking ``SendMessage``
+(no streaming) whose message id is ``bench-blocking-<uuid>``: the sample
+agent completes it at once with an echo artifact. ``tasks_per_s`` and
+``task_ms`` (the call to its answer) are then what counts; there are no
+bench events.
+
 Percentiles are nearest-rank. Prints one JSON object on stdout.
 """
 
@@ -147,6 +153,27 @@ async def one(client, n: int, stats: Stats | None) -> None:
         stats.failed.append(f"{mid}: {got}/{n} events, last state {TaskState.Name(last_state or 0)}")
 
 
+async def one_blocking(client, stats: Stats | None) -> None:
+    mid = f"bench-blocking-{uuid.uuid4().hex}"
+    req = SendMessageRequest(message=Message(role=Role.ROLE_USER, message_id=mid, parts=[Part(text="go")]))
+    t0 = time.perf_counter()
+    last_state = None
+    async for ev in client.send_message(req):
+        kind = ev.WhichOneof("payload")
+        if kind == "task":
+            last_state = ev.task.status.state
+        elif kind == "status_update":
+            last_state = ev.status_update.status.state
+    end = time.perf_counter()
+    if stats is None:
+        return
+    stats.task.append((end - t0) * 1e3)
+    if last_state == TaskState.TASK_STATE_COMPLETED:
+        stats.ok += 1
+    else:
+        stats.failed.append(f"{mid}: last state {TaskState.Name(last_state or 0)}")
+
+
 async def run(args) -> dict:
     transport = None
     if args.nodelay:
@@ -156,7 +183,7 @@ async def run(args) -> dict:
         timeout=httpx.Timeout(STEP),
         limits=httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4),
     )
-    client = await create_client(args.url, ClientConfig(streaming=True, httpx_client=http))
+    client = await create_client(args.url, ClientConfig(streaming=not args.blocking, httpx_client=http))
 
     async def worker(queue: asyncio.Queue, stats: Stats | None) -> None:
         while True:
@@ -165,7 +192,10 @@ async def run(args) -> dict:
             except asyncio.QueueEmpty:
                 return
             try:
-                await one(client, args.events, stats)
+                if args.blocking:
+                    await one_blocking(client, stats)
+                else:
+                    await one(client, args.events, stats)
             except Exception as e:  # a failed task is counted, the run goes on
                 if stats is not None:
                     stats.failed.append(f"{type(e).__name__}: {e}")
@@ -188,7 +218,8 @@ async def run(args) -> dict:
     return {
         "label": args.label,
         "url": args.url,
-        "events_per_task": args.events,
+        "mode": "blocking" if args.blocking else "stream",
+        "events_per_task": 0 if args.blocking else args.events,
         "tasks": args.tasks,
         "concurrency": args.concurrency,
         "warmup": args.warmup,
@@ -218,6 +249,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=8, help="unmeasured tasks first")
     parser.add_argument("--label", default="")
+    parser.add_argument("--blocking", action="store_true", help="blocking SendMessage tasks, no streaming")
     parser.add_argument("--nodelay", action="store_true", help="TCP_NODELAY on the client's sockets")
     args = parser.parse_args()
     json.dump(asyncio.run(run(args)), sys.stdout)

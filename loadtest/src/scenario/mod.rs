@@ -13,8 +13,10 @@
 //! | [`slow_consumer`] | one receiver stalls: cut with 4001, bounded relay memory, exact resume, other pairs' p99 |
 //! | [`reconnect_storm`] | link cuts, resets, stalls and away faults on both links, relay kills, Redis kills, caller restarts, library or A2A path: every delegation ends once at the caller, nothing lost, repeated or rerun |
 //! | [`cross_instance`] | two relay instances over one Redis: cross-instance throughput and latency against one instance, ratios |
+//! | [`a2a_sdk`] | blocking A2A calls, official Python SDK client and agent, direct and through facade, relay and driver processes: delegations/s, CPU per delegation per process |
 //! | [`soak`] | hundreds of thousands of delegations through the relay (Redis) and two connector processes, library and A2A paths: RSS, `state_dir` and Redis at checkpoints, growth per delegation, the idle plateau |
 
+pub mod a2a_sdk;
 pub mod cancel_race;
 pub mod cross_instance;
 pub mod delegations;

@@ -67,6 +67,32 @@ use transport::Call;
 const MAX_IDLE_CONNECTIONS: usize = 16;
 /// An idle connection to the local server is closed after this.
 const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// After the terminal event of a stream, how long the driver reads on (in
+/// the background: the terminal goes up at once) until the server ends the
+/// response, so the connection goes back to the pool instead of being
+/// closed (a server ends the stream right after the terminal). Past this, or past [`TERMINAL_DRAIN_MAX_BYTES`], the
+/// connection is closed, as before.
+const TERMINAL_DRAIN: Duration = Duration::from_millis(200);
+/// At most this many bytes are read after the terminal event of a stream.
+const TERMINAL_DRAIN_MAX_BYTES: usize = 64 << 10;
+
+/// Reads what is left of a stream after its terminal event (see
+/// [`TERMINAL_DRAIN`]), so the HTTP client can reuse the connection.
+async fn drain_after_terminal<S>(mut body: std::pin::Pin<Box<S>>)
+where
+    S: futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>,
+{
+    let drain = async {
+        let mut read = 0usize;
+        while let Some(Ok(chunk)) = body.next().await {
+            read = read.saturating_add(chunk.len());
+            if read > TERMINAL_DRAIN_MAX_BYTES {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(TERMINAL_DRAIN, drain).await;
+}
 
 /// Where the local A2A server is and how to talk to it.
 #[derive(Debug, Clone)]
@@ -817,8 +843,9 @@ impl DriverInner {
                     .unwrap_or(TurnEnd::Dropped),
             };
         }
-        let body = resp.bytes_stream();
-        tokio::pin!(body);
+        // Boxed, so what is left of it after the terminal can be drained in
+        // the background (see `drain_after_terminal`).
+        let mut body = Box::pin(resp.bytes_stream());
         let mut parser = SseParser::default();
         let mut interrupted = false;
         let mut leading = follow_up || resubscribe;
@@ -874,7 +901,10 @@ impl DriverInner {
                 let resumed = first && resubscribe;
                 match self.on_result(s, &result, &run.sink, resumed).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
-                    Some(end) => return end,
+                    Some(end) => {
+                        tokio::spawn(drain_after_terminal(body));
+                        return end;
+                    }
                     None => {}
                 }
             }
