@@ -77,7 +77,7 @@ pub struct AdminSection {
 pub const ENV_PREFIX: &str = "OAB_CONNECTOR__";
 
 /// `[a2a]`
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct A2aSection {
     /// Loopback address of the caller-side facade (A2A JSON-RPC and
@@ -115,6 +115,192 @@ pub struct A2aSection {
     /// lists with protocol version 1.0 (the card's order of preference).
     #[serde(default)]
     pub driver_binding: Option<crate::a2a::AgentBinding>,
+    /// Facade push notifications: attempts per notification; after the
+    /// last failed one the notification is dropped (logged and counted)
+    /// and the next one is tried. 1 to [`PUSH_MAX_ATTEMPTS_LIMIT`].
+    #[serde(default = "default_push_max_attempts")]
+    pub push_max_attempts: u32,
+    /// Pause after a notification's first failed attempt, ms; doubles
+    /// after each further one up to `push_backoff_max_ms`. > 0.
+    #[serde(default = "default_push_backoff_initial_ms")]
+    pub push_backoff_initial_ms: u64,
+    /// Longest pause between two attempts, ms. At least
+    /// `push_backoff_initial_ms`, at most [`PUSH_BACKOFF_MAX_MS_LIMIT`].
+    #[serde(default = "default_push_backoff_max_ms")]
+    pub push_backoff_max_ms: u64,
+    /// Time for one attempt (connect, TLS, request and status line), ms;
+    /// past it the attempt failed. 1 to [`PUSH_ATTEMPT_TIMEOUT_MS_LIMIT`].
+    #[serde(default = "default_push_attempt_timeout_ms")]
+    pub push_attempt_timeout_ms: u64,
+    /// Push configs one task may have; past it a new one is refused
+    /// (-32602). 1 to `push_max_configs`.
+    #[serde(default = "default_push_max_configs_per_task")]
+    pub push_max_configs_per_task: usize,
+    /// Push configs the facade holds in all; past it the configs of
+    /// forgotten tasks, then those that delivered their terminal, are
+    /// dropped, and if it is still full a new one is refused (-32602).
+    /// 1 to [`PUSH_MAX_CONFIGS_LIMIT`].
+    #[serde(default = "default_push_max_configs")]
+    pub push_max_configs: usize,
+    /// Notifications that may wait per config; past it the oldest waiting
+    /// are skipped (logged and counted). 1 to
+    /// [`PUSH_MAX_PENDING_PER_CONFIG_LIMIT`].
+    #[serde(default = "default_push_max_pending_per_config")]
+    pub push_max_pending_per_config: u64,
+    /// Accept `http://` webhooks on hosts other than loopback (their token
+    /// and credentials then cross the network in clear).
+    #[serde(default)]
+    pub push_allow_plain_http: bool,
+}
+
+/// Most `a2a.push_max_attempts`.
+pub const PUSH_MAX_ATTEMPTS_LIMIT: u32 = 100;
+/// Most `a2a.push_backoff_max_ms` (one hour).
+pub const PUSH_BACKOFF_MAX_MS_LIMIT: u64 = 3_600_000;
+/// Most `a2a.push_attempt_timeout_ms` (five minutes; SPEC §13.2
+/// recommends 10-30 s).
+pub const PUSH_ATTEMPT_TIMEOUT_MS_LIMIT: u64 = 300_000;
+/// Most `a2a.push_max_configs`: a config holds up to about 10.5 KiB (URL
+/// 2 KiB, token and credentials 4 KiB each, id, scheme), so about 1 GiB at
+/// this bound.
+pub const PUSH_MAX_CONFIGS_LIMIT: usize = 100_000;
+/// Most `a2a.push_max_pending_per_config` (a cursor distance: the waiting
+/// notifications are the task table's events, bounded there).
+pub const PUSH_MAX_PENDING_PER_CONFIG_LIMIT: u64 = 1_000_000;
+
+fn default_push_max_attempts() -> u32 {
+    8
+}
+fn default_push_backoff_initial_ms() -> u64 {
+    500
+}
+fn default_push_backoff_max_ms() -> u64 {
+    60_000
+}
+fn default_push_attempt_timeout_ms() -> u64 {
+    10_000
+}
+fn default_push_max_configs_per_task() -> usize {
+    10
+}
+fn default_push_max_configs() -> usize {
+    1_000
+}
+fn default_push_max_pending_per_config() -> u64 {
+    1_000
+}
+
+impl Default for A2aSection {
+    fn default() -> Self {
+        A2aSection {
+            facade_listen: None,
+            public_url: None,
+            facade_token_file: None,
+            default_capabilities: Vec::new(),
+            default_timeout_ms: None,
+            driver_url: None,
+            input_timeout_ms: None,
+            driver_binding: None,
+            push_max_attempts: default_push_max_attempts(),
+            push_backoff_initial_ms: default_push_backoff_initial_ms(),
+            push_backoff_max_ms: default_push_backoff_max_ms(),
+            push_attempt_timeout_ms: default_push_attempt_timeout_ms(),
+            push_max_configs_per_task: default_push_max_configs_per_task(),
+            push_max_configs: default_push_max_configs(),
+            push_max_pending_per_config: default_push_max_pending_per_config(),
+            push_allow_plain_http: false,
+        }
+    }
+}
+
+impl A2aSection {
+    /// The facade's push settings these fields give.
+    #[cfg(feature = "a2a")]
+    pub fn push_options(&self) -> crate::a2a::PushOptions {
+        use std::time::Duration;
+        crate::a2a::PushOptions {
+            max_configs_per_task: self.push_max_configs_per_task,
+            max_configs: self.push_max_configs,
+            max_pending_per_config: self.push_max_pending_per_config,
+            max_attempts: self.push_max_attempts,
+            initial_backoff: Duration::from_millis(self.push_backoff_initial_ms),
+            max_backoff: Duration::from_millis(self.push_backoff_max_ms),
+            request_timeout: Duration::from_millis(self.push_attempt_timeout_ms),
+            allow_plain_http: self.push_allow_plain_http,
+        }
+    }
+
+    /// The problems of the `push_*` fields, each naming its field.
+    fn push_problems(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        // `of`: what the upper bound is, when it is another field.
+        let mut range = |field: &str, value: u64, min: u64, max: u64, of: &str| {
+            if value < min || value > max {
+                errors.push(format!(
+                    "a2a.{field}: {value} is out of bounds; must be between {min} and {max}{of}"
+                ));
+            }
+        };
+        let wide = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        range(
+            "push_max_attempts",
+            u64::from(self.push_max_attempts),
+            1,
+            u64::from(PUSH_MAX_ATTEMPTS_LIMIT),
+            "",
+        );
+        range(
+            "push_backoff_max_ms",
+            self.push_backoff_max_ms,
+            1,
+            PUSH_BACKOFF_MAX_MS_LIMIT,
+            "",
+        );
+        range(
+            "push_backoff_initial_ms",
+            self.push_backoff_initial_ms,
+            1,
+            // An out-of-bounds `push_backoff_max_ms` is reported on its own.
+            match self.push_backoff_max_ms {
+                n @ 1..=PUSH_BACKOFF_MAX_MS_LIMIT => n,
+                _ => PUSH_BACKOFF_MAX_MS_LIMIT,
+            },
+            " (a2a.push_backoff_max_ms)",
+        );
+        range(
+            "push_attempt_timeout_ms",
+            self.push_attempt_timeout_ms,
+            1,
+            PUSH_ATTEMPT_TIMEOUT_MS_LIMIT,
+            "",
+        );
+        range(
+            "push_max_configs",
+            wide(self.push_max_configs),
+            1,
+            wide(PUSH_MAX_CONFIGS_LIMIT),
+            "",
+        );
+        range(
+            "push_max_configs_per_task",
+            wide(self.push_max_configs_per_task),
+            1,
+            // An out-of-bounds `push_max_configs` is reported on its own.
+            wide(match self.push_max_configs {
+                n @ 1..=PUSH_MAX_CONFIGS_LIMIT => n,
+                _ => PUSH_MAX_CONFIGS_LIMIT,
+            }),
+            " (a2a.push_max_configs)",
+        );
+        range(
+            "push_max_pending_per_config",
+            self.push_max_pending_per_config,
+            1,
+            PUSH_MAX_PENDING_PER_CONFIG_LIMIT,
+            "",
+        );
+        errors
+    }
 }
 
 pub use crate::openab::config::{OpenAbRuntime, OpenAbSection, OpenAbServe, OpenAbTarget};
@@ -378,6 +564,7 @@ impl ConnectorConfig {
             errors.push(format!("policy.allowed_capabilities: {e}"));
         }
         errors.extend(self.facade_grant_problems());
+        errors.extend(self.a2a.push_problems());
         if self.a2a.input_timeout_ms == Some(0) {
             errors.push("a2a.input_timeout_ms: must be greater than 0".into());
         }
@@ -537,6 +724,128 @@ mod tests {
         expected.sort();
         live.sort();
         assert_eq!(live, expected);
+    }
+
+    const MINIMAL: &str =
+        "[connector]\nrelay_url = \"wss://relay.example:7443/\"\nidentity = \"id.toml\"\n";
+
+    #[cfg(feature = "a2a")]
+    #[test]
+    fn the_push_fields_default_to_the_facades_push_options() {
+        let c = ConnectorConfig::from_toml_with_overrides(MINIMAL, "t", &[]).unwrap();
+        assert_eq!(
+            format!("{:?}", c.a2a.push_options()),
+            format!("{:?}", crate::a2a::PushOptions::default())
+        );
+        assert_eq!(
+            format!("{:?}", A2aSection::default().push_options()),
+            format!("{:?}", crate::a2a::PushOptions::default())
+        );
+    }
+
+    #[cfg(feature = "a2a")]
+    #[test]
+    fn the_push_fields_reach_the_push_options() {
+        let text = format!(
+            "{MINIMAL}[a2a]\npush_max_attempts = 3\npush_backoff_initial_ms = 20\n\
+             push_backoff_max_ms = 700\npush_attempt_timeout_ms = 1500\n\
+             push_max_configs_per_task = 2\npush_max_configs = 40\n\
+             push_max_pending_per_config = 9\npush_allow_plain_http = true\n"
+        );
+        let o = ConnectorConfig::from_toml_with_overrides(&text, "t", &[])
+            .unwrap()
+            .a2a
+            .push_options();
+        assert_eq!(o.max_attempts, 3);
+        assert_eq!(o.initial_backoff, std::time::Duration::from_millis(20));
+        assert_eq!(o.max_backoff, std::time::Duration::from_millis(700));
+        assert_eq!(o.request_timeout, std::time::Duration::from_millis(1500));
+        assert_eq!(o.max_configs_per_task, 2);
+        assert_eq!(o.max_configs, 40);
+        assert_eq!(o.max_pending_per_config, 9);
+        assert!(o.allow_plain_http);
+    }
+
+    #[test]
+    fn push_fields_out_of_bounds_are_refused_naming_the_field() {
+        let cases: [(&str, &str); 13] = [
+            (
+                "push_max_attempts = 0",
+                "a2a.push_max_attempts: 0 is out of bounds; must be between 1 and 100",
+            ),
+            (
+                "push_max_attempts = 101",
+                "a2a.push_max_attempts: 101 is out of bounds",
+            ),
+            (
+                "push_backoff_initial_ms = 0",
+                "a2a.push_backoff_initial_ms: 0 is out of bounds",
+            ),
+            (
+                "push_backoff_initial_ms = 70000",
+                "a2a.push_backoff_initial_ms: 70000 is out of bounds; must be between 1 and 60000 (a2a.push_backoff_max_ms)",
+            ),
+            (
+                "push_backoff_max_ms = 0",
+                "a2a.push_backoff_max_ms: 0 is out of bounds",
+            ),
+            (
+                "push_backoff_max_ms = 3600001",
+                "a2a.push_backoff_max_ms: 3600001 is out of bounds",
+            ),
+            (
+                "push_attempt_timeout_ms = 0",
+                "a2a.push_attempt_timeout_ms: 0 is out of bounds",
+            ),
+            (
+                "push_attempt_timeout_ms = 300001",
+                "a2a.push_attempt_timeout_ms: 300001 is out of bounds",
+            ),
+            (
+                "push_max_configs = 0",
+                "a2a.push_max_configs: 0 is out of bounds",
+            ),
+            (
+                "push_max_configs = 100001",
+                "a2a.push_max_configs: 100001 is out of bounds",
+            ),
+            (
+                "push_max_configs_per_task = 1001",
+                "a2a.push_max_configs_per_task: 1001 is out of bounds; must be between 1 and 1000 (a2a.push_max_configs)",
+            ),
+            (
+                "push_max_pending_per_config = 0",
+                "a2a.push_max_pending_per_config: 0 is out of bounds",
+            ),
+            (
+                "push_max_pending_per_config = 1000001",
+                "a2a.push_max_pending_per_config: 1000001 is out of bounds",
+            ),
+        ];
+        for (line, want) in cases {
+            let text = format!("{MINIMAL}[a2a]\n{line}\n");
+            match ConnectorConfig::from_toml_with_overrides(&text, "t", &[]) {
+                Err(ConfigError::Invalid { errors, .. }) => {
+                    assert_eq!(errors.len(), 1, "{line}: {errors:?}");
+                    assert!(errors[0].starts_with(want), "{line}: {errors:?}");
+                }
+                other => panic!("{line}: {other:?}"),
+            }
+        }
+        // The bounds themselves are accepted.
+        let text = format!(
+            "{MINIMAL}[a2a]\npush_max_attempts = 100\npush_backoff_initial_ms = 3600000\n\
+             push_backoff_max_ms = 3600000\npush_attempt_timeout_ms = 1\n\
+             push_max_configs_per_task = 100000\npush_max_configs = 100000\n\
+             push_max_pending_per_config = 1000000\n"
+        );
+        ConnectorConfig::from_toml_with_overrides(&text, "t", &[]).unwrap();
+        // A negative value is a parse error naming the field.
+        let text = format!("{MINIMAL}[a2a]\npush_max_attempts = -1\n");
+        let err = ConnectorConfig::from_toml_with_overrides(&text, "t", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("push_max_attempts"), "{err}");
     }
 
     #[test]

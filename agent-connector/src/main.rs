@@ -347,6 +347,44 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
             None => None,
         },
     })?;
+    // Caller side: the A2A facade for local A2A clients, made before the
+    // admin endpoint so `/metrics` shows its push deliveries.
+    let facade = match config.a2a.facade_listen {
+        None => None,
+        Some(addr) => {
+            let base = DelegationDefaults::default();
+            let defaults = DelegationDefaults {
+                capabilities: config.a2a.default_capabilities.clone(),
+                timeout: config
+                    .a2a
+                    .default_timeout_ms
+                    .map_or(base.timeout, Duration::from_millis),
+                ..base
+            };
+            let token = match std::env::var("OAB_CONNECTOR_FACADE_TOKEN") {
+                Ok(secret) => {
+                    Some(FacadeToken::new(&secret).context("OAB_CONNECTOR_FACADE_TOKEN")?)
+                }
+                Err(_) => match &config.a2a.facade_token_file {
+                    Some(file) => Some(FacadeToken::from_file(file)?),
+                    None => None,
+                },
+            };
+            let options = FacadeOptions {
+                public_url: config.a2a.public_url.clone(),
+                token,
+                defaults,
+                push: config.a2a.push_options(),
+                ..FacadeOptions::default()
+            };
+            let options_have_token = options.token.is_some();
+            Some((
+                addr,
+                options_have_token,
+                Facade::new(connector.caller().clone(), options),
+            ))
+        }
+    };
     let shutdown = tokio_util::sync::CancellationToken::new();
     if let Some(addr) = config.admin.listen {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -356,9 +394,11 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
             tracing::warn!(%addr, "admin endpoint off loopback: /status names peers and delegations");
         }
         tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz, /status)");
+        let sources = oab_connector::admin::AdminSources::new(connector.link().clone())
+            .with_facade(facade.as_ref().map(|(_, _, f)| f.clone()));
         tokio::spawn(oab_connector::admin::serve(
             listener,
-            connector.link().clone(),
+            sources,
             shutdown.child_token(),
         ));
     }
@@ -374,32 +414,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
             shutdown.child_token(),
         ));
     }
-    // Caller side: the A2A facade for local A2A clients.
-    if let Some(addr) = config.a2a.facade_listen {
-        let base = DelegationDefaults::default();
-        let defaults = DelegationDefaults {
-            capabilities: config.a2a.default_capabilities.clone(),
-            timeout: config
-                .a2a
-                .default_timeout_ms
-                .map_or(base.timeout, Duration::from_millis),
-            ..base
-        };
-        let token = match std::env::var("OAB_CONNECTOR_FACADE_TOKEN") {
-            Ok(secret) => Some(FacadeToken::new(&secret).context("OAB_CONNECTOR_FACADE_TOKEN")?),
-            Err(_) => match &config.a2a.facade_token_file {
-                Some(file) => Some(FacadeToken::from_file(file)?),
-                None => None,
-            },
-        };
-        let options = FacadeOptions {
-            public_url: config.a2a.public_url.clone(),
-            token,
-            defaults,
-            ..FacadeOptions::default()
-        };
-        let options_have_token = options.token.is_some();
-        let facade = Facade::new(connector.caller().clone(), options);
+    if let Some((addr, options_have_token, facade)) = facade {
         // Delegations an earlier process left open get their tasks back
         // before the first client asks.
         let restored = facade

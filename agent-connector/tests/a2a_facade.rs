@@ -1253,6 +1253,109 @@ async fn a_webhook_gets_every_event_of_a_task_in_order_with_its_token() {
     w.stop().await;
 }
 
+/// The admin endpoint's `/metrics` page.
+async fn metrics_page(admin: std::net::SocketAddr) -> String {
+    let r = oab_ops::admin_client::get(&format!("http://{admin}/metrics"), STEP)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    String::from_utf8(r.body).unwrap()
+}
+
+/// The value of the sample `series` (name with its labels as exported);
+/// panics if absent.
+fn metric(page: &str, series: &str) -> u64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in\n{page}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_metrics_count_push_deliveries_failed_attempts_and_drops() {
+    let mut options = facade_options();
+    options.push.initial_backoff = Duration::from_millis(5);
+    options.push.max_backoff = Duration::from_millis(40);
+    options.push.max_attempts = 2;
+    let w = world_with(options).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sources = oab_connector::admin::AdminSources::new(w.a.link().clone())
+        .with_facade(Some(w.facade.facade.clone()));
+    tokio::spawn(oab_connector::admin::serve(
+        listener,
+        sources,
+        stop.child_token(),
+    ));
+    let delivered = "oab_connector_push_notifications_total{result=\"delivered\"}";
+    let dropped = "oab_connector_push_notifications_total{result=\"dropped\"}";
+    let skipped = "oab_connector_push_notifications_total{result=\"skipped\"}";
+    let failed = "oab_connector_push_failed_attempts_total";
+    let active = "oab_connector_push_configs{delivery=\"active\"}";
+    let ended = "oab_connector_push_configs{delivery=\"ended\"}";
+    // Before any push: every series is there, at 0.
+    let page = metrics_page(admin).await;
+    for series in [delivered, dropped, skipped, failed, active, ended] {
+        assert_eq!(metric(&page, series), 0, "{series} at start-up");
+    }
+    for family in [
+        "oab_connector_push_notifications_total counter",
+        "oab_connector_push_failed_attempts_total counter",
+        "oab_connector_push_configs gauge",
+    ] {
+        assert!(page.contains(&format!("# TYPE {family}\n")), "{family}");
+    }
+    // The webhook refuses its first three requests, and each notification
+    // has two attempts: the task as created fails both and is dropped, the
+    // status update fails once and is delivered on its second attempt, the
+    // terminal is delivered at once.
+    let hook = Webhook::start(3).await;
+    let r = w
+        .rpc
+        .call(
+            "SendMessage",
+            json!({
+                "message": message("m-push-metrics", "complete"),
+                "configuration": { "taskPushNotificationConfig": push_config(&hook.url, "t") },
+            }),
+            &with_profile(&[]),
+        )
+        .await;
+    assert_eq!(
+        r["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{r}"
+    );
+    let got = hook.wait_terminal().await;
+    let seqs: Vec<Option<u64>> = got.iter().map(body_seq).collect();
+    assert_eq!(seqs, [Some(1), Some(2)], "the task as created was dropped");
+    assert_eq!(hook.all().len(), 5, "three refused attempts, two accepted");
+    // The last confirmation and the config's end are counted right after
+    // the webhook answered.
+    let until = tokio::time::Instant::now() + STEP;
+    let mut page = metrics_page(admin).await;
+    while metric(&page, delivered) < 2 || metric(&page, ended) < 1 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "two delivered, the config ended:\n{page}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        page = metrics_page(admin).await;
+    }
+    assert_eq!(metric(&page, delivered), 2);
+    assert_eq!(metric(&page, dropped), 1);
+    assert_eq!(metric(&page, skipped), 0);
+    assert_eq!(metric(&page, failed), 3);
+    assert_eq!(metric(&page, active), 0);
+    assert_eq!(metric(&page, ended), 1);
+    // The page and the facade's own counts agree.
+    let stats = w.facade.facade.push_stats();
+    assert_eq!(stats.delivered.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.failed_attempts.load(Ordering::Relaxed), 3);
+    stop.cancel();
+    hook.stop();
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_configs_round_trip_and_refuse_what_they_must() {
     let w = world().await;

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Every metric family the connector exports (docs/configuration.md and
 /// deploy/README.md list the same).
-const FAMILIES: [&str; 15] = [
+const FAMILIES: [&str; 18] = [
     "oab_connector_acks_total",
     "oab_connector_build_info",
     "oab_connector_delegations_finished_total",
@@ -37,6 +37,9 @@ const FAMILIES: [&str; 15] = [
     "oab_connector_link_up",
     "oab_connector_open_delegations",
     "oab_connector_publishes_total",
+    "oab_connector_push_configs",
+    "oab_connector_push_failed_attempts_total",
+    "oab_connector_push_notifications_total",
     "oab_connector_reconnects_total",
     "oab_connector_relay_errors_total",
     "oab_connector_relay_reachable",
@@ -123,6 +126,8 @@ fn check_names_and_labels(page: &str) {
                 "direction" => ["in", "out"].contains(&v),
                 "state" => ["connecting", "connected", "stopped"].contains(&v),
                 "code" => codes.contains(&v),
+                "result" => ["delivered", "dropped", "skipped"].contains(&v),
+                "delivery" => ["active", "ended"].contains(&v),
                 "version" => v == env!("CARGO_PKG_VERSION"),
                 "commit" => !v.is_empty(),
                 _ => false,
@@ -157,6 +162,17 @@ async fn the_admin_endpoint_follows_the_link_and_the_delegations_on_both_sides()
     );
     assert_eq!(sample(&page, "oab_connector_relay_reachable"), 1);
     assert_eq!(sample(&page, "oab_connector_sessions_total"), 1);
+    // No facade here: the push series are exported at 0.
+    for series in [
+        "oab_connector_push_notifications_total{result=\"delivered\"}",
+        "oab_connector_push_notifications_total{result=\"dropped\"}",
+        "oab_connector_push_notifications_total{result=\"skipped\"}",
+        "oab_connector_push_failed_attempts_total",
+        "oab_connector_push_configs{delivery=\"active\"}",
+        "oab_connector_push_configs{delivery=\"ended\"}",
+    ] {
+        assert_eq!(sample(&page, series), 0, "{series}");
+    }
 
     // A delegation held open by the callee's gate: open on both sides.
     let h = a

@@ -49,7 +49,9 @@ pub use defaults::DelegationDefaults;
 #[cfg(feature = "a2a")]
 pub use driver::{A2aDriver, DriverError, DriverOptions, publish_card};
 #[cfg(feature = "a2a")]
-pub use facade::{Facade, FacadeOptions, FacadeToken, PushOptions, PushStats, TokenError};
+pub use facade::{
+    Facade, FacadeOptions, FacadeToken, PushConfigCounts, PushOptions, PushStats, TokenError,
+};
 pub use jsonrpc::A2aError;
 #[cfg(feature = "a2a")]
 pub use profile::PROFILE_URI;

@@ -393,7 +393,13 @@ pub const LINK_STATES: [&str; 3] = ["connecting", "connected", "stopped"];
 
 /// Appends one metric family: its help, its type and its samples
 /// (`labels` without braces, empty for none).
-fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]) {
+pub(crate) fn family(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: &[(String, u64)],
+) {
     use std::fmt::Write as _;
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (labels, value) in samples {

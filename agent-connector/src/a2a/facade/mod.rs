@@ -79,7 +79,7 @@ mod webhook;
 
 pub use card::build_card;
 pub use guard::{FacadeToken, TokenError};
-pub use push::{PushOptions, PushStats};
+pub use push::{PushConfigCounts, PushOptions, PushStats};
 
 /// Facade settings.
 #[derive(Debug, Clone)]
@@ -274,6 +274,16 @@ impl Facade {
     /// Counts of push deliveries since the facade started.
     pub fn push_stats(&self) -> &PushStats {
         &self.inner.push.stats
+    }
+
+    /// The push configs held now, active and ended.
+    pub fn push_configs(&self) -> PushConfigCounts {
+        self.inner.push.counts()
+    }
+
+    /// The push series for `/metrics` ([`PushStats::render_prometheus`]).
+    pub fn render_push_metrics(&self) -> String {
+        self.push_stats().render_prometheus(self.push_configs())
     }
 
     /// The routes; open streams end when [`Facade::close`] is called.

@@ -121,6 +121,60 @@ pub struct PushStats {
     pub overflowed: AtomicU64,
 }
 
+/// The push configs the facade holds now, by whether their delivery is
+/// still running.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PushConfigCounts {
+    /// Configs whose task's terminal is not yet delivered.
+    pub active: u64,
+    /// Configs that delivered their task's terminal, kept for `Get`/`List`
+    /// until their task leaves the task table.
+    pub ended: u64,
+}
+
+impl PushStats {
+    /// The push series in the Prometheus text format (0.0.4), with
+    /// `configs` the configs held now. Every series is there from the
+    /// start, at 0 (a connector without a facade renders
+    /// `PushStats::default()`).
+    pub fn render_prometheus(&self, configs: PushConfigCounts) -> String {
+        use crate::link::stats::family;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        family(
+            &mut out,
+            "oab_connector_push_notifications_total",
+            "counter",
+            "Push notifications by how they ended (delivered: a 2xx; dropped: after the last \
+             attempt; skipped: more waited than push_max_pending_per_config, or the task no \
+             longer kept them).",
+            &[
+                ("result=\"delivered\"".into(), load(&self.delivered)),
+                ("result=\"dropped\"".into(), load(&self.dropped)),
+                ("result=\"skipped\"".into(), load(&self.overflowed)),
+            ],
+        );
+        family(
+            &mut out,
+            "oab_connector_push_failed_attempts_total",
+            "counter",
+            "Push attempts that failed (no 2xx in time), each retried or the last before a drop.",
+            &[(String::new(), load(&self.failed_attempts))],
+        );
+        family(
+            &mut out,
+            "oab_connector_push_configs",
+            "gauge",
+            "Push notification configs held (active: delivering; ended: terminal delivered).",
+            &[
+                ("delivery=\"active\"".into(), configs.active),
+                ("delivery=\"ended\"".into(), configs.ended),
+            ],
+        );
+        out
+    }
+}
+
 /// `AuthenticationInfo`. Its `Debug` never shows the credentials.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -393,6 +447,20 @@ impl PushRegistry {
             deliver(inner.clone(), cell.clone(), new.config.id.clone(), stop).instrument(span),
         );
         Ok(new.config)
+    }
+
+    /// The configs held now, active and ended.
+    pub(super) fn counts(&self) -> PushConfigCounts {
+        let configs = self.configs.lock();
+        let mut counts = PushConfigCounts::default();
+        for slot in configs.tasks.values().flat_map(|t| &t.slots) {
+            if slot.done {
+                counts.ended += 1;
+            } else {
+                counts.active += 1;
+            }
+        }
+        counts
     }
 
     /// The configs of `cell`'s task, in creation order.
