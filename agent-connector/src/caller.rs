@@ -243,7 +243,7 @@ impl CallerRecord {
 }
 
 /// How many finished delegations the caller keeps, and how many bytes they
-/// may weigh together (see [`Records`]).
+/// may weigh together (the caller's record of finished delegations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FinishedRetention {
     /// Finished delegations kept; past this the oldest is forgotten.

@@ -103,7 +103,7 @@ impl PeersPush {
 impl<S: EventStore> Hub<S> {
     /// The `Peers` payload for `peer`: every peer it may reach, its online
     /// state and its published descriptor, within `limits.max_payload`
-    /// bytes (see [`bounded_peers_payload`]).
+    /// bytes (over it the largest descriptors are left out first).
     pub async fn peers_payload(&self, peer: &PeerId) -> Bytes {
         let targets: Vec<PeerId> = self.live().directory.reachable_from(peer);
         let elsewhere: Vec<bool> = if self.fleet.enabled {

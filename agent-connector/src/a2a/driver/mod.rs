@@ -239,7 +239,7 @@ const PUBLISH_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Publishes the local A2A server's card through `connector` (its callers'
 /// facades then show it instead of a stand-in), retrying with backoff
-/// ([`PUBLISH_RETRY_INITIAL`] doubling to [`PUBLISH_RETRY_MAX`]) while the
+/// (1 s doubling to 30 s) while the
 /// server cannot be read or the relay does not take it: a connector started
 /// before its A2A server publishes the card once the server answers.
 /// Returns once the card is published; the first failure is logged as a

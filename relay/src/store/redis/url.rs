@@ -9,7 +9,7 @@ const CLUSTER_SCHEME: &str = "redis-cluster://";
 const DEFAULT_PORT: u16 = 6379;
 
 /// A URL that may carry credentials: `Debug` and `Display` show it with the
-/// password replaced by `***` (see [`redact_url`]); [`RedactedUrl::as_str`]
+/// password replaced by `***`; [`RedactedUrl::as_str`]
 /// gives the URL itself, to connect with.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedactedUrl<S: AsRef<str> = String>(pub S);
