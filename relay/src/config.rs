@@ -430,12 +430,13 @@ fn default_session_queue_bytes() -> usize {
 /// flight reserves room for one reply per frame in the session's control
 /// lane (see `session::control_capacity`).
 pub const MAX_APPEND_BATCHES_IN_FLIGHT: usize = 16;
-/// One batch, as before the overlap: with more in flight a delegation
-/// stalled until its deadline across a load-balancer failover
-/// (`agent-connector/tests/fleet.rs` with 4), and no gain was measured yet
-/// (BENCHMARKS.md, "Append batches in flight"). More is experimental.
+/// Four batches: the next batches of a peer's frames go to the store while
+/// earlier ones are made durable (BENCHMARKS.md, "Append batches in
+/// flight", for the measured gain). A batch that overtakes an earlier one
+/// in the store is answered at what the session acknowledged, so the peer
+/// resends it (see `session::OverlapAcks`).
 fn default_append_batches_in_flight() -> usize {
-    1
+    4
 }
 fn default_slow_consumer_ms() -> u64 {
     10_000

@@ -410,6 +410,7 @@ where
         inbox: Some(inbox),
         pending: Vec::new(),
         appends: AppendsInFlight::default(),
+        overlap_acks: OverlapAcks::default(),
         acks: Vec::new(),
         batch_at: (Instant::now(), oab_wire::identity::now_ms()),
         batch_limited: false,
@@ -436,6 +437,22 @@ struct AppendBatch<T> {
     started: Instant,
     call: AppendCall,
     answer: Option<AppendResult>,
+    /// How many batches had been answered when this one was put in flight:
+    /// those answered from then on ([`Answered::overlapped`]) were in
+    /// flight beside it.
+    behind: u64,
+}
+
+/// An answered batch: its staged frames, when it was put in flight, how to
+/// take its answer, and which batches were in flight beside it.
+struct Answered<T> {
+    staged: T,
+    started: Instant,
+    answer: Answer,
+    /// The numbers (counted from 0 in the order answered) of the batches
+    /// answered while this one was in flight: their store calls ran beside
+    /// this one's, in an order the session does not control.
+    overlapped: std::ops::Range<u64>,
 }
 
 /// How an answered batch is to be taken.
@@ -453,19 +470,23 @@ enum Answer {
 /// A session's append batches in flight, oldest first.
 ///
 /// Order: the batches' store calls are polled oldest first, every time,
-/// so each batch's commands reach the store's connection after those of
-/// the batches staged before it (the Redis store sends a call's commands
-/// on its one multiplexed connection, which keeps their order, and a
-/// call's next step waits for replies that arrive in that order too). The
-/// store checks every entry against its log's tail anyway: a batch that
-/// overtook an earlier one of the same log would get `Hole`s (refused,
-/// never acknowledged), not a wrong ack. Answers are released oldest first
-/// only, and a failed batch fails the batches in flight behind it.
+/// so each batch's first commands reach the store's connection after those
+/// of the batches staged before it. That does not hold for a call's later
+/// steps: the Redis store charges the sender's byte budget in one round
+/// trip and appends in the next, and a later batch whose budget reply is
+/// polled before an earlier batch's can send its appends first. The store
+/// checks every entry against its log's tail, so a batch that overtook an
+/// earlier one of the same log gets `Hole`s (never acknowledged), not a
+/// wrong ack; the session answers such a hole from what it acknowledged
+/// meanwhile ([`OverlapAcks`]). Answers are released oldest first only,
+/// and a failed batch fails the batches in flight behind it.
 struct AppendsInFlight<T> {
     batches: VecDeque<AppendBatch<T>>,
     /// Batches still to be failed because an earlier one failed while they
     /// were in flight.
     failing: usize,
+    /// Batches answered so far.
+    answered: u64,
 }
 
 impl<T> Default for AppendsInFlight<T> {
@@ -473,6 +494,7 @@ impl<T> Default for AppendsInFlight<T> {
         AppendsInFlight {
             batches: VecDeque::new(),
             failing: 0,
+            answered: 0,
         }
     }
 }
@@ -494,12 +516,20 @@ impl<T> AppendsInFlight<T> {
             started: Instant::now(),
             call,
             answer: None,
+            behind: self.answered,
         });
+    }
+
+    /// The number the oldest batch in flight will be answered as, if any
+    /// is in flight: no batch answered before it overlapped those in
+    /// flight (see [`OverlapAcks::forget_before`]).
+    fn oldest_behind(&self) -> Option<u64> {
+        self.batches.front().map(|b| b.behind)
     }
 
     /// Drives every unanswered batch, oldest first; ready with the oldest
     /// batch once the store answered it.
-    fn poll_oldest(&mut self, cx: &mut std::task::Context<'_>) -> Poll<(T, Instant, Answer)> {
+    fn poll_oldest(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Answered<T>> {
         for b in self.batches.iter_mut().filter(|b| b.answer.is_none()) {
             if let Poll::Ready(answer) = b.call.as_mut().poll(cx) {
                 b.answer = Some(answer);
@@ -512,11 +542,14 @@ impl<T> AppendsInFlight<T> {
             staged,
             started,
             answer: Some(answer),
+            behind,
             ..
         }) = self.batches.pop_front()
         else {
             return Poll::Pending;
         };
+        let overlapped = behind..self.answered;
+        self.answered += 1;
         let behind = self.failing > 0;
         self.failing = self.failing.saturating_sub(1);
         let answer = match answer {
@@ -529,13 +562,72 @@ impl<T> AppendsInFlight<T> {
                 Answer::Failed(e)
             }
         };
-        Poll::Ready((staged, started, answer))
+        Poll::Ready(Answered {
+            staged,
+            started,
+            answer,
+            overlapped,
+        })
     }
 
-    /// The oldest batch, once answered: its staged frames, when it was put
-    /// in flight, and how to take its answer.
-    async fn oldest(&mut self) -> (T, Instant, Answer) {
+    /// The oldest batch, once answered.
+    async fn oldest(&mut self) -> Answered<T> {
         std::future::poll_fn(|cx| self.poll_oldest(cx)).await
+    }
+}
+
+/// The acks of answered batches that later batches still in flight
+/// overlapped, per log: the highest sequence acknowledged and the number of
+/// the last batch that acknowledged it.
+///
+/// A `Hole` at `tail` in a batch that overlapped one which acknowledged
+/// more than `tail` of the same log is that batch having overtaken it in
+/// the store (see [`AppendsInFlight`]), not entries the store lost: it is
+/// refused as a `sequence_gap` at what the session acknowledged (the peer
+/// resends after it), never below an ack the peer already has (which would
+/// tell it the store lost acknowledged entries).
+///
+/// Owned by the session and dropped with it; recorded only while batches
+/// are in flight behind the answered one (so with one batch in flight it
+/// stays empty), and pruned at every answered batch to what the batches
+/// still in flight overlapped (emptied when none is).
+#[derive(Default)]
+struct OverlapAcks {
+    logs: std::collections::HashMap<(DelegationKey, Direction), (u64, u64)>,
+}
+
+impl OverlapAcks {
+    /// Records that batch number `batch` acknowledged `seq` of a log.
+    fn record(&mut self, key: &DelegationKey, dir: Direction, seq: u64, batch: u64) {
+        let slot = self.logs.entry((key.clone(), dir)).or_insert((seq, batch));
+        if seq >= slot.0 {
+            *slot = (seq, batch);
+        }
+    }
+
+    /// What the session acknowledged of a log, above `tail`, in one of the
+    /// `overlapped` batches.
+    fn above(
+        &self,
+        key: &DelegationKey,
+        dir: Direction,
+        tail: u64,
+        overlapped: &std::ops::Range<u64>,
+    ) -> Option<u64> {
+        let (seq, batch) = *self.logs.get(&(key.clone(), dir))?;
+        (seq > tail && overlapped.contains(&batch)).then_some(seq)
+    }
+
+    /// Forgets what no batch still in flight overlapped: the acks of
+    /// batches answered before number `oldest` (all of them without one).
+    fn forget_before(&mut self, oldest: Option<u64>) {
+        if self.logs.is_empty() {
+            return;
+        }
+        match oldest {
+            Some(oldest) => self.logs.retain(|_, (_, batch)| *batch >= oldest),
+            None => self.logs.clear(),
+        }
     }
 }
 
@@ -552,6 +644,8 @@ struct Session<S> {
     /// Append batches handed to the store and not yet answered (at most
     /// `limits.append_batches_in_flight`).
     appends: AppendsInFlight<Vec<Pending>>,
+    /// Acks that batches still in flight overlapped.
+    overlap_acks: OverlapAcks,
     acks: Vec<(DelegationKey, Direction, u64)>,
     /// When the current batch was read (monotonic, and ms since the epoch).
     batch_at: (Instant, u64),
@@ -1013,7 +1107,15 @@ impl<S: EventStore> Session<S> {
     /// them: nothing after a failure is acknowledged before the peer
     /// resends (a resent entry the store holds is a `Duplicate`, acked and
     /// delivered then).
-    fn answer(&mut self, (pending, started, answer): (Vec<Pending>, Instant, Answer)) {
+    fn answer(&mut self, answered: Answered<Vec<Pending>>) {
+        let Answered {
+            staged: pending,
+            started,
+            answer,
+            overlapped,
+        } = answered;
+        // This batch's number among those answered.
+        let number = overlapped.end;
         self.hub
             .metrics
             .hot
@@ -1030,11 +1132,15 @@ impl<S: EventStore> Session<S> {
                 self.hub.store_health.failed("append", Some(&e));
                 warn!(error = %e, "append failed; nothing acknowledged");
                 self.refuse_all(&pending);
+                self.overlap_acks
+                    .forget_before(self.appends.oldest_behind());
                 return;
             }
             Answer::BehindFailure => {
                 warn!("append batch in flight behind a failed one; nothing acknowledged");
                 self.refuse_all(&pending);
+                self.overlap_acks
+                    .forget_before(self.appends.oldest_behind());
                 return;
             }
         };
@@ -1063,8 +1169,20 @@ impl<S: EventStore> Session<S> {
                     self.record_ack(req.key, req.dir, tail);
                 }
                 AppendOutcome::Hole { tail } => {
-                    self.hub.hole(&view, &req.key, req.dir, tail);
-                    self.refuse(Refusal::SequenceGap, Some(&req.key), req.dir, tail);
+                    match self
+                        .overlap_acks
+                        .above(&req.key, req.dir, tail, &overlapped)
+                    {
+                        // Overtook a batch of this session that was
+                        // acknowledged since: resend after that ack.
+                        Some(acked) => {
+                            self.refuse(Refusal::SequenceGap, Some(&req.key), req.dir, acked);
+                        }
+                        None => {
+                            self.hub.hole(&view, &req.key, req.dir, tail);
+                            self.refuse(Refusal::SequenceGap, Some(&req.key), req.dir, tail);
+                        }
+                    }
                 }
                 AppendOutcome::AlreadyTerminal { outcome } => self.refuse(
                     Refusal::AlreadyTerminal { outcome },
@@ -1088,6 +1206,14 @@ impl<S: EventStore> Session<S> {
                 }
             }
         }
+        // Batches in flight behind this one may have overtaken it.
+        let oldest = self.appends.oldest_behind();
+        if oldest.is_some() {
+            for (key, dir, seq) in &self.acks {
+                self.overlap_acks.record(key, *dir, *seq, number);
+            }
+        }
+        self.overlap_acks.forget_before(oldest);
         self.send_acks();
     }
 
@@ -1481,9 +1607,17 @@ mod tests {
         let _ = t2.map(|t| t.send(appended(3)));
         assert!(Box::pin(flight.oldest()).now_or_never().is_none());
         let _ = t1.map(|t| t.send(appended(2)));
-        for (want_id, want_seq) in [(1, 2), (2, 3), (3, 4)] {
-            let (id, _, answer) = flight.oldest().await;
+        // All three were put in flight before any was answered: each
+        // overlapped the ones answered before it.
+        for (want_id, want_seq, overlapped) in [(1, 2, 0..0), (2, 3, 0..1), (3, 4, 0..2)] {
+            let Answered {
+                staged: id,
+                answer,
+                overlapped: seen,
+                ..
+            } = flight.oldest().await;
             assert_eq!(id, want_id);
+            assert_eq!(seen, overlapped);
             assert!(
                 matches!(&answer, Answer::Outcomes(o) if o == &[AppendOutcome::Appended { seq: want_seq }]),
                 "{answer:?}"
@@ -1509,11 +1643,15 @@ mod tests {
             "redis append",
             "connection lost",
         )));
-        let (id, _, answer) = flight.oldest().await;
+        let Answered {
+            staged: id, answer, ..
+        } = flight.oldest().await;
         assert_eq!(id, 1);
         assert!(matches!(answer, Answer::Failed(_)), "{answer:?}");
         for want in [2, 3] {
-            let (id, _, answer) = flight.oldest().await;
+            let Answered {
+                staged: id, answer, ..
+            } = flight.oldest().await;
             assert_eq!(id, want);
             assert!(matches!(answer, Answer::BehindFailure), "{answer:?}");
         }
@@ -1521,9 +1659,39 @@ mod tests {
         let (t4, r4) = oneshot::channel();
         flight.push(4, call(4, &polled, r4));
         let _ = t4.send(appended(5));
-        let (id, _, answer) = flight.oldest().await;
+        let Answered {
+            staged: id, answer, ..
+        } = flight.oldest().await;
         assert_eq!(id, 4);
         assert!(matches!(answer, Answer::Outcomes(_)), "{answer:?}");
+    }
+
+    #[test]
+    fn a_hole_is_answered_from_the_acks_of_the_batches_it_overlapped_only() {
+        let key = DelegationKey::new(
+            PeerId::new("acme/caller").unwrap(),
+            oab_wire::RequestId::new("r1").unwrap(),
+        );
+        let mut acks = OverlapAcks::default();
+        // Batch 3 acknowledged up to 75 of the up log.
+        acks.record(&key, Direction::Up, 75, 3);
+        // A batch in flight beside it whose entry found the log at 73.
+        assert_eq!(acks.above(&key, Direction::Up, 73, &(2..4)), Some(75));
+        // Not beside it: the store lost what was acknowledged before.
+        assert_eq!(acks.above(&key, Direction::Up, 73, &(4..6)), None);
+        // Nothing above the hole's tail, or another log.
+        assert_eq!(acks.above(&key, Direction::Up, 75, &(2..4)), None);
+        assert_eq!(acks.above(&key, Direction::Down, 73, &(2..4)), None);
+        // Lower acks of a later batch do not hide the highest.
+        acks.record(&key, Direction::Up, 74, 4);
+        assert_eq!(acks.above(&key, Direction::Up, 73, &(2..4)), Some(75));
+        acks.forget_before(Some(3));
+        assert_eq!(acks.above(&key, Direction::Up, 73, &(2..4)), Some(75));
+        acks.forget_before(Some(4));
+        assert_eq!(acks.above(&key, Direction::Up, 73, &(2..6)), None);
+        acks.record(&key, Direction::Up, 80, 7);
+        acks.forget_before(None);
+        assert!(acks.logs.is_empty());
     }
 
     #[test]
