@@ -249,6 +249,7 @@ conformance! {
     callee_of_names_the_callee => retention(100);
     delegation_byte_budget => budgets(100, 1_000, 1 << 30);
     delegation_byte_budget_counts_only_what_the_logs_hold => budgets(2, 1_000, 1 << 30);
+    a_batch_is_judged_entry_by_entry => budgets(2, 1_000, 1 << 30);
     peer_byte_budget => budgets(100, 1 << 30, 1_000);
     peer_byte_budget_gives_back_trimmed_entries => budgets(2, 1 << 30, 1_000);
 }
@@ -427,6 +428,89 @@ async fn delegation_byte_budget_counts_only_what_the_logs_hold<S: EventStore>(s:
         AppendOutcome::OverBudget {
             budget: Budget::Delegation
         }
+    );
+}
+
+/// One batch of one delegation's entries gets the outcomes, the trims and
+/// the held bytes that appending its entries one at a time gives
+/// (`max_log_entries` 2, `max_delegation_bytes` 1,000): each entry is judged
+/// after the ones before it, including what their trims freed, and a batch
+/// longer than the log trims its own first entries.
+async fn a_batch_is_judged_entry_by_entry<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "batched");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    let outcomes = s
+        .append(vec![
+            sized(peer_entry(&k, Direction::Down, 2), 400),
+            sized(peer_entry(&k, Direction::Down, 3), 400),
+            // The open was trimmed by seq 3: 800 held, so 200 fit.
+            sized(peer_entry(&k, Direction::Up, 1), 200),
+            sized(peer_entry(&k, Direction::Up, 2), 1),
+            sized(peer_entry(&k, Direction::Down, 3), 400),
+            sized(peer_entry(&k, Direction::Down, 5), 1),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::OverBudget {
+                budget: Budget::Delegation
+            },
+            AppendOutcome::Duplicate { tail: 3 },
+            AppendOutcome::Hole { tail: 3 },
+        ]
+    );
+
+    let k = key("acme/caller", "batched-stream");
+    created(s, open_req(&k, CALLEE, 5_000, 1)).await;
+    let open = open_len(&k);
+    // Twenty entries of 300 in one batch: only the last two stay, so the
+    // delegation never holds more than the open and 600.
+    let outcomes = s
+        .append(
+            (1..=20)
+                .map(|seq| sized(peer_entry(&k, Direction::Up, seq), 300))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        outcomes,
+        (1..=20)
+            .map(|seq| AppendOutcome::Appended { seq })
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        entries(s, &k, Direction::Up, 18, 10)
+            .await
+            .into_iter()
+            .map(|(seq, frame)| (seq, frame.len()))
+            .collect::<Vec<_>>(),
+        vec![(19, 300), (20, 300)]
+    );
+    assert!(matches!(
+        s.read(&k, Direction::Up, 0, 10).await.unwrap(),
+        ReadOutcome::Trimmed {
+            first_available: 19,
+            ..
+        }
+    ));
+    // The held bytes are exact: the budget is checked before the trim, so
+    // 400 - open more fit and one byte more does not.
+    let room = (1_000 - 600 - open) as usize;
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 21), room + 1)).await,
+        AppendOutcome::OverBudget {
+            budget: Budget::Delegation
+        }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&k, Direction::Up, 21), room)).await,
+        AppendOutcome::Appended { seq: 21 }
     );
 }
 

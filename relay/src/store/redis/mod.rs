@@ -40,8 +40,11 @@
 //!
 //! # Batches and failures
 //!
-//! `append` sends the whole batch as one pipeline of `EVALSHA`s, one round
-//! trip (plus one for the indexes when an entry set a terminal). If Redis
+//! `append` sends the whole batch as one pipeline of `EVALSHA`s, one per
+//! delegation in the batch (a run of one delegation's entries is one script
+//! call: its meta hash is read and written once, its logs trimmed once), one
+//! round trip after the peer budget's (plus one for the indexes when an
+//! entry set a terminal). If Redis
 //! refuses a script (out of memory under `noeviction`, say) or the connection
 //! fails mid-batch, the call returns [`StoreError::Unavailable`] although some
 //! entries may be durable; resending is safe: a peer's entries then come back
@@ -105,6 +108,7 @@ mod url;
 
 pub use self::url::{RedactedUrl, describe_store_url};
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -522,13 +526,24 @@ impl RedisStore {
         if peers.is_empty() {
             return Ok(charges);
         }
+        // One pair per delegation: a batch's entries of one delegation are
+        // charged together (the script adds each pair to its member).
         let command = |peer: &PeerId, entries: &[usize]| {
             let mut cmd = evalsha(&self.scripts.charge, &[&peer_bytes_key(peer)]);
             cmd.arg(self.retention.max_peer_bytes);
-            for &i in entries {
-                if let Some(req) = reqs.get(i) {
-                    cmd.arg(req.key.to_string()).arg(req.frame.len());
+            let mut pairs: Vec<(&DelegationKey, usize)> = Vec::new();
+            let mut index: HashMap<&DelegationKey, usize> = HashMap::new();
+            for req in entries.iter().filter_map(|&i| reqs.get(i)) {
+                match index.get(&req.key).and_then(|&p| pairs.get_mut(p)) {
+                    Some((_, bytes)) => *bytes += req.frame.len(),
+                    None => {
+                        index.insert(&req.key, pairs.len());
+                        pairs.push((&req.key, req.frame.len()));
+                    }
                 }
+            }
+            for (key, bytes) in pairs {
+                cmd.arg(key.to_string()).arg(bytes);
             }
             cmd
         };
@@ -667,6 +682,30 @@ enum Charge {
     Skipped,
 }
 
+/// Most entries one `append` script call takes: a longer run of one
+/// delegation's entries is split into calls of this many, in order, so one
+/// call never holds Redis for long.
+const MAX_ENTRIES_PER_APPEND_CALL: usize = 256;
+
+/// The entries of an append batch grouped by delegation, each group in the
+/// batch's order and at most [`MAX_ENTRIES_PER_APPEND_CALL`] long: one
+/// `append` script call each. Groups come in the order of their first entry;
+/// nothing depends on the order across delegations.
+fn append_groups(reqs: &[AppendRequest]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut open: HashMap<&DelegationKey, usize> = HashMap::new();
+    for (i, req) in reqs.iter().enumerate() {
+        match open.get(&req.key).and_then(|&g| groups.get_mut(g)) {
+            Some(group) if group.len() < MAX_ENTRIES_PER_APPEND_CALL => group.push(i),
+            _ => {
+                open.insert(&req.key, groups.len());
+                groups.push(vec![i]);
+            }
+        }
+    }
+    groups
+}
+
 /// A delay in whole milliseconds, as the cluster client's retry settings take it.
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -722,50 +761,77 @@ impl EventStore for RedisStore {
             return Ok(Vec::new());
         }
         let charges = self.charge(&reqs).await?;
+        let groups = append_groups(&reqs);
         let mut pipe = pipeline();
-        for (req, charge) in reqs.iter().zip(&charges) {
-            let keys = DelegationKeys::new(&req.key);
-            let (log, other) = keys.logs(req.dir);
-            let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, log, other]);
-            cmd.arg(match req.dir {
-                Direction::Down => "d",
-                Direction::Up => "u",
-            })
-            .arg(req.seq);
-            let sender = match &req.origin {
-                Origin::Relay => {
-                    cmd.arg("r");
-                    ""
-                }
-                Origin::Peer { peer, instance } => {
-                    cmd.arg(instance.to_hex());
-                    peer.as_str()
-                }
+        for group in &groups {
+            let Some(first) = group.first().and_then(|&i| reqs.get(i)) else {
+                continue;
             };
-            cmd.arg(req.terminal.map_or("", Outcome::name))
-                .arg(req.frame.as_ref())
-                .arg(req.now_ms)
-                .arg(self.maxlen)
+            let keys = DelegationKeys::new(&first.key);
+            let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, &keys.down, &keys.up]);
+            cmd.arg(self.maxlen)
                 .arg(self.ttl_ms)
-                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
-                .arg(sender)
-                .arg(req.key.caller.as_str())
-                .arg(self.retention.max_delegation_bytes)
-                .arg(if *charge == Charge::Refused { "0" } else { "1" });
+                .arg(first.key.caller.as_str())
+                .arg(self.retention.max_delegation_bytes);
+            for &i in group {
+                let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
+                    continue;
+                };
+                cmd.arg(match req.dir {
+                    Direction::Down => "d",
+                    Direction::Up => "u",
+                })
+                .arg(req.seq);
+                let sender = match &req.origin {
+                    Origin::Relay => {
+                        cmd.arg("r");
+                        ""
+                    }
+                    Origin::Peer { peer, instance } => {
+                        cmd.arg(instance.to_hex());
+                        peer.as_str()
+                    }
+                };
+                cmd.arg(req.terminal.map_or("", Outcome::name))
+                    .arg(req.frame.as_ref())
+                    .arg(req.now_ms)
+                    .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
+                    .arg(sender)
+                    .arg(if *charge == Charge::Refused { "0" } else { "1" });
+            }
             pipe.add_command(cmd);
         }
-        let mut replies = if pipe.is_empty() {
+        let group_replies = if pipe.is_empty() {
             Vec::new()
         } else {
             self.eval_batch_each(&self.scripts.append, pipe, false, "append")
                 .await?
+        };
+        // Each entry's reply, in the order of `reqs`; `None` where its
+        // group's shard did not answer.
+        let mut entry_replies: Vec<Option<Value>> = vec![None; reqs.len()];
+        for (group, reply) in groups.iter().zip(group_replies) {
+            let Ok(reply) = reply else { continue };
+            let items = reply_array(reply, "append")?;
+            if items.len() != group.len() {
+                return Err(corrupt(format!(
+                    "append: {} replies for {} entries",
+                    items.len(),
+                    group.len()
+                )));
+            }
+            for (&i, item) in group.iter().zip(items) {
+                if let Some(slot) = entry_replies.get_mut(i) {
+                    *slot = Some(item);
+                }
+            }
         }
-        .into_iter();
+        let mut replies = entry_replies.into_iter();
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut finished = Vec::new();
         let mut give_back = Vec::new();
         for (req, charge) in reqs.iter().zip(charges) {
-            let Some(Ok(reply)) = replies.next() else {
+            let Some(Some(reply)) = replies.next() else {
                 // Its shard did not answer; the others went on. A charge
                 // taken for it stays until its delegation is dropped (the
                 // entry may be stored).

@@ -23,25 +23,31 @@ use crate::store::StoreError;
 /// `{'E', <HGETALL>}`.
 const OPEN_LUA: &str = include_str!("lua/open.lua");
 
-/// `append` (one entry): KEYS meta, this log, the other log; ARGV dir
-/// (`d`|`u`), seq, origin (`r` for the relay, else the instance hex),
-/// terminal (outcome name or empty), frame, now, maxlen, ttl, wake channel
-/// (or empty: when set, an appended entry is also published there as
-/// `W<frame>`, atomically with the append, so a wake-up is never lost
-/// between the two), sender peer, the delegation's caller,
-/// `max_delegation_bytes`, `1` if the sender's bytes were charged to its
-/// peer budget (`charge`) or `0` if that budget refused them.
+/// `append` (a batch of one delegation's entries, in order): KEYS meta,
+/// down log, up log; ARGV maxlen, ttl, the delegation's caller,
+/// `max_delegation_bytes`, then nine per entry: dir (`d`|`u`), seq, origin
+/// (`r` for the relay, else the instance hex), terminal (outcome name or
+/// empty), frame, now, wake channel (or empty: when set, an appended entry is
+/// also published there as `W<frame>`, atomically with the append, so a
+/// wake-up is never lost between the two), sender peer, `1` if the sender's
+/// bytes were charged to its peer budget (`charge`) or `0` if that budget
+/// refused them.
 ///
-/// A peer's entry is refused `{'P'}` unless the sender is the caller (down)
-/// or the meta's callee (up); then the sequence checks; then `{'B', 'd'}`
-/// if the two logs' held bytes (`db` + `ub`) plus the frame pass
-/// `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
+/// Each entry is judged as if it were appended alone after the ones before
+/// it: a peer's entry is refused `{'P'}` unless the sender is the caller
+/// (down) or the meta's callee (up); then the sequence checks; then
+/// `{'B', 'd'}` if the two logs' held bytes (`db` + `ub`) plus the frame
+/// pass `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
 /// Every append adds the frame to its log's held bytes and takes off what
-/// `MAXLEN` trimmed.
+/// the log's `MAXLEN` trims because of it. The meta hash is read once and
+/// written once, each log is trimmed once (exact `MAXLEN`, the same entries
+/// as one trim per append would drop) and `XLEN`/`XRANGE` run only for a log
+/// that gets an entry, `XRANGE` only when that log reaches its cap.
 ///
-/// Returns `{'A', trimmed}` appended, `{'F', deadline, callee, trimmed}`
-/// appended and it set the terminal (`trimmed`: bytes the trim dropped from
-/// this log), `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
+/// Returns one reply per entry: `{'A', trimmed}` appended,
+/// `{'F', deadline, callee, trimmed}` appended and it set the terminal
+/// (`trimmed`: bytes the trim dropped from this log because of this entry),
+/// `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
 /// `{'T', outcome or ''}` (already terminal), `{'P'}`, `{'B', 'd'|'p'}` or
 /// `{'U'}` (unknown).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
