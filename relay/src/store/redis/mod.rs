@@ -842,23 +842,36 @@ impl EventStore for RedisStore {
             if charge == Charge::Charged {
                 match outcome {
                     AppendOutcome::Appended { .. } if trimmed > 0 => {
-                        give_back.push((req, Some(trimmed)));
+                        give_back.push((req, trimmed));
                     }
                     AppendOutcome::Appended { .. } => {}
-                    _ => give_back.push((req, Some(req.frame.len() as u64))),
+                    _ => give_back.push((req, req.frame.len() as u64)),
                 }
             }
             outcomes.push(outcome);
             finished.extend(fin);
         }
         if !give_back.is_empty() {
+            // One give-back per peer and delegation: a run of entries at the
+            // log's cap each trims one, and their bytes go back together.
+            let mut totals: Vec<(&PeerId, &DelegationKey, u64)> = Vec::new();
+            let mut index: HashMap<(&PeerId, &DelegationKey), usize> = HashMap::new();
+            for (req, bytes) in &give_back {
+                let Origin::Peer { peer, .. } = &req.origin else {
+                    continue;
+                };
+                match index.get(&(peer, &req.key)).and_then(|&t| totals.get_mut(t)) {
+                    Some((_, _, total)) => *total += bytes,
+                    None => {
+                        index.insert((peer, &req.key), totals.len());
+                        totals.push((peer, &req.key, *bytes));
+                    }
+                }
+            }
             self.uncharge(
-                give_back
-                    .iter()
-                    .filter_map(|(req, bytes)| match &req.origin {
-                        Origin::Peer { peer, .. } => Some((peer, &req.key, *bytes)),
-                        Origin::Relay => None,
-                    }),
+                totals
+                    .into_iter()
+                    .map(|(peer, key, bytes)| (peer, key, Some(bytes))),
             )
             .await;
         }

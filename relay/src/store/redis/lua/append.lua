@@ -98,7 +98,6 @@ for i = 0, count - 1 do
     held[dir] = held[dir] + #frame - trimmed
     added[dir] = added[dir] + #frame - trimmed
     if ARGV[b + 7] ~= '' then redis.call('PUBLISH', ARGV[b + 7], 'W' .. frame) end
-    trimmed = string.format('%.0f', trimmed)
     if cur == '' and term ~= '' then
       cur = term
       set['term'] = term
