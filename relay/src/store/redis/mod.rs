@@ -125,8 +125,8 @@ use self::keys::{
     parse_key, peer_bytes_key, peer_open_key, peer_set_key,
 };
 use self::replies::{
-    Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
-    parse_read, reply_array, str_of, u64_of,
+    Finished, GroupReply, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append,
+    parse_meta, parse_read, reply_array, split_append, str_of, u64_of,
 };
 use self::scripts::{Scripts, evalsha};
 use self::url::{RedactedUrls, cluster_seed_urls, is_cluster_url, redact_url};
@@ -807,38 +807,35 @@ impl EventStore for RedisStore {
             self.eval_batch_each(&self.scripts.append, pipe, false, "append")
                 .await?
         };
-        // Each entry's reply, in the order of `reqs`; `None` where its
-        // group's shard did not answer.
-        let mut entry_replies: Vec<Option<Value>> = vec![None; reqs.len()];
+        // Each entry's reply, in the order of `reqs`: its group's reply and
+        // its place there; `None` where its group's shard did not answer.
+        let mut split: Vec<GroupReply> = Vec::with_capacity(groups.len());
+        let mut place: Vec<Option<(usize, usize)>> = vec![None; reqs.len()];
         for (group, reply) in groups.iter().zip(group_replies) {
             let Ok(reply) = reply else { continue };
-            let items = reply_array(reply, "append")?;
-            if items.len() != group.len() {
-                return Err(corrupt(format!(
-                    "append: {} replies for {} entries",
-                    items.len(),
-                    group.len()
-                )));
-            }
-            for (&i, item) in group.iter().zip(items) {
-                if let Some(slot) = entry_replies.get_mut(i) {
-                    *slot = Some(item);
+            let g = split.len();
+            split.push(split_append(reply, group.len())?);
+            for (j, &i) in group.iter().enumerate() {
+                if let Some(slot) = place.get_mut(i) {
+                    *slot = Some((g, j));
                 }
             }
         }
-        let mut replies = entry_replies.into_iter();
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut finished = Vec::new();
         let mut give_back = Vec::new();
-        for (req, charge) in reqs.iter().zip(charges) {
-            let Some(Some(reply)) = replies.next() else {
+        for ((req, charge), at) in reqs.iter().zip(charges).zip(place) {
+            let Some((group, (code, value))) = at.and_then(|(g, j)| {
+                let group = split.get(g)?;
+                Some((group, group.entries.get(j)?))
+            }) else {
                 // Its shard did not answer; the others went on. A charge
                 // taken for it stays until its delegation is dropped (the
                 // entry may be stored).
                 outcomes.push(AppendOutcome::Unavailable);
                 continue;
             };
-            let (outcome, fin, trimmed) = parse_append(req, reply)?;
+            let (outcome, fin, trimmed) = parse_append(req, code, value, group)?;
             if charge == Charge::Charged {
                 match outcome {
                     AppendOutcome::Appended { .. } if trimmed > 0 => {
@@ -860,7 +857,10 @@ impl EventStore for RedisStore {
                 let Origin::Peer { peer, .. } = &req.origin else {
                     continue;
                 };
-                match index.get(&(peer, &req.key)).and_then(|&t| totals.get_mut(t)) {
+                match index
+                    .get(&(peer, &req.key))
+                    .and_then(|&t| totals.get_mut(t))
+                {
                     Some((_, _, total)) => *total += bytes,
                     None => {
                         index.insert((peer, &req.key), totals.len());

@@ -44,12 +44,13 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// as one trim per append would drop) and `XLEN`/`XRANGE` run only for a log
 /// that gets an entry, `XRANGE` only when that log reaches its cap.
 ///
-/// Returns one reply per entry: `{'A', trimmed}` appended,
-/// `{'F', deadline, callee, trimmed}` appended and it set the terminal
-/// (`trimmed`: bytes the trim dropped from this log because of this entry),
-/// `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
-/// `{'T', outcome or ''}` (already terminal), `{'P'}`, `{'B', 'd'|'p'}` or
-/// `{'U'}` (unknown).
+/// Returns `{'U'}` when the delegation is unknown, else a code and a value
+/// per entry, then the delegation's deadline and callee (for the index
+/// entry of a terminal): `A, trimmed` appended, `F, trimmed` appended and it
+/// set the terminal (`trimmed`: bytes the trim dropped from this log because
+/// of this entry, an integer), `D, sender_tail`, `H, tail`, `C, tail`,
+/// `T, outcome or ''` (already terminal), `P, ''` or `B, 'd'|'p'`. The
+/// stream id of an entry is its sequence (`<seq>-0`).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
 
 /// `charge`: KEYS the peer's byte budget hash; ARGV `max_peer_bytes`, then

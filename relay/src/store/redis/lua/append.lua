@@ -1,22 +1,21 @@
 
 local m = redis.call('HMGET', KEYS[1], 'dt', 'ds', 'ut', 'us', 'term', 'acc', 'dl', 'callee', 'db', 'ub')
+if not m[1] then return {'U'} end
 local count = (#ARGV - 4) / 9
-local out = {}
-if not m[1] then
-  for i = 1, count do out[i] = {'U'} end
-  return out
-end
 local maxlen = tonumber(ARGV[1])
+local maxbytes = tonumber(ARGV[4])
 local log = {d = KEYS[2], u = KEYS[3]}
-local tail = {d = m[1], u = m[3] or '0'}
-local sent = {d = m[2] or '0', u = m[4] or '0'}
-local held = {d = tonumber(m[9] or '0'), u = tonumber(m[10] or '0')}
+local tails = {d = m[1], u = m[3] or '0'}
+local tail = {d = tonumber(tails.d), u = tonumber(tails.u)}
+local sents = {d = m[2] or '0', u = m[4] or '0'}
+local sent = {d = tonumber(sents.d), u = tonumber(sents.u)}
+local held = tonumber(m[9] or '0') + tonumber(m[10] or '0')
 local cur = m[5] or ''
 local acc = m[6] or ''
 local party = {d = ARGV[3], u = m[8]}
 local left = {d = 0, u = 0}
-for i = 0, count - 1 do
-  local dir = ARGV[5 + i * 9]
+for i = 5, #ARGV, 9 do
+  local dir = ARGV[i]
   left[dir] = left[dir] + 1
 end
 local added = {d = 0, u = 0}
@@ -24,104 +23,125 @@ local len = {}
 local queue = {}
 local head = {}
 local qlen = {}
-local trim = {}
-local set = {}
-local finished = false
-for i = 0, count - 1 do
-  local b = 4 + i * 9
+local moved = {}
+local term_ms = nil
+local out = {}
+local n = 0
+for b = 4, #ARGV - 1, 9 do
   local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local seq = tonumber(seqs)
-  local t = tonumber(tail[dir])
-  local reply = nil
+  local t = tail[dir]
+  local code, value = nil, ''
   if origin == 'r' then
     if seq ~= t + 1 then
-      reply = {'C', tail[dir]}
+      code, value = 'C', tails[dir]
     elseif term ~= '' and cur ~= '' then
-      reply = {'T', cur}
+      code, value = 'T', cur
     else
-      tail[dir] = seqs
-      set[dir .. 't'] = seqs
+      tail[dir], tails[dir] = seq, seqs
+      moved[dir] = true
     end
   elseif ARGV[b + 8] ~= party[dir] then
-    reply = {'P'}
+    code = 'P'
   elseif seq <= t then
-    if seq <= tonumber(sent[dir]) then reply = {'D', sent[dir]} else reply = {'T', cur} end
+    if seq <= sent[dir] then code, value = 'D', sents[dir] else code, value = 'T', cur end
   elseif seq > t + 1 then
-    reply = {'H', tail[dir]}
+    code, value = 'H', tails[dir]
   elseif cur ~= '' then
-    reply = {'T', cur}
-  elseif held.d + held.u + #frame > tonumber(ARGV[4]) then
-    reply = {'B', 'd'}
+    code, value = 'T', cur
+  elseif held + #frame > maxbytes then
+    code, value = 'B', 'd'
   elseif ARGV[b + 9] ~= '1' then
-    reply = {'B', 'p'}
+    code, value = 'B', 'p'
   else
-    if dir == 'u' and acc == '' then
-      acc = origin
-      set['acc'] = origin
-    end
-    tail[dir] = seqs
-    sent[dir] = seqs
-    set[dir .. 't'] = seqs
-    set[dir .. 's'] = seqs
+    if dir == 'u' and acc == '' then acc = origin end
+    tail[dir], tails[dir] = seq, seqs
+    sent[dir], sents[dir] = seq, seqs
+    moved[dir] = true
   end
-  if reply == nil then
-    if not len[dir] then
-      len[dir] = redis.call('XLEN', log[dir])
+  if code == nil then
+    local size = #frame
+    local l = len[dir]
+    if not l then
+      l = redis.call('XLEN', log[dir])
       queue[dir] = {}
       head[dir] = 1
       qlen[dir] = 0
-      local over = math.min(len[dir], len[dir] + left[dir] - maxlen)
+      local over = math.min(l, l + left[dir] - maxlen)
       if over > 0 then
+        local q, k = queue[dir], 0
         for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', over)) do
-          qlen[dir] = qlen[dir] + 1
-          queue[dir][qlen[dir]] = #e[2][2]
+          k = k + 1
+          q[k] = #e[2][2]
         end
+        qlen[dir] = k
       end
     end
     local q = queue[dir]
     qlen[dir] = qlen[dir] + 1
-    q[qlen[dir]] = #frame
+    q[qlen[dir]] = size
     local trimmed = 0
-    local over = len[dir] + 1 - maxlen
-    if over > 0 then
-      for _ = 1, over do
-        trimmed = trimmed + (q[head[dir]] or 0)
-        q[head[dir]] = nil
-        head[dir] = head[dir] + 1
+    if l + 1 > maxlen then
+      local h = head[dir]
+      for _ = 1, l + 1 - maxlen do
+        trimmed = trimmed + (q[h] or 0)
+        q[h] = nil
+        h = h + 1
       end
+      head[dir] = h
       len[dir] = maxlen
-      trim[dir] = true
     else
-      len[dir] = len[dir] + 1
+      len[dir] = l + 1
     end
-    redis.call('XADD', log[dir], seqs .. '-0', 'f', frame)
-    held[dir] = held[dir] + #frame - trimmed
-    added[dir] = added[dir] + #frame - trimmed
+    redis.call('XADD', log[dir], seqs, 'f', frame)
+    held = held + size - trimmed
+    added[dir] = added[dir] + size - trimmed
     if ARGV[b + 7] ~= '' then redis.call('PUBLISH', ARGV[b + 7], 'W' .. frame) end
     if cur == '' and term ~= '' then
       cur = term
-      set['term'] = term
-      set['tms'] = ARGV[b + 6]
-      finished = true
-      reply = {'F', m[7] or '', m[8] or '', trimmed}
+      term_ms = ARGV[b + 6]
+      code = 'F'
     else
-      reply = {'A', trimmed}
+      code = 'A'
     end
+    value = trimmed
   end
   left[dir] = left[dir] - 1
-  out[i + 1] = reply
+  out[n + 1] = code
+  out[n + 2] = value
+  n = n + 2
 end
 local fields = {}
-for f, v in pairs(set) do
-  fields[#fields + 1] = f
-  fields[#fields + 1] = v
+if moved.d then
+  fields[#fields + 1] = 'dt'
+  fields[#fields + 1] = tails.d
+  fields[#fields + 1] = 'ds'
+  fields[#fields + 1] = sents.d
+end
+if moved.u then
+  fields[#fields + 1] = 'ut'
+  fields[#fields + 1] = tails.u
+  fields[#fields + 1] = 'us'
+  fields[#fields + 1] = sents.u
+end
+if acc ~= (m[6] or '') then
+  fields[#fields + 1] = 'acc'
+  fields[#fields + 1] = acc
+end
+if term_ms then
+  fields[#fields + 1] = 'term'
+  fields[#fields + 1] = cur
+  fields[#fields + 1] = 'tms'
+  fields[#fields + 1] = term_ms
 end
 if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
 for dir, key in pairs(log) do
-  if trim[dir] then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
-  if len[dir] then redis.call('HINCRBY', KEYS[1], dir .. 'b', string.format('%.0f', added[dir])) end
+  if len[dir] then
+    if head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
+    redis.call('HINCRBY', KEYS[1], dir .. 'b', string.format('%.0f', added[dir]))
+  end
 end
-if finished then
+if term_ms then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
@@ -133,4 +153,6 @@ elseif cur ~= '' and (len.d or len.u) then
     end
   end
 end
+out[n + 1] = m[7] or ''
+out[n + 2] = m[8] or ''
 return out
