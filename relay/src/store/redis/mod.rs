@@ -760,7 +760,17 @@ impl EventStore for RedisStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let charges = self.charge(&reqs).await?;
+        // On a single server the append script charges the peer budgets
+        // itself (their hashes are among its keys), so a batch is one round
+        // trip and batches reach Redis in the order they were sent. A
+        // cluster keeps each budget in its own slot: it is charged first
+        // (`charge`) and given back after (`uncharge`).
+        let fused = !self.is_cluster();
+        let charges = if fused {
+            vec![Charge::Exempt; reqs.len()]
+        } else {
+            self.charge(&reqs).await?
+        };
         let groups = append_groups(&reqs);
         let mut pipe = pipeline();
         for group in &groups {
@@ -768,11 +778,28 @@ impl EventStore for RedisStore {
                 continue;
             };
             let keys = DelegationKeys::new(&first.key);
-            let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, &keys.down, &keys.up]);
+            // Fused: the budget hashes of the group's senders follow the
+            // delegation's keys, and each entry names its sender's (1-based;
+            // 0 for the relay's entries).
+            let mut budget_keys: Vec<(&PeerId, String)> = Vec::new();
+            if fused {
+                for req in group.iter().filter_map(|&i| reqs.get(i)) {
+                    if let Origin::Peer { peer, .. } = &req.origin
+                        && !budget_keys.iter().any(|(p, _)| *p == peer)
+                    {
+                        budget_keys.push((peer, peer_bytes_key(peer)));
+                    }
+                }
+            }
+            let mut key_names: Vec<&str> = vec![&keys.meta, &keys.down, &keys.up];
+            key_names.extend(budget_keys.iter().map(|(_, k)| k.as_str()));
+            let mut cmd = evalsha(&self.scripts.append, &key_names);
             cmd.arg(self.maxlen)
                 .arg(self.ttl_ms)
                 .arg(first.key.caller.as_str())
-                .arg(self.retention.max_delegation_bytes);
+                .arg(self.retention.max_delegation_bytes)
+                .arg(self.retention.max_peer_bytes)
+                .arg(first.key.to_string());
             for &i in group {
                 let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
                     continue;
@@ -785,19 +812,26 @@ impl EventStore for RedisStore {
                 let sender = match &req.origin {
                     Origin::Relay => {
                         cmd.arg("r");
-                        ""
+                        None
                     }
                     Origin::Peer { peer, instance } => {
                         cmd.arg(instance.to_hex());
-                        peer.as_str()
+                        Some(peer)
                     }
                 };
                 cmd.arg(req.terminal.map_or("", Outcome::name))
                     .arg(req.frame.as_ref())
                     .arg(req.now_ms)
                     .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
-                    .arg(sender)
-                    .arg(if *charge == Charge::Refused { "0" } else { "1" });
+                    .arg(sender.map_or("", |p| p.as_str()));
+                if fused {
+                    let index = sender
+                        .and_then(|p| budget_keys.iter().position(|(b, _)| *b == p))
+                        .map_or(0, |at| at + 1);
+                    cmd.arg(index);
+                } else {
+                    cmd.arg(if *charge == Charge::Refused { "0" } else { "1" });
+                }
             }
             pipe.add_command(cmd);
         }

@@ -24,14 +24,19 @@ use crate::store::StoreError;
 const OPEN_LUA: &str = include_str!("lua/open.lua");
 
 /// `append` (a batch of one delegation's entries, in order): KEYS meta,
-/// down log, up log; ARGV maxlen, ttl, the delegation's caller,
-/// `max_delegation_bytes`, then nine per entry: dir (`d`|`u`), seq, origin
-/// (`r` for the relay, else the instance hex), terminal (outcome name or
-/// empty), frame, now, wake channel (or empty: when set, an appended entry is
-/// also published there as `W<frame>`, atomically with the append, so a
-/// wake-up is never lost between the two), sender peer, `1` if the sender's
-/// bytes were charged to its peer budget (`charge`) or `0` if that budget
-/// refused them.
+/// down log, up log, then on a single server the byte budget hash of each
+/// sender among the entries; ARGV maxlen, ttl, the delegation's caller,
+/// `max_delegation_bytes`, `max_peer_bytes`, the delegation's budget member
+/// (`<caller>#<rid>`), then nine per entry: dir (`d`|`u`), seq, origin (`r`
+/// for the relay, else the instance hex), terminal (outcome name or empty),
+/// frame, now, wake channel (or empty: when set, an appended entry is also
+/// published there as `W<frame>`, atomically with the append, so a wake-up
+/// is never lost between the two), sender peer, and the budget: with budget
+/// keys, the 1-based index of the sender's among them (`0` for the relay's
+/// entries), which the script charges and gives trimmed bytes back to
+/// itself, as the `charge` and `uncharge` scripts do; without (a cluster,
+/// where a budget lives in another slot), `1` if the sender's bytes were
+/// charged by `charge` before or `0` if that budget refused them.
 ///
 /// Each entry is judged as if it were appended alone after the ones before
 /// it: a peer's entry is refused `{'P'}` unless the sender is the caller
@@ -207,7 +212,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "6cdd28957c47136d3bbcda77b2541bcd4975af29",
+                "f9fbe07ff2db429a25a9758f9789f08d78eb798a",
             ),
             (
                 "charge",

@@ -1,9 +1,38 @@
 
 local m = redis.call('HMGET', KEYS[1], 'dt', 'ds', 'ut', 'us', 'term', 'acc', 'dl', 'callee', 'db', 'ub')
 if not m[1] then return {'U'} end
-local count = (#ARGV - 4) / 9
 local maxlen = tonumber(ARGV[1])
 local maxbytes = tonumber(ARGV[4])
+local maxpeer = tonumber(ARGV[5])
+local fused = #KEYS > 3
+local budgets = {}
+local function budget_of(k)
+  local budget = budgets[k]
+  if not budget then
+    local key = KEYS[3 + k]
+    local v = redis.call('HMGET', key, 'total', ARGV[6])
+    budget = {total = tonumber(v[1] or '0'), member = tonumber(v[2] or '0')}
+    budgets[k] = budget
+  end
+  return budget
+end
+local function over_peer(index, size)
+  local k = tonumber(index)
+  if k == 0 then return false end
+  local budget = budget_of(k)
+  if budget.total + size > maxpeer then return true end
+  budget.total = budget.total + size
+  budget.member = budget.member + size
+  return false
+end
+local function give_back(index, trimmed)
+  local k = tonumber(index)
+  if k == 0 or trimmed <= 0 then return end
+  local budget = budget_of(k)
+  local back = math.min(trimmed, budget.member)
+  budget.member = budget.member - back
+  budget.total = budget.total - back
+end
 local log = {d = KEYS[2], u = KEYS[3]}
 local tails = {d = m[1], u = m[3] or '0'}
 local tail = {d = tonumber(tails.d), u = tonumber(tails.u)}
@@ -14,7 +43,7 @@ local cur = m[5] or ''
 local acc = m[6] or ''
 local party = {d = ARGV[3], u = m[8]}
 local left = {d = 0, u = 0}
-for i = 5, #ARGV, 9 do
+for i = 7, #ARGV, 9 do
   local dir = ARGV[i]
   left[dir] = left[dir] + 1
 end
@@ -27,7 +56,7 @@ local moved = {}
 local term_ms = nil
 local out = {}
 local n = 0
-for b = 4, #ARGV - 1, 9 do
+for b = 6, #ARGV - 1, 9 do
   local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local seq = tonumber(seqs)
   local t = tail[dir]
@@ -51,7 +80,9 @@ for b = 4, #ARGV - 1, 9 do
     code, value = 'T', cur
   elseif held + #frame > maxbytes then
     code, value = 'B', 'd'
-  elseif ARGV[b + 9] ~= '1' then
+  elseif not fused and ARGV[b + 9] ~= '1' then
+    code, value = 'B', 'p'
+  elseif fused and over_peer(ARGV[b + 9], #frame) then
     code, value = 'B', 'p'
   else
     if dir == 'u' and acc == '' then acc = origin end
@@ -95,6 +126,7 @@ for b = 4, #ARGV - 1, 9 do
     end
     redis.call('XADD', log[dir], seqs, 'f', frame)
     held = held + size - trimmed
+    if fused then give_back(ARGV[b + 9], trimmed) end
     added[dir] = added[dir] + size - trimmed
     if ARGV[b + 7] ~= '' then redis.call('PUBLISH', ARGV[b + 7], 'W' .. frame) end
     if cur == '' and term ~= '' then
@@ -135,6 +167,19 @@ if term_ms then
   fields[#fields + 1] = term_ms
 end
 if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
+for k, budget in pairs(budgets) do
+  local key = KEYS[3 + k]
+  if budget.member > 0 then
+    redis.call('HSET', key, ARGV[6], string.format('%.0f', budget.member))
+  else
+    redis.call('HDEL', key, ARGV[6])
+  end
+  if budget.total > 0 then
+    redis.call('HSET', key, 'total', string.format('%.0f', budget.total))
+  else
+    redis.call('DEL', key)
+  end
+end
 for dir, key in pairs(log) do
   if len[dir] then
     if head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
