@@ -40,8 +40,11 @@
 //!
 //! # Batches and failures
 //!
-//! `append` sends the whole batch as one pipeline of `EVALSHA`s, one round
-//! trip (plus one for the indexes when an entry set a terminal). If Redis
+//! `append` sends the whole batch as one pipeline of `EVALSHA`s, one per
+//! delegation in the batch (a run of one delegation's entries is one script
+//! call: its meta hash is read and written once, its logs trimmed once), one
+//! round trip after the peer budget's (plus one for the indexes when an
+//! entry set a terminal). If Redis
 //! refuses a script (out of memory under `noeviction`, say) or the connection
 //! fails mid-batch, the call returns [`StoreError::Unavailable`] although some
 //! entries may be durable; resending is safe: a peer's entries then come back
@@ -105,6 +108,7 @@ mod url;
 
 pub use self::url::{RedactedUrl, describe_store_url};
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -121,8 +125,8 @@ use self::keys::{
     parse_key, peer_bytes_key, peer_open_key, peer_set_key,
 };
 use self::replies::{
-    Finished, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append, parse_meta,
-    parse_read, reply_array, str_of, u64_of,
+    Finished, GroupReply, bytes_of, corrupt, excerpt, first_error, hash_fields, parse_append,
+    parse_meta, parse_read, reply_array, split_append, str_of, u64_of,
 };
 use self::scripts::{Scripts, evalsha};
 use self::url::{RedactedUrls, cluster_seed_urls, is_cluster_url, redact_url};
@@ -522,13 +526,24 @@ impl RedisStore {
         if peers.is_empty() {
             return Ok(charges);
         }
+        // One pair per delegation: a batch's entries of one delegation are
+        // charged together (the script adds each pair to its member).
         let command = |peer: &PeerId, entries: &[usize]| {
             let mut cmd = evalsha(&self.scripts.charge, &[&peer_bytes_key(peer)]);
             cmd.arg(self.retention.max_peer_bytes);
-            for &i in entries {
-                if let Some(req) = reqs.get(i) {
-                    cmd.arg(req.key.to_string()).arg(req.frame.len());
+            let mut pairs: Vec<(&DelegationKey, usize)> = Vec::new();
+            let mut index: HashMap<&DelegationKey, usize> = HashMap::new();
+            for req in entries.iter().filter_map(|&i| reqs.get(i)) {
+                match index.get(&req.key).and_then(|&p| pairs.get_mut(p)) {
+                    Some((_, bytes)) => *bytes += req.frame.len(),
+                    None => {
+                        index.insert(&req.key, pairs.len());
+                        pairs.push((&req.key, req.frame.len()));
+                    }
                 }
+            }
+            for (key, bytes) in pairs {
+                cmd.arg(key.to_string()).arg(bytes);
             }
             cmd
         };
@@ -667,6 +682,30 @@ enum Charge {
     Skipped,
 }
 
+/// Most entries one `append` script call takes: a longer run of one
+/// delegation's entries is split into calls of this many, in order, so one
+/// call never holds Redis for long.
+const MAX_ENTRIES_PER_APPEND_CALL: usize = 256;
+
+/// The entries of an append batch grouped by delegation, each group in the
+/// batch's order and at most [`MAX_ENTRIES_PER_APPEND_CALL`] long: one
+/// `append` script call each. Groups come in the order of their first entry;
+/// nothing depends on the order across delegations.
+fn append_groups(reqs: &[AppendRequest]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut open: HashMap<&DelegationKey, usize> = HashMap::new();
+    for (i, req) in reqs.iter().enumerate() {
+        match open.get(&req.key).and_then(|&g| groups.get_mut(g)) {
+            Some(group) if group.len() < MAX_ENTRIES_PER_APPEND_CALL => group.push(i),
+            _ => {
+                open.insert(&req.key, groups.len());
+                groups.push(vec![i]);
+            }
+        }
+    }
+    groups
+}
+
 /// A delay in whole milliseconds, as the cluster client's retry settings take it.
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -721,78 +760,152 @@ impl EventStore for RedisStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let charges = self.charge(&reqs).await?;
+        // On a single server the append script charges the peer budgets
+        // itself (their hashes are among its keys), so a batch is one round
+        // trip and batches reach Redis in the order they were sent. A
+        // cluster keeps each budget in its own slot: it is charged first
+        // (`charge`) and given back after (`uncharge`).
+        let fused = !self.is_cluster();
+        let charges = if fused {
+            vec![Charge::Exempt; reqs.len()]
+        } else {
+            self.charge(&reqs).await?
+        };
+        let groups = append_groups(&reqs);
         let mut pipe = pipeline();
-        for (req, charge) in reqs.iter().zip(&charges) {
-            let keys = DelegationKeys::new(&req.key);
-            let (log, other) = keys.logs(req.dir);
-            let mut cmd = evalsha(&self.scripts.append, &[&keys.meta, log, other]);
-            cmd.arg(match req.dir {
-                Direction::Down => "d",
-                Direction::Up => "u",
-            })
-            .arg(req.seq);
-            let sender = match &req.origin {
-                Origin::Relay => {
-                    cmd.arg("r");
-                    ""
-                }
-                Origin::Peer { peer, instance } => {
-                    cmd.arg(instance.to_hex());
-                    peer.as_str()
-                }
+        for group in &groups {
+            let Some(first) = group.first().and_then(|&i| reqs.get(i)) else {
+                continue;
             };
-            cmd.arg(req.terminal.map_or("", Outcome::name))
-                .arg(req.frame.as_ref())
-                .arg(req.now_ms)
-                .arg(self.maxlen)
+            let keys = DelegationKeys::new(&first.key);
+            // Fused: the budget hashes of the group's senders follow the
+            // delegation's keys, and each entry names its sender's (1-based;
+            // 0 for the relay's entries).
+            let mut budget_keys: Vec<(&PeerId, String)> = Vec::new();
+            if fused {
+                for req in group.iter().filter_map(|&i| reqs.get(i)) {
+                    if let Origin::Peer { peer, .. } = &req.origin
+                        && !budget_keys.iter().any(|(p, _)| *p == peer)
+                    {
+                        budget_keys.push((peer, peer_bytes_key(peer)));
+                    }
+                }
+            }
+            let mut key_names: Vec<&str> = vec![&keys.meta, &keys.down, &keys.up];
+            key_names.extend(budget_keys.iter().map(|(_, k)| k.as_str()));
+            let mut cmd = evalsha(&self.scripts.append, &key_names);
+            cmd.arg(self.maxlen)
                 .arg(self.ttl_ms)
-                .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
-                .arg(sender)
-                .arg(req.key.caller.as_str())
+                .arg(first.key.caller.as_str())
                 .arg(self.retention.max_delegation_bytes)
-                .arg(if *charge == Charge::Refused { "0" } else { "1" });
+                .arg(self.retention.max_peer_bytes)
+                .arg(first.key.to_string());
+            for &i in group {
+                let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
+                    continue;
+                };
+                cmd.arg(match req.dir {
+                    Direction::Down => "d",
+                    Direction::Up => "u",
+                })
+                .arg(req.seq);
+                let sender = match &req.origin {
+                    Origin::Relay => {
+                        cmd.arg("r");
+                        None
+                    }
+                    Origin::Peer { peer, instance } => {
+                        cmd.arg(instance.to_hex());
+                        Some(peer)
+                    }
+                };
+                cmd.arg(req.terminal.map_or("", Outcome::name))
+                    .arg(req.frame.as_ref())
+                    .arg(req.now_ms)
+                    .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
+                    .arg(sender.map_or("", |p| p.as_str()));
+                if fused {
+                    let index = sender
+                        .and_then(|p| budget_keys.iter().position(|(b, _)| *b == p))
+                        .map_or(0, |at| at + 1);
+                    cmd.arg(index);
+                } else {
+                    cmd.arg(if *charge == Charge::Refused { "0" } else { "1" });
+                }
+            }
             pipe.add_command(cmd);
         }
-        let mut replies = if pipe.is_empty() {
+        let group_replies = if pipe.is_empty() {
             Vec::new()
         } else {
             self.eval_batch_each(&self.scripts.append, pipe, false, "append")
                 .await?
+        };
+        // Each entry's reply, in the order of `reqs`: its group's reply and
+        // its place there; `None` where its group's shard did not answer.
+        let mut split: Vec<GroupReply> = Vec::with_capacity(groups.len());
+        let mut place: Vec<Option<(usize, usize)>> = vec![None; reqs.len()];
+        for (group, reply) in groups.iter().zip(group_replies) {
+            let Ok(reply) = reply else { continue };
+            let g = split.len();
+            split.push(split_append(reply, group.len())?);
+            for (j, &i) in group.iter().enumerate() {
+                if let Some(slot) = place.get_mut(i) {
+                    *slot = Some((g, j));
+                }
+            }
         }
-        .into_iter();
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut finished = Vec::new();
         let mut give_back = Vec::new();
-        for (req, charge) in reqs.iter().zip(charges) {
-            let Some(Ok(reply)) = replies.next() else {
+        for ((req, charge), at) in reqs.iter().zip(charges).zip(place) {
+            let Some((group, (code, value))) = at.and_then(|(g, j)| {
+                let group = split.get(g)?;
+                Some((group, group.entries.get(j)?))
+            }) else {
                 // Its shard did not answer; the others went on. A charge
                 // taken for it stays until its delegation is dropped (the
                 // entry may be stored).
                 outcomes.push(AppendOutcome::Unavailable);
                 continue;
             };
-            let (outcome, fin, trimmed) = parse_append(req, reply)?;
+            let (outcome, fin, trimmed) = parse_append(req, code, value, group)?;
             if charge == Charge::Charged {
                 match outcome {
                     AppendOutcome::Appended { .. } if trimmed > 0 => {
-                        give_back.push((req, Some(trimmed)));
+                        give_back.push((req, trimmed));
                     }
                     AppendOutcome::Appended { .. } => {}
-                    _ => give_back.push((req, Some(req.frame.len() as u64))),
+                    _ => give_back.push((req, req.frame.len() as u64)),
                 }
             }
             outcomes.push(outcome);
             finished.extend(fin);
         }
         if !give_back.is_empty() {
+            // One give-back per peer and delegation: a run of entries at the
+            // log's cap each trims one, and their bytes go back together.
+            let mut totals: Vec<(&PeerId, &DelegationKey, u64)> = Vec::new();
+            let mut index: HashMap<(&PeerId, &DelegationKey), usize> = HashMap::new();
+            for (req, bytes) in &give_back {
+                let Origin::Peer { peer, .. } = &req.origin else {
+                    continue;
+                };
+                match index
+                    .get(&(peer, &req.key))
+                    .and_then(|&t| totals.get_mut(t))
+                {
+                    Some((_, _, total)) => *total += bytes,
+                    None => {
+                        index.insert((peer, &req.key), totals.len());
+                        totals.push((peer, &req.key, *bytes));
+                    }
+                }
+            }
             self.uncharge(
-                give_back
-                    .iter()
-                    .filter_map(|(req, bytes)| match &req.origin {
-                        Origin::Peer { peer, .. } => Some((peer, &req.key, *bytes)),
-                        Origin::Relay => None,
-                    }),
+                totals
+                    .into_iter()
+                    .map(|(peer, key, bytes)| (peer, key, Some(bytes))),
             )
             .await;
         }

@@ -168,29 +168,70 @@ pub(super) struct Finished {
     pub(super) callee: PeerId,
 }
 
-/// Parses one `append` script reply: the outcome, the index work if it set
-/// the terminal, and the bytes the log's trim dropped.
+/// One `append` script call's reply, split per entry: each entry's code
+/// and value, and the delegation's deadline and callee (what a terminal's
+/// index entry needs). A delegation the store does not know gives every
+/// entry the code `U`.
+pub(super) struct GroupReply {
+    pub(super) entries: Vec<(Value, Value)>,
+    deadline: Value,
+    callee: Value,
+}
+
+/// Splits an `append` script reply (`{'U'}`, or a code and a value per
+/// entry followed by the deadline and the callee) for a call of `entries`
+/// entries.
+pub(super) fn split_append(v: Value, entries: usize) -> Result<GroupReply, StoreError> {
+    let mut items = reply_array(v, "append")?;
+    if items.len() == 1 && items.first().and_then(str_of) == Some("U") {
+        return Ok(GroupReply {
+            entries: (0..entries)
+                .map(|_| (Value::SimpleString("U".into()), Value::Nil))
+                .collect(),
+            deadline: Value::Nil,
+            callee: Value::Nil,
+        });
+    }
+    if items.len() != 2 * entries + 2 {
+        return Err(corrupt(format!(
+            "append: a reply of {} items for {entries} entries",
+            items.len()
+        )));
+    }
+    let callee = items.pop().unwrap_or(Value::Nil);
+    let deadline = items.pop().unwrap_or(Value::Nil);
+    let mut it = items.into_iter();
+    let mut pairs = Vec::with_capacity(entries);
+    while let (Some(code), Some(value)) = (it.next(), it.next()) {
+        pairs.push((code, value));
+    }
+    Ok(GroupReply {
+        entries: pairs,
+        deadline,
+        callee,
+    })
+}
+
+/// One entry of an `append` reply: the outcome, the index work if it set
+/// the terminal, and the bytes its log's trim dropped because of it.
 pub(super) fn parse_append(
     req: &AppendRequest,
-    v: Value,
+    code: &Value,
+    value: &Value,
+    group: &GroupReply,
 ) -> Result<(AppendOutcome, Option<Finished>, u64), StoreError> {
-    let items = reply_array(v, "append")?;
-    let code = items.first().and_then(str_of);
-    let num = |i: usize| -> Result<u64, StoreError> {
-        items
-            .get(i)
-            .and_then(u64_of)
-            .ok_or_else(|| corrupt(format!("append reply {code:?} lacks a number")))
+    let code = str_of(code);
+    let num = || -> Result<u64, StoreError> {
+        u64_of(value).ok_or_else(|| corrupt(format!("append reply {code:?} lacks a number")))
     };
     let outcome = match code {
         Some("A") => {
-            return Ok((AppendOutcome::Appended { seq: req.seq }, None, num(1)?));
+            return Ok((AppendOutcome::Appended { seq: req.seq }, None, num()?));
         }
         Some("F") => {
-            let deadline_ms = num(1)?;
-            let callee = items
-                .get(2)
-                .and_then(str_of)
+            let deadline_ms = u64_of(&group.deadline)
+                .ok_or_else(|| corrupt(format!("delegation {}: bad deadline", req.key)))?;
+            let callee = str_of(&group.callee)
                 .and_then(|s| PeerId::new(s).ok())
                 .ok_or_else(|| corrupt(format!("delegation {}: bad callee", req.key)))?;
             let finished = Finished {
@@ -202,21 +243,21 @@ pub(super) fn parse_append(
             return Ok((
                 AppendOutcome::Appended { seq: req.seq },
                 Some(finished),
-                num(3)?,
+                num()?,
             ));
         }
-        Some("D") => AppendOutcome::Duplicate { tail: num(1)? },
-        Some("H") => AppendOutcome::Hole { tail: num(1)? },
-        Some("C") => AppendOutcome::Conflict { tail: num(1)? },
+        Some("D") => AppendOutcome::Duplicate { tail: num()? },
+        Some("H") => AppendOutcome::Hole { tail: num()? },
+        Some("C") => AppendOutcome::Conflict { tail: num()? },
         Some("T") => AppendOutcome::AlreadyTerminal {
             // An empty name: the slot holds a relay entry and no terminal was
             // recorded, which the memory store also reports as `unknown`.
-            outcome: parse_terminal(items.get(1))?.unwrap_or(Outcome::Unknown),
+            outcome: parse_terminal(Some(value))?.unwrap_or(Outcome::Unknown),
         },
         Some("U") => AppendOutcome::Unknown,
         Some("P") => AppendOutcome::NotParty,
         Some("B") => AppendOutcome::OverBudget {
-            budget: match items.get(1).and_then(str_of) {
+            budget: match str_of(value) {
                 Some("d") => Budget::Delegation,
                 Some("p") => Budget::Peer,
                 other => return Err(corrupt(format!("append: unknown budget {other:?}"))),

@@ -23,27 +23,39 @@ use crate::store::StoreError;
 /// `{'E', <HGETALL>}`.
 const OPEN_LUA: &str = include_str!("lua/open.lua");
 
-/// `append` (one entry): KEYS meta, this log, the other log; ARGV dir
-/// (`d`|`u`), seq, origin (`r` for the relay, else the instance hex),
-/// terminal (outcome name or empty), frame, now, maxlen, ttl, wake channel
-/// (or empty: when set, an appended entry is also published there as
-/// `W<frame>`, atomically with the append, so a wake-up is never lost
-/// between the two), sender peer, the delegation's caller,
-/// `max_delegation_bytes`, `1` if the sender's bytes were charged to its
-/// peer budget (`charge`) or `0` if that budget refused them.
+/// `append` (a batch of one delegation's entries, in order): KEYS meta,
+/// down log, up log, then on a single server the byte budget hash of each
+/// sender among the entries; ARGV maxlen, ttl, the delegation's caller,
+/// `max_delegation_bytes`, `max_peer_bytes`, the delegation's budget member
+/// (`<caller>#<rid>`), then nine per entry: dir (`d`|`u`), seq, origin (`r`
+/// for the relay, else the instance hex), terminal (outcome name or empty),
+/// frame, now, wake channel (or empty: when set, an appended entry is also
+/// published there as `W<frame>`, atomically with the append, so a wake-up
+/// is never lost between the two), sender peer, and the budget: with budget
+/// keys, the 1-based index of the sender's among them (`0` for the relay's
+/// entries), which the script charges and gives trimmed bytes back to
+/// itself, as the `charge` and `uncharge` scripts do; without (a cluster,
+/// where a budget lives in another slot), `1` if the sender's bytes were
+/// charged by `charge` before or `0` if that budget refused them.
 ///
-/// A peer's entry is refused `{'P'}` unless the sender is the caller (down)
-/// or the meta's callee (up); then the sequence checks; then `{'B', 'd'}`
-/// if the two logs' held bytes (`db` + `ub`) plus the frame pass
-/// `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
+/// Each entry is judged as if it were appended alone after the ones before
+/// it: a peer's entry is refused `{'P'}` unless the sender is the caller
+/// (down) or the meta's callee (up); then the sequence checks; then
+/// `{'B', 'd'}` if the two logs' held bytes (`db` + `ub`) plus the frame
+/// pass `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
 /// Every append adds the frame to its log's held bytes and takes off what
-/// `MAXLEN` trimmed.
+/// the log's `MAXLEN` trims because of it. The meta hash is read once and
+/// written once, each log is trimmed once (exact `MAXLEN`, the same entries
+/// as one trim per append would drop) and `XLEN`/`XRANGE` run only for a log
+/// that gets an entry, `XRANGE` only when that log reaches its cap.
 ///
-/// Returns `{'A', trimmed}` appended, `{'F', deadline, callee, trimmed}`
-/// appended and it set the terminal (`trimmed`: bytes the trim dropped from
-/// this log), `{'D', sender_tail}`, `{'H', tail}`, `{'C', tail}`,
-/// `{'T', outcome or ''}` (already terminal), `{'P'}`, `{'B', 'd'|'p'}` or
-/// `{'U'}` (unknown).
+/// Returns `{'U'}` when the delegation is unknown, else a code and a value
+/// per entry, then the delegation's deadline and callee (for the index
+/// entry of a terminal): `A, trimmed` appended, `F, trimmed` appended and it
+/// set the terminal (`trimmed`: bytes the trim dropped from this log because
+/// of this entry, an integer), `D, sender_tail`, `H, tail`, `C, tail`,
+/// `T, outcome or ''` (already terminal), `P, ''` or `B, 'd'|'p'`. The
+/// stream id of an entry is its sequence (`<seq>-0`).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
 
 /// `charge`: KEYS the peer's byte budget hash; ARGV `max_peer_bytes`, then
@@ -200,7 +212,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "6cdd28957c47136d3bbcda77b2541bcd4975af29",
+                "f9fbe07ff2db429a25a9758f9789f08d78eb798a",
             ),
             (
                 "charge",

@@ -1,55 +1,203 @@
 
-local m = redis.call('HMGET', KEYS[1], ARGV[1]..'t', ARGV[1]..'s', 'term', 'acc', 'dl', 'callee', 'db', 'ub')
+local m = redis.call('HMGET', KEYS[1], 'dt', 'ds', 'ut', 'us', 'term', 'acc', 'dl', 'callee', 'db', 'ub')
 if not m[1] then return {'U'} end
-local seq = tonumber(ARGV[2])
-local tail = tonumber(m[1])
-local cur = m[3] or ''
-local term = ARGV[4]
-if ARGV[3] == 'r' then
-  if seq ~= tail + 1 then return {'C', m[1]} end
-  if term ~= '' and cur ~= '' then return {'T', cur} end
-  redis.call('HSET', KEYS[1], ARGV[1]..'t', ARGV[2])
-else
-  local party = ARGV[11]
-  if ARGV[1] == 'u' then party = m[6] end
-  if ARGV[10] ~= party then return {'P'} end
-  if seq <= tail then
-    if seq <= tonumber(m[2] or '0') then return {'D', m[2] or '0'} end
-    return {'T', cur}
+local maxlen = tonumber(ARGV[1])
+local maxbytes = tonumber(ARGV[4])
+local maxpeer = tonumber(ARGV[5])
+local fused = #KEYS > 3
+local budgets = {}
+local function budget_of(k)
+  local budget = budgets[k]
+  if not budget then
+    local key = KEYS[3 + k]
+    local v = redis.call('HMGET', key, 'total', ARGV[6])
+    budget = {total = tonumber(v[1] or '0'), member = tonumber(v[2] or '0')}
+    budgets[k] = budget
   end
-  if seq > tail + 1 then return {'H', m[1]} end
-  if cur ~= '' then return {'T', cur} end
-  if tonumber(m[7] or '0') + tonumber(m[8] or '0') + #ARGV[5] > tonumber(ARGV[12]) then
-    return {'B', 'd'}
-  end
-  if ARGV[13] ~= '1' then return {'B', 'p'} end
-  if ARGV[1] == 'u' and (m[4] or '') == '' then
-    redis.call('HSET', KEYS[1], 'ut', ARGV[2], 'us', ARGV[2], 'acc', ARGV[3])
+  return budget
+end
+local function over_peer(index, size)
+  local k = tonumber(index)
+  if k == 0 then return false end
+  local budget = budget_of(k)
+  if budget.total + size > maxpeer then return true end
+  budget.total = budget.total + size
+  budget.member = budget.member + size
+  return false
+end
+local function give_back(index, trimmed)
+  local k = tonumber(index)
+  if k == 0 or trimmed <= 0 then return end
+  local budget = budget_of(k)
+  local back = math.min(trimmed, budget.member)
+  budget.member = budget.member - back
+  budget.total = budget.total - back
+end
+local log = {d = KEYS[2], u = KEYS[3]}
+local tails = {d = m[1], u = m[3] or '0'}
+local tail = {d = tonumber(tails.d), u = tonumber(tails.u)}
+local sents = {d = m[2] or '0', u = m[4] or '0'}
+local sent = {d = tonumber(sents.d), u = tonumber(sents.u)}
+local held = tonumber(m[9] or '0') + tonumber(m[10] or '0')
+local cur = m[5] or ''
+local acc = m[6] or ''
+local party = {d = ARGV[3], u = m[8]}
+local left = {d = 0, u = 0}
+for i = 7, #ARGV, 9 do
+  local dir = ARGV[i]
+  left[dir] = left[dir] + 1
+end
+local added = {d = 0, u = 0}
+local len = {}
+local queue = {}
+local head = {}
+local qlen = {}
+local moved = {}
+local term_ms = nil
+local out = {}
+local n = 0
+for b = 6, #ARGV - 1, 9 do
+  local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  local seq = tonumber(seqs)
+  local t = tail[dir]
+  local code, value = nil, ''
+  if origin == 'r' then
+    if seq ~= t + 1 then
+      code, value = 'C', tails[dir]
+    elseif term ~= '' and cur ~= '' then
+      code, value = 'T', cur
+    else
+      tail[dir], tails[dir] = seq, seqs
+      moved[dir] = true
+    end
+  elseif ARGV[b + 8] ~= party[dir] then
+    code = 'P'
+  elseif seq <= t then
+    if seq <= sent[dir] then code, value = 'D', sents[dir] else code, value = 'T', cur end
+  elseif seq > t + 1 then
+    code, value = 'H', tails[dir]
+  elseif cur ~= '' then
+    code, value = 'T', cur
+  elseif held + #frame > maxbytes then
+    code, value = 'B', 'd'
+  elseif not fused and ARGV[b + 9] ~= '1' then
+    code, value = 'B', 'p'
+  elseif fused and over_peer(ARGV[b + 9], #frame) then
+    code, value = 'B', 'p'
   else
-    redis.call('HSET', KEYS[1], ARGV[1]..'t', ARGV[2], ARGV[1]..'s', ARGV[2])
+    if dir == 'u' and acc == '' then acc = origin end
+    tail[dir], tails[dir] = seq, seqs
+    sent[dir], sents[dir] = seq, seqs
+    moved[dir] = true
+  end
+  if code == nil then
+    local size = #frame
+    local l = len[dir]
+    if not l then
+      l = redis.call('XLEN', log[dir])
+      queue[dir] = {}
+      head[dir] = 1
+      qlen[dir] = 0
+      local over = math.min(l, l + left[dir] - maxlen)
+      if over > 0 then
+        local q, k = queue[dir], 0
+        for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', over)) do
+          k = k + 1
+          q[k] = #e[2][2]
+        end
+        qlen[dir] = k
+      end
+    end
+    local q = queue[dir]
+    qlen[dir] = qlen[dir] + 1
+    q[qlen[dir]] = size
+    local trimmed = 0
+    if l + 1 > maxlen then
+      local h = head[dir]
+      for _ = 1, l + 1 - maxlen do
+        trimmed = trimmed + (q[h] or 0)
+        q[h] = nil
+        h = h + 1
+      end
+      head[dir] = h
+      len[dir] = maxlen
+    else
+      len[dir] = l + 1
+    end
+    redis.call('XADD', log[dir], seqs, 'f', frame)
+    held = held + size - trimmed
+    if fused then give_back(ARGV[b + 9], trimmed) end
+    added[dir] = added[dir] + size - trimmed
+    if ARGV[b + 7] ~= '' then redis.call('PUBLISH', ARGV[b + 7], 'W' .. frame) end
+    if cur == '' and term ~= '' then
+      cur = term
+      term_ms = ARGV[b + 6]
+      code = 'F'
+    else
+      code = 'A'
+    end
+    value = trimmed
+  end
+  left[dir] = left[dir] - 1
+  out[n + 1] = code
+  out[n + 2] = value
+  n = n + 2
+end
+local fields = {}
+if moved.d then
+  fields[#fields + 1] = 'dt'
+  fields[#fields + 1] = tails.d
+  fields[#fields + 1] = 'ds'
+  fields[#fields + 1] = sents.d
+end
+if moved.u then
+  fields[#fields + 1] = 'ut'
+  fields[#fields + 1] = tails.u
+  fields[#fields + 1] = 'us'
+  fields[#fields + 1] = sents.u
+end
+if acc ~= (m[6] or '') then
+  fields[#fields + 1] = 'acc'
+  fields[#fields + 1] = acc
+end
+if term_ms then
+  fields[#fields + 1] = 'term'
+  fields[#fields + 1] = cur
+  fields[#fields + 1] = 'tms'
+  fields[#fields + 1] = term_ms
+end
+if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
+for k, budget in pairs(budgets) do
+  local key = KEYS[3 + k]
+  if budget.member > 0 then
+    redis.call('HSET', key, ARGV[6], string.format('%.0f', budget.member))
+  else
+    redis.call('HDEL', key, ARGV[6])
+  end
+  if budget.total > 0 then
+    redis.call('HSET', key, 'total', string.format('%.0f', budget.total))
+  else
+    redis.call('DEL', key)
   end
 end
-local trimmed = 0
-local over = redis.call('XLEN', KEYS[2]) + 1 - tonumber(ARGV[7])
-if over > 0 then
-  for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', over)) do
-    trimmed = trimmed + #e[2][2]
+for dir, key in pairs(log) do
+  if len[dir] then
+    if head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
+    redis.call('HINCRBY', KEYS[1], dir .. 'b', string.format('%.0f', added[dir]))
   end
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[7], ARGV[2]..'-0', 'f', ARGV[5])
-redis.call('HINCRBY', KEYS[1], ARGV[1]..'b', string.format('%.0f', #ARGV[5] - trimmed))
-trimmed = string.format('%.0f', trimmed)
-if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], 'W' .. ARGV[5]) end
-if cur ~= '' then
+if term_ms then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+elseif cur ~= '' and (len.d or len.u) then
   local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
-  return {'A', trimmed}
+  if ttl > 0 then
+    for dir, key in pairs(log) do
+      if len[dir] then redis.call('PEXPIRE', key, ttl) end
+    end
+  end
 end
-if term ~= '' then
-  redis.call('HSET', KEYS[1], 'term', term, 'tms', ARGV[6])
-  redis.call('PEXPIRE', KEYS[1], ARGV[8])
-  redis.call('PEXPIRE', KEYS[2], ARGV[8])
-  redis.call('PEXPIRE', KEYS[3], ARGV[8])
-  return {'F', m[5] or '', m[6] or '', trimmed}
-end
-return {'A', trimmed}
+out[n + 1] = m[7] or ''
+out[n + 2] = m[8] or ''
+return out
