@@ -64,6 +64,7 @@ mod views;
 mod wakeups;
 
 use caps::OpenCounts;
+pub use caps::InFlightOpens;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
 pub use views::{DelegationView, ViewRef};
