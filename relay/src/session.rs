@@ -1206,9 +1206,12 @@ impl<S: EventStore> Session<S> {
                     let (hub, digest) = (self.hub.clone(), open.digest);
                     let key = key.clone();
                     Box::pin(async move {
-                        let stored = Some(hub.store.meta(&key).await.map(|m| {
-                            m.map(|m| m.digest == digest)
-                        }));
+                        let stored = Some(
+                            hub.store
+                                .meta(&key)
+                                .await
+                                .map(|m| m.map(|m| m.digest == digest)),
+                        );
                         OpenStep::Refused { refusal, stored }
                     })
                 }

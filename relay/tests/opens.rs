@@ -150,7 +150,12 @@ async fn many_opens<S: EventStore>(store: Arc<S>) {
         .collect();
     assert_eq!(of_caller, want);
     // Every one is on the deadline index: due once its deadline passed.
-    let due: BTreeSet<DelegationKey> = store.due(u64::MAX, 1_000).await.unwrap().into_iter().collect();
+    let due: BTreeSet<DelegationKey> = store
+        .due(u64::MAX, 1_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
     assert_eq!(due, want);
     // The session goes on: a down frame on a delegation opened in the run.
     a.send(&data("p00", Direction::Down, 2, None, payload(2)))

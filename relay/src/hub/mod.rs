@@ -63,8 +63,8 @@ mod test_support;
 mod views;
 mod wakeups;
 
-use caps::OpenCounts;
 pub use caps::InFlightOpens;
+use caps::OpenCounts;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
 pub use views::{DelegationView, ViewRef};
