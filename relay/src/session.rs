@@ -435,6 +435,10 @@ enum Checked {
 }
 
 /// One open of a run, once its store call came back.
+// Not boxed: each lives from its store call to its answer only, at most one
+// run (`MAX_BATCH` opens) of them per session at a time, in the future of
+// the call itself.
+#[allow(clippy::large_enum_variant)]
 enum OpenStep {
     /// Refused by a check; `stored`: whether the store holds the
     /// delegation with the same digest (`None`: not asked).
