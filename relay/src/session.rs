@@ -51,7 +51,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsClos
 use tracing::{Instrument as _, debug, info, warn};
 
 use crate::admission::{HandshakePermit, PRE_AUTH_READ_BYTES, PreAuthLimit};
-use crate::hub::{DelegationView, Hub, SessionRef, Subscribed, ViewRef};
+use crate::hub::{DelegationView, Hub, InFlightOpens, SessionRef, Subscribed, ViewRef};
 use crate::outbox::{Inbox, outbox_with_control};
 use crate::refusal::Refusal;
 use crate::store::{AppendOutcome, AppendRequest, EventStore, OpenOutcome, OpenRequest, Origin};
@@ -423,6 +423,40 @@ struct Pending {
     req: AppendRequest,
     received: Instant,
 }
+
+/// What [`Session::check_open`] made of an open.
+enum Checked {
+    /// Refused whatever the store holds.
+    Refused(Refusal),
+    /// Refused, unless the store already holds this delegation (an
+    /// idempotent retry, answered from the store).
+    Unless(Refusal),
+    /// To be opened in the store.
+    Passed(OpenRequest),
+}
+
+/// One open of a run, once its store call came back.
+// Not boxed: each lives from its store call to its answer only, at most one
+// run (`MAX_BATCH` opens) of them per session at a time, in the future of
+// the call itself.
+#[allow(clippy::large_enum_variant)]
+enum OpenStep {
+    /// Refused by a check; `stored`: whether the store holds the
+    /// delegation with the same digest (`None`: not asked).
+    Refused {
+        refusal: Refusal,
+        stored: Option<Result<Option<bool>, crate::store::StoreError>>,
+    },
+    /// Opened in the store (`res`), with the frame stored.
+    Stored {
+        frame: Bytes,
+        started: Instant,
+        res: Result<OpenOutcome, crate::store::StoreError>,
+    },
+}
+
+/// The store call of one open of a run.
+type OpenCall = Pin<Box<dyn Future<Output = OpenStep> + Send>>;
 
 /// What the store answers for one append batch.
 type AppendResult = Result<Vec<AppendOutcome>, crate::store::StoreError>;
@@ -898,8 +932,32 @@ impl<S: EventStore> Session<S> {
     }
 
     async fn process(&mut self, batch: Vec<(Bytes, Frame)>) {
-        for frame in batch {
-            self.handle(frame).await;
+        let mut frames = batch.into_iter().peekable();
+        while let Some((raw, frame)) = frames.next() {
+            let Frame::Open(open) = frame else {
+                self.handle((raw, frame)).await;
+                continue;
+            };
+            // A run of consecutive opens (of distinct delegations) is in
+            // flight at once; see `opens`.
+            let mut run = vec![(raw, open)];
+            while let Some((_, Frame::Open(next))) = frames.peek() {
+                if run.iter().any(|(_, o)| o.key == next.key) {
+                    break;
+                }
+                let Some((raw, Frame::Open(next))) = frames.next() else {
+                    break;
+                };
+                run.push((raw, next));
+            }
+            // Answered after every frame before them, as if no batch were
+            // in flight: the staged frames go to the store and every batch
+            // in flight is answered first.
+            self.flush();
+            Box::pin(self.settle()).await;
+            // Boxed: rare frames' state does not enlarge every session's
+            // task for its whole life.
+            Box::pin(self.opens(run)).await;
         }
         self.flush();
     }
@@ -936,7 +994,7 @@ impl<S: EventStore> Session<S> {
             Frame::Open(open) => {
                 self.flush();
                 Box::pin(self.settle()).await;
-                Box::pin(self.open(open, raw)).await;
+                Box::pin(self.opens(vec![(raw, open)])).await;
             }
             Frame::Resume(r) => {
                 self.flush();
@@ -1252,59 +1310,112 @@ impl<S: EventStore> Session<S> {
         }
     }
 
-    async fn open(&mut self, open: oab_wire::Open, raw: Bytes) {
-        let hub = self.hub.clone();
-        let key = open.key.clone();
-        // An open is refused about seq 1 of its down log.
-        let refuse = |s: &Self, refusal: Refusal| {
-            s.refuse(refusal, Some(&key), Direction::Down, 1);
-        };
+    /// Answers a run of opens (consecutive in one read batch, each of
+    /// another delegation; at most [`MAX_BATCH`]): each is checked in
+    /// order, then the store calls of those that passed run at once (on
+    /// the Redis store, pipelined on its connection), and the answers are
+    /// taken in the order of the opens: each open gets its own ack or
+    /// error, in order, and one refused or failed does not touch the
+    /// others. An open counts against the caps as soon as it passed its
+    /// check ([`InFlightOpens`]), so the run as a whole stays within them.
+    async fn opens(&mut self, run: Vec<(Bytes, oab_wire::Open)>) {
+        let mut keys = Vec::with_capacity(run.len());
+        let mut calls = futures_util::stream::FuturesOrdered::<OpenCall>::new();
+        let mut reserved: Vec<PeerId> = Vec::new();
+        for (raw, open) in run {
+            let key = open.key.clone();
+            let call: OpenCall = match self.check_open(&open, raw, &reserved) {
+                Checked::Refused(refusal) => Box::pin(std::future::ready(OpenStep::Refused {
+                    refusal,
+                    stored: None,
+                })),
+                Checked::Unless(refusal) => {
+                    // An idempotent retry is answered from the store before
+                    // any check that could have changed since the first
+                    // attempt (deadline, caps, route).
+                    let (hub, digest) = (self.hub.clone(), open.digest);
+                    let key = key.clone();
+                    Box::pin(async move {
+                        let stored = Some(
+                            hub.store
+                                .meta(&key)
+                                .await
+                                .map(|m| m.map(|m| m.digest == digest)),
+                        );
+                        OpenStep::Refused { refusal, stored }
+                    })
+                }
+                Checked::Passed(req) => {
+                    reserved.push(req.callee.clone());
+                    let hub = self.hub.clone();
+                    Box::pin(async move {
+                        let frame = req.frame.clone();
+                        let started = Instant::now();
+                        let res = hub.store.open(req).await;
+                        OpenStep::Stored {
+                            frame,
+                            started,
+                            res,
+                        }
+                    })
+                }
+            };
+            keys.push(key);
+            calls.push_back(call);
+        }
+        for key in keys {
+            let Some(step) = calls.next().await else {
+                break;
+            };
+            self.answer_open(key, step).await;
+        }
+    }
+
+    /// The checks of an open that need no store: whether it is refused
+    /// outright, refused unless the store already holds it, or passed (with
+    /// the store request, its frame stamped with the route's ceiling).
+    /// `reserved`: the targets of the opens of this run that passed before
+    /// it.
+    fn check_open(&self, open: &oab_wire::Open, raw: Bytes, reserved: &[PeerId]) -> Checked {
+        let hub = &self.hub;
         if open.key.caller != self.me.peer {
-            return refuse(self, Refusal::OpenForAnotherCaller);
+            return Checked::Refused(Refusal::OpenForAnotherCaller);
         }
-        // An idempotent retry is answered from the store before any check
-        // that could have changed since the first attempt (deadline, caps).
-        match hub.store.meta(&key).await {
-            Ok(Some(m)) if m.digest == open.digest => {
-                return self.reopened(key).await;
-            }
-            Ok(Some(_)) => return refuse(self, Refusal::IdempotencyMismatch),
-            Ok(None) => {}
-            Err(e) => {
-                warn!(error = %e, "store unavailable");
-                return refuse(self, Refusal::StoreUnavailable);
-            }
-        }
+        let unless = Checked::Unless;
         // The routes in force now: a route a reload removed refuses new
         // opens (its open delegations run on to their terminal).
         let live = hub.live();
         let Some(route) = live.directory.route(&self.me.peer, &open.target) else {
-            return refuse(self, Refusal::NoRoute);
+            return unless(Refusal::NoRoute);
         };
         if open.depth == 0 || open.depth > route.max_depth {
             let max_depth = route.max_depth;
-            return refuse(self, Refusal::DepthExceeded { max_depth });
+            return unless(Refusal::DepthExceeded { max_depth });
         }
         let now = oab_wire::identity::now_ms();
         if open.deadline_ms <= now || open.deadline_ms > now.saturating_add(route.max_deadline_ms) {
             let max_deadline_ms = route.max_deadline_ms;
-            return refuse(self, Refusal::InvalidDeadline { max_deadline_ms });
+            return unless(Refusal::InvalidDeadline { max_deadline_ms });
         }
         let max_payload = route.max_payload.unwrap_or(hub.config.limits.max_payload);
         if open.payload.len() > max_payload as usize {
-            return refuse(self, Refusal::PayloadTooLarge);
+            return unless(Refusal::PayloadTooLarge);
         }
         if Digest::of(&open.payload) != open.digest {
-            return refuse(self, Refusal::DigestMismatch);
+            return unless(Refusal::DigestMismatch);
         }
         if self.batch_limited {
             hub.metrics.rate_limited.with_label_values(&["peer"]).inc();
-            return refuse(self, Refusal::RateLimited);
+            return unless(Refusal::RateLimited);
         }
         let ceiling = route.ceiling.join(",");
-        let route_max = route.max_open;
-        if !hub.may_open(&self.me.peer, &open.target, route_max) {
-            return refuse(self, Refusal::TooManyDelegations);
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let beside = InFlightOpens {
+            caller: count(reserved.len()),
+            route: count(reserved.iter().filter(|t| **t == open.target).count()),
+        };
+        if !hub.may_open_beside(&self.me.peer, &open.target, route.max_open, beside) {
+            return unless(Refusal::TooManyDelegations);
         }
         let frame = if open.ceiling == ceiling {
             raw
@@ -1315,37 +1426,61 @@ impl<S: EventStore> Session<S> {
             });
             match encode(&stamped) {
                 Ok(b) => b,
-                Err(_) => return refuse(self, Refusal::CeilingNotStamped),
+                Err(_) => return unless(Refusal::CeilingNotStamped),
             }
         };
-        let req = OpenRequest {
-            key: key.clone(),
+        Checked::Passed(OpenRequest {
+            key: open.key.clone(),
             callee: open.target.clone(),
             deadline_ms: open.deadline_ms,
             digest: open.digest,
-            frame: frame.clone(),
+            frame,
             now_ms: now,
             wake: hub.open_wake(&open.target),
+        })
+    }
+
+    /// Answers one open of a run, once its store call came back.
+    async fn answer_open(&mut self, key: DelegationKey, step: OpenStep) {
+        let hub = self.hub.clone();
+        // An open is refused about seq 1 of its down log.
+        let refuse = |s: &Self, refusal: Refusal| {
+            s.refuse(refusal, Some(&key), Direction::Down, 1);
         };
-        let started = Instant::now();
-        let res = hub.store.open(req).await;
-        hub.observe_store("open", started, &res);
-        match res {
-            Ok(OpenOutcome::Created(meta)) => {
-                hub.created(&meta, &self.me, frame);
-                hub.metrics
-                    .ack_latency
-                    .observe(started.elapsed().as_secs_f64());
-                self.record_ack(key, Direction::Down, 1);
-            }
-            Ok(OpenOutcome::Existing(_)) => return self.reopened(key).await,
-            Ok(OpenOutcome::Mismatch(_)) => refuse(self, Refusal::IdempotencyMismatch),
-            Err(e) => {
-                warn!(error = %e, "open failed; nothing acknowledged");
-                refuse(self, Refusal::StoreUnavailable);
+        match step {
+            OpenStep::Refused { refusal, stored } => match stored {
+                None | Some(Ok(None)) => refuse(self, refusal),
+                Some(Ok(Some(true))) => self.reopened(key).await,
+                Some(Ok(Some(false))) => refuse(self, Refusal::IdempotencyMismatch),
+                Some(Err(e)) => {
+                    warn!(error = %e, "store unavailable");
+                    refuse(self, Refusal::StoreUnavailable);
+                }
+            },
+            OpenStep::Stored {
+                frame,
+                started,
+                res,
+            } => {
+                hub.observe_store("open", started, &res);
+                match res {
+                    Ok(OpenOutcome::Created(meta)) => {
+                        hub.created(&meta, &self.me, frame);
+                        hub.metrics
+                            .ack_latency
+                            .observe(started.elapsed().as_secs_f64());
+                        self.record_ack(key, Direction::Down, 1);
+                        self.send_acks();
+                    }
+                    Ok(OpenOutcome::Existing(_)) => self.reopened(key).await,
+                    Ok(OpenOutcome::Mismatch(_)) => refuse(self, Refusal::IdempotencyMismatch),
+                    Err(e) => {
+                        warn!(error = %e, "open failed; nothing acknowledged");
+                        refuse(self, Refusal::StoreUnavailable);
+                    }
+                }
             }
         }
-        self.send_acks();
     }
 
     /// Answers an open the store already had: acknowledged, and delivered to

@@ -65,13 +65,43 @@ impl<S: EventStore> Hub<S> {
 
     /// Whether a caller may open one more delegation on a route.
     pub fn may_open(&self, caller: &PeerId, callee: &PeerId, route_max: u32) -> bool {
+        self.may_open_beside(caller, callee, route_max, InFlightOpens::default())
+    }
+
+    /// Whether a caller may open one more delegation on a route beside
+    /// `in_flight`: opens of its session that passed this check and are
+    /// not counted yet (their store calls are still running).
+    pub fn may_open_beside(
+        &self,
+        caller: &PeerId,
+        callee: &PeerId,
+        route_max: u32,
+        in_flight: InFlightOpens,
+    ) -> bool {
         let c = self.open_counts.lock();
-        let per_caller = c.per_caller.get(caller).copied().unwrap_or(0);
+        let per_caller = c
+            .per_caller
+            .get(caller)
+            .copied()
+            .unwrap_or(0)
+            .saturating_add(in_flight.caller);
         let per_route = c
             .per_route
             .get(&(caller.clone(), callee.clone()))
             .copied()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .saturating_add(in_flight.route);
         per_caller < self.live().config.limits.max_open_per_peer && per_route < route_max
     }
+}
+
+/// A session's opens that passed [`Hub::may_open_beside`] and are not
+/// counted yet: those of the caller, and those of them on the route being
+/// checked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlightOpens {
+    /// Of the caller, on every route.
+    pub caller: u32,
+    /// Of the caller on the route being checked.
+    pub route: u32,
 }

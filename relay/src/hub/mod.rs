@@ -63,6 +63,7 @@ mod test_support;
 mod views;
 mod wakeups;
 
+pub use caps::InFlightOpens;
 use caps::OpenCounts;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};

@@ -24,7 +24,8 @@
 //! # Atomicity
 //!
 //! `open`, `append`, `read` and the expiry of one delegation are each one Lua
-//! script over that delegation's keys only (`EVALSHA`, loaded with
+//! script over that delegation's keys (`open` on a single server also over
+//! the index keys, below; `EVALSHA`, loaded with
 //! `SCRIPT LOAD` on `NOSCRIPT`). The scripts never format numbers in Lua (its
 //! `tostring` switches to exponent notation above 1e14): every sequence or
 //! time they store arrives as a decimal string from Rust. When a terminal is
@@ -33,10 +34,12 @@
 //!
 //! The cross-delegation indexes (peer sets, deadlines, finished) are updated
 //! with separate single-key commands after the script, which is what Redis
-//! Cluster allows. They can therefore be stale (a crash between the script and
-//! the index update, or `PEXPIRE` dropping a delegation): every reader checks
-//! candidates against the meta hash and removes stale members, and an `open`
-//! that finds an existing delegation re-adds its index entries.
+//! Cluster allows; on a single server the `open` script indexes the
+//! delegation it creates itself (one round trip per open). They can
+//! therefore be stale (a crash between the script and the index update, or
+//! `PEXPIRE` dropping a delegation): every reader checks candidates against
+//! the meta hash and removes stale members, and an `open` that finds an
+//! existing delegation re-adds its index entries.
 //!
 //! # Batches and failures
 //!
@@ -350,8 +353,6 @@ impl RedisStore {
         }
     }
 
-    /// Makes sure the indexes list this delegation as its state says.
-    /// Idempotent; run after `open` created or found it.
     /// Up to `count` members of the index zset `key` below `upper`
     /// (`ZRANGEBYLEX key - upper LIMIT offset count`).
     async fn range_below(
@@ -377,6 +378,9 @@ impl RedisStore {
         }
     }
 
+    /// Makes sure the indexes list this delegation as its state says.
+    /// Idempotent; run after `open` found it, and on a cluster after it
+    /// created it (a single server's `open` script indexes what it creates).
     async fn ensure_indexed(&self, meta: &DelegationMeta) -> Result<(), StoreError> {
         let member = meta.key.to_string();
         let mut pipe = pipeline();
@@ -722,7 +726,22 @@ impl EventStore for RedisStore {
 
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
         let keys = DelegationKeys::new(&req.key);
-        let mut cmd = evalsha(&self.scripts.open, &[&keys.meta, &keys.down, &keys.up]);
+        // A single server indexes a created delegation in the script itself:
+        // the whole open is one round trip. A cluster cannot (the index keys
+        // live in other hash slots): it indexes after the script.
+        let in_script = !self.is_cluster();
+        let index_keys = [
+            peer_set_key(&req.key.caller),
+            peer_set_key(&req.callee),
+            peer_open_key(&req.key.caller),
+            peer_open_key(&req.callee),
+        ];
+        let mut script_keys: Vec<&str> = vec![&keys.meta, &keys.down, &keys.up];
+        if in_script {
+            script_keys.extend(index_keys.iter().map(String::as_str));
+            script_keys.push(DEADLINES_KEY);
+        }
+        let mut cmd = evalsha(&self.scripts.open, &script_keys);
         cmd.arg(req.callee.as_str())
             .arg(req.deadline_ms)
             .arg(req.digest.to_string())
@@ -730,6 +749,10 @@ impl EventStore for RedisStore {
             .arg(req.frame.as_ref())
             .arg(self.maxlen)
             .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
+        if in_script {
+            cmd.arg(req.key.to_string())
+                .arg(deadline_member(req.deadline_ms, &req.key));
+        }
         let reply = self.eval(&self.scripts.open, cmd, false, "open").await?;
         let mut items = reply_array(reply, "open")?.into_iter();
         let code = items.next();
@@ -739,7 +762,9 @@ impl EventStore for RedisStore {
                 // The delegation is durable, but until it is indexed the
                 // deadline sweeper cannot see it: report failure so the
                 // sender retries, and the retry (`Existing`) indexes it.
-                self.ensure_indexed(&meta).await?;
+                if !in_script {
+                    self.ensure_indexed(&meta).await?;
+                }
                 Ok(OpenOutcome::Created(meta))
             }
             Some("E") => {

@@ -17,10 +17,14 @@ use super::RedisStore;
 use super::replies::unavailable;
 use crate::store::StoreError;
 
-/// `open`: KEYS meta, down, up; ARGV callee, deadline, digest, now, frame,
-/// maxlen, wake channel (or empty). Returns `{'N'}` when it created the
-/// delegation (and published `W<frame>` on the wake channel), or
-/// `{'E', <HGETALL>}`.
+/// `open`: KEYS meta, down, up, and on a single server (not a cluster: these
+/// keys are in other hash slots) also the caller's and the callee's
+/// delegation sets, their sets of open delegations and `oab:deadlines`;
+/// ARGV callee, deadline, digest, now, frame, maxlen, wake channel (or
+/// empty), and with the index keys the index member (`<caller>#<rid>`) and
+/// the deadline member. Returns `{'N'}` when it created the delegation (and
+/// published `W<frame>` on the wake channel, and, given the index keys,
+/// indexed it: one round trip for the whole open), or `{'E', <HGETALL>}`.
 const OPEN_LUA: &str = include_str!("lua/open.lua");
 
 /// `append` (a batch of one delegation's entries, in order): KEYS meta,
@@ -208,7 +212,7 @@ mod tests {
     #[test]
     fn scripts_keep_their_sha1_names() {
         for (name, text, sha1) in [
-            ("open", OPEN_LUA, "b4c42765be162ecda44f3b15da83bf144b3b7c09"),
+            ("open", OPEN_LUA, "c3be4a732a20b615afb4ca43d95f3f7119712ce6"),
             (
                 "append",
                 APPEND_LUA,
