@@ -506,9 +506,11 @@ enum Answer {
 /// Order: the batches' store calls are polled oldest first, every time,
 /// so each batch's first commands reach the store's connection after those
 /// of the batches staged before it. That does not hold for a call's later
-/// steps: the Redis store charges the sender's byte budget in one round
-/// trip and appends in the next, and a later batch whose budget reply is
-/// polled before an earlier batch's can send its appends first. The store
+/// steps: on Redis Cluster the store charges the sender's byte budget in
+/// one round trip and appends in the next, and a later batch whose budget
+/// reply is polled before an earlier batch's can send its appends first (a
+/// single Redis server takes a batch in one round trip, so there its
+/// batches keep their order; a cluster's resends can still reorder). The store
 /// checks every entry against its log's tail, so a batch that overtook an
 /// earlier one of the same log gets `Hole`s (never acknowledged), not a
 /// wrong ack; the session answers such a hole from what it acknowledged
