@@ -13,6 +13,7 @@
 //! | [`admission`] | before authentication: handshake slots per source, read budget, TCP options |
 //! | [`proxy_protocol`] | PROXY protocol v1/v2 headers from trusted load balancers: the real client address |
 //! | [`session`] | one connection: handshake, frame loop, batching, acks |
+//! | [`wakes`] | polling a session's reader and writer in one task without self-wakes |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
 //! | [`reload`] | live reload: re-reading the file, which fields apply, the generation |
@@ -46,5 +47,6 @@ pub mod session;
 pub mod status;
 pub mod store;
 pub mod tls;
+pub mod wakes;
 
 pub use server::run;

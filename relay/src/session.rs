@@ -750,18 +750,23 @@ impl<S: EventStore> Session<S> {
         let hub = self.hub.clone();
         let outbox = self.me.outbox.clone();
         let stall = Duration::from_millis(self.settings.limits.slow_consumer_ms);
-        let (read_end, write_end) = tokio::join!(
-            async {
-                let end = self.read_loop(&mut stream, &limits).await;
-                end.close(&outbox);
-                end
-            },
-            async {
-                let end = write_loop(&mut sink, &mut inbox, stall, &hub).await;
-                end.close(&outbox);
-                end
-            },
-        );
+        // One task polls both halves; the reader's acks wake the writer
+        // without rescheduling the task (see `crate::wakes`).
+        let (read_end, write_end) = crate::wakes::coalesce_wakes(async {
+            tokio::join!(
+                async {
+                    let end = self.read_loop(&mut stream, &limits).await;
+                    end.close(&outbox);
+                    end
+                },
+                async {
+                    let end = write_loop(&mut sink, &mut inbox, stall, &hub).await;
+                    end.close(&outbox);
+                    end
+                },
+            )
+        })
+        .await;
         let end = match (read_end, write_end) {
             (End::Cancelled, End::Cancelled) => match inbox.close_reason() {
                 Some((code, reason)) => End::Closed(code, reason),
