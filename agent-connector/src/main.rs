@@ -28,6 +28,14 @@ use oab_connector::{Connector, ConnectorOptions, Reconfiguration};
 use oab_wire::identity::Identity;
 use oab_wire::{Digest, KeyId, PeerId};
 
+/// The connector's allocator: jemalloc. Under the A2A path's load glibc's
+/// `malloc`, `free` and `malloc_consolidate` were about a tenth of the callee
+/// connector's CPU (BENCHMARKS.md, "A2A blocking calls"), and a connector
+/// runs for months beside its host, where jemalloc's background threads give
+/// freed pages back to the system (as they do for the relay).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The OAB connector: dials out to an OAB relay, keeps the session alive,
 /// and delegates tasks to (and serves tasks from) other OAB hosts.
 ///
