@@ -180,7 +180,7 @@ async fn caller_restart_resumes_from_its_committed_cursor() {
     let mut events = a.caller().events(&h, 0).await.unwrap();
     loop {
         let ev = events.next().await.unwrap().unwrap();
-        a.caller().commit(&h, &ev).unwrap();
+        a.caller().commit(&h, &ev).await.unwrap();
         if ev.seq == 60 {
             break;
         }
@@ -208,7 +208,7 @@ async fn caller_restart_resumes_from_its_committed_cursor() {
             .unwrap();
         assert_eq!(ev.seq, last + 1, "exactly once after the cursor");
         last = ev.seq;
-        a2.caller().commit(&h, &ev).unwrap();
+        a2.caller().commit(&h, &ev).await.unwrap();
         if let EventKind::Terminal(t) = ev.kind {
             break t;
         }
