@@ -250,9 +250,7 @@ impl CallerRecord {
                 self.saving.clone(),
             ))
         } else {
-            Err(CallerError::IdempotencyMismatch(
-                key.request_id.to_string(),
-            ))
+            Err(CallerError::IdempotencyMismatch(key.request_id.to_string()))
         }
     }
 
@@ -439,18 +437,7 @@ impl Drop for FinishGuard {
 /// state records removed. A key without a record (forgotten already, or never
 /// this caller's) is left alone.
 fn finish_record(records: &Mutex<Records>, state: Option<&FileState>, key: &DelegationKey) {
-    let gone = {
-        let mut records = records.lock();
-        let Some(rec) = records.map.get_mut(key) else {
-            return;
-        };
-        if rec.finished {
-            return;
-        }
-        rec.finished = true;
-        let bytes = rec.weight(key);
-        records.finish(key, bytes)
-    };
+    let gone = move_to_finished(records, key);
     // Not waited for (a drop calls this): a removal lost in a crash is
     // made again by the next `restore`, which applies the retention.
     if let Some(state) = state {
@@ -458,6 +445,22 @@ fn finish_record(records: &Mutex<Records>, state: Option<&FileState>, key: &Dele
             state.remove_later(&old);
         }
     }
+}
+
+/// Moves `key`'s record to the finished list (once); returns the
+/// delegations that aged out (their records are dropped, their state
+/// records are the caller's to remove).
+fn move_to_finished(records: &Mutex<Records>, key: &DelegationKey) -> Vec<DelegationKey> {
+    let mut records = records.lock();
+    let Some(rec) = records.map.get_mut(key) else {
+        return Vec::new();
+    };
+    if rec.finished {
+        return Vec::new();
+    }
+    rec.finished = true;
+    let bytes = rec.weight(key);
+    records.finish(key, bytes)
 }
 
 /// Parses an up-log event into what the caller sees.
@@ -665,16 +668,20 @@ impl Caller {
             .await
             .map_err(|e| CallerError::State(e.to_string()))?;
         if finished {
-            self.finished(&handle.key);
+            // The delegation joins the finished list; the oldest finished
+            // ones beyond the retention are forgotten, and their state
+            // records are removed by the time this returns (usually in the
+            // same sync as other delegations' saves). A failure there is
+            // only logged: the commit itself is durable, and the next
+            // `restore` applies the retention again.
+            let gone = move_to_finished(&self.records, &handle.key);
+            if !gone.is_empty()
+                && let Err(e) = state.remove_many(&gone).await
+            {
+                tracing::warn!(error = %e, "could not remove the state records of finished delegations");
+            }
         }
         Ok(())
-    }
-
-    /// The end of a delegation was handed to the application: it joins the
-    /// finished list, and the oldest finished delegations beyond the
-    /// retention are forgotten (record removed, state record removed).
-    fn finished(&self, key: &DelegationKey) {
-        finish_record(&self.records, self.state.as_ref(), key);
     }
 
     /// How many delegations the caller holds a record of (open ones, and

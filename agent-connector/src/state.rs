@@ -361,7 +361,10 @@ impl Files {
             None => self.index.remove(&key),
         };
         let removed = old.map_or(0, |l| u64::from(l.len) + ENTRY_HEADER as u64);
-        self.live_bytes = self.live_bytes.saturating_sub(removed).saturating_add(added);
+        self.live_bytes = self
+            .live_bytes
+            .saturating_sub(removed)
+            .saturating_add(added);
     }
 }
 
@@ -1394,7 +1397,11 @@ mod tests {
         assert!(live.iter().all(|s| s.cursor == 5));
 
         state.compact().await.unwrap();
-        assert_eq!(journal_len(dir.path()), MAGIC_LEN, "the journal starts afresh");
+        assert_eq!(
+            journal_len(dir.path()),
+            MAGIC_LEN,
+            "the journal starts afresh"
+        );
         assert!(!dir.path().join(SNAPSHOT_TMP).exists());
         assert_eq!(sorted(&state), live);
         // Records after the compaction go to the journal, over the snapshot.
@@ -1424,9 +1431,7 @@ mod tests {
         for i in 0..20 {
             state.save(&saved(&format!("req-{i}"), i)).await.unwrap();
         }
-        let keys: Vec<_> = (0..10)
-            .map(|i| saved(&format!("req-{i}"), 0).key)
-            .collect();
+        let keys: Vec<_> = (0..10).map(|i| saved(&format!("req-{i}"), 0).key).collect();
         state.remove_many(&keys).await.unwrap();
         let journal = std::fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
         let live = sorted(&state);

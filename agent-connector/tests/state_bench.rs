@@ -156,10 +156,11 @@ impl Layout {
         }
     }
 
-    fn forget(&self, key: &DelegationKey) {
+    /// As `Caller::commit` does: the removal is durable when it returns.
+    async fn forget(&self, key: &DelegationKey) {
         match self {
             Layout::PerFile(p) => p.remove(key),
-            Layout::Journal(s) => s.remove_later(key),
+            Layout::Journal(s) => s.remove(key).await.unwrap(),
         }
     }
 }
@@ -183,7 +184,7 @@ async fn run(name: &str, layout: Arc<Layout>, delegations: usize, tasks: usize) 
                     if finished.len() > KEEP_PER_TASK
                         && let Some(old) = finished.pop_front()
                     {
-                        layout.forget(&old);
+                        layout.forget(&old).await;
                     }
                 }
             })
