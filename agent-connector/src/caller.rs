@@ -663,25 +663,20 @@ impl Caller {
             .get(&handle.key)
             .map(|rec| rec.saved(&handle.key, event.seq, finished))
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
+        // At the terminal the delegation joins the finished list (as the
+        // event stream that yielded it does), and the oldest finished ones
+        // beyond the retention are forgotten: their state records are
+        // removed in the same sync as this save, so the folder is within the
+        // retention when this returns.
+        let gone = if finished {
+            move_to_finished(&self.records, &handle.key)
+        } else {
+            Vec::new()
+        };
         state
-            .save(&saved)
+            .save_and_remove(&saved, &gone)
             .await
-            .map_err(|e| CallerError::State(e.to_string()))?;
-        if finished {
-            // The delegation joins the finished list; the oldest finished
-            // ones beyond the retention are forgotten, and their state
-            // records are removed by the time this returns (usually in the
-            // same sync as other delegations' saves). A failure there is
-            // only logged: the commit itself is durable, and the next
-            // `restore` applies the retention again.
-            let gone = move_to_finished(&self.records, &handle.key);
-            if !gone.is_empty()
-                && let Err(e) = state.remove_many(&gone).await
-            {
-                tracing::warn!(error = %e, "could not remove the state records of finished delegations");
-            }
-        }
-        Ok(())
+            .map_err(|e| CallerError::State(e.to_string()))
     }
 
     /// How many delegations the caller holds a record of (open ones, and

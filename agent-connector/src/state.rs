@@ -422,6 +422,17 @@ impl FileState {
     /// Writes (replaces) one delegation's record; returns once it is
     /// durable. Waits for room when [`MAX_QUEUED_BYTES`] are queued.
     pub async fn save(&self, saved: &SavedDelegation) -> Result<(), StateError> {
+        self.save_and_remove(saved, &[]).await
+    }
+
+    /// Writes one delegation's record and deletes the records of `removed`,
+    /// queued together so that one sync usually covers all of them; returns
+    /// once all are durable (an error when any is not).
+    pub async fn save_and_remove(
+        &self,
+        saved: &SavedDelegation,
+        removed: &[DelegationKey],
+    ) -> Result<(), StateError> {
         let shared = self.shared();
         let json = serde_json::to_vec(saved).map_err(|e| StateError::Corrupt {
             path: shared.journal_path.display().to_string(),
@@ -441,14 +452,30 @@ impl FileState {
             .acquire_many_owned(weight)
             .await
             .map_err(|_| shared.stopped())?;
-        self.submit(
-            Op::Save {
+        let (tx, rx) = oneshot::channel();
+        let mut requests = vec![Request {
+            op: Op::Save {
                 key: saved.key.clone(),
                 json,
             },
-            Some(room),
-        )
-        .await
+            done: Some(tx),
+            _room: Some(room),
+        }];
+        let mut waiting = vec![rx];
+        for key in removed {
+            let (tx, rx) = oneshot::channel();
+            requests.push(Request {
+                op: remove_op(key),
+                done: Some(tx),
+                _room: None,
+            });
+            waiting.push(rx);
+        }
+        shared.enqueue_all(requests)?;
+        for rx in waiting {
+            shared.outcome(rx.await)?;
+        }
+        Ok(())
     }
 
     /// Deletes one delegation's record (nothing to do when there is none);
@@ -614,11 +641,17 @@ impl Shared {
     }
 
     fn enqueue(&self, request: Request) -> Result<(), StateError> {
+        self.enqueue_all(vec![request])
+    }
+
+    /// Queues `requests` in order, all at once (the writer takes them in
+    /// one batch unless [`MAX_BATCH_BYTES`] cuts it).
+    fn enqueue_all(&self, requests: Vec<Request>) -> Result<(), StateError> {
         let mut q = self.queue.lock();
         if q.closed {
             return Err(self.stopped());
         }
-        q.items.push_back(request);
+        q.items.extend(requests);
         drop(q);
         self.work.notify_one();
         Ok(())
@@ -673,6 +706,7 @@ impl Shared {
     /// The writer: one frame and one `fdatasync` per batch, then a
     /// compaction when the journal is due one.
     fn run(&self) {
+        let _exit = WriterExit(self);
         let mut frame = Vec::with_capacity(64 * 1024);
         let mut compact_after = 0u64;
         while let Some(batch) = self.next_batch() {
@@ -705,9 +739,6 @@ impl Shared {
                 respond(compacts, &result);
             }
         }
-        let mut q = self.queue.lock();
-        q.exited = true;
-        self.exit.notify_all();
     }
 
     /// Appends one frame holding `batch`, syncs it, updates the index and
@@ -857,6 +888,24 @@ impl Shared {
             return Err(failure);
         }
         Ok(())
+    }
+}
+
+/// Marks the writer gone when it returns or panics: the queue closes, what
+/// is still queued fails with [`StateError::Stopped`] (its senders are
+/// dropped), and [`Shared::close_and_wait`] returns.
+struct WriterExit<'a>(&'a Shared);
+
+impl Drop for WriterExit<'_> {
+    fn drop(&mut self) {
+        let left = {
+            let mut q = self.0.queue.lock();
+            q.closed = true;
+            q.exited = true;
+            std::mem::take(&mut q.items)
+        };
+        drop(left);
+        self.0.exit.notify_all();
     }
 }
 

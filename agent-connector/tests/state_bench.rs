@@ -156,11 +156,21 @@ impl Layout {
         }
     }
 
-    /// As `Caller::commit` does: the removal is durable when it returns.
-    async fn forget(&self, key: &DelegationKey) {
+    /// The commit of the terminal, with the removal of the delegation that
+    /// aged out, as `Caller::commit` does each (both durable when it
+    /// returns).
+    async fn commit(&self, saved: &SavedDelegation, aged_out: Option<DelegationKey>) {
         match self {
-            Layout::PerFile(p) => p.remove(key),
-            Layout::Journal(s) => s.remove(key).await.unwrap(),
+            Layout::PerFile(p) => {
+                p.save(saved);
+                if let Some(key) = aged_out {
+                    p.remove(&key);
+                }
+            }
+            Layout::Journal(s) => {
+                let gone: Vec<_> = aged_out.into_iter().collect();
+                s.save_and_remove(saved, &gone).await.unwrap();
+            }
         }
     }
 }
@@ -179,13 +189,13 @@ async fn run(name: &str, layout: Arc<Layout>, delegations: usize, tasks: usize) 
                     layout.save(&s).await;
                     s.cursor = 3;
                     s.finished = true;
-                    layout.save(&s).await;
-                    finished.push_back(s.key);
-                    if finished.len() > KEEP_PER_TASK
-                        && let Some(old) = finished.pop_front()
-                    {
-                        layout.forget(&old).await;
-                    }
+                    finished.push_back(s.key.clone());
+                    let aged_out = if finished.len() > KEEP_PER_TASK {
+                        finished.pop_front()
+                    } else {
+                        None
+                    };
+                    layout.commit(&s, aged_out).await;
                 }
             })
         })
