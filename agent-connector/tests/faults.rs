@@ -642,7 +642,8 @@ async fn concurrent_delegates_with_one_request_id_are_one_durable_delegation() {
     let mut same = spec("once");
     same.request_id = Some(oab_wire::RequestId::new("req-concurrent").unwrap());
     // Every call races the first one's save; all get the one delegation.
-    let calls = (0..8).map(|_| a.caller().delegate(&peer(CALLEE), same.clone()));
+    let callee = peer(CALLEE);
+    let calls = (0..8).map(|_| a.caller().delegate(&callee, same.clone()));
     let handles: Vec<_> = futures_util::future::join_all(calls)
         .await
         .into_iter()
@@ -654,7 +655,10 @@ async fn concurrent_delegates_with_one_request_id_are_one_durable_delegation() {
     other.task.text = "something else".into();
     let e = a.caller().delegate(&peer(CALLEE), other).await.unwrap_err();
     assert!(
-        matches!(e, oab_connector::caller::CallerError::IdempotencyMismatch(_)),
+        matches!(
+            e,
+            oab_connector::caller::CallerError::IdempotencyMismatch(_)
+        ),
         "{e}"
     );
     let t = a
