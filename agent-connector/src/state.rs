@@ -32,7 +32,11 @@
 //! `fdatasync` ran and writes them as one frame with one `fdatasync`. So
 //! concurrent delegations share their syncs ([`FileState::syncs`] counts
 //! them), no async runtime thread ever waits on the disk, and a save is
-//! durable when it returns. The queue is bounded in bytes
+//! durable when it returns. Per delegation the caller queues two records:
+//! the open's, before the `Open` is handed to the link
+//! ([`crate::caller::Caller::delegate`]), and the terminal's commit, with
+//! the removals of the finished delegations it ages out in the same sync
+//! ([`FileState::save_and_remove`]). The queue is bounded in bytes
 //! ([`MAX_QUEUED_BYTES`]): past it a save waits for room (back-pressure),
 //! it is never dropped. A frame holds at most [`MAX_BATCH_BYTES`] of records
 //! (one larger record gets a frame of its own); a record larger than
