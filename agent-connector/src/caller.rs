@@ -2,13 +2,13 @@
 //! then live), get, wait, cancel, list peers, verify the signed result.
 //!
 //! It owns this connector's record of each delegation it started (the signed
-//! request, its digest, the callee), the state file written before an `Open`
+//! request, its digest, the callee), the state record made durable before an `Open`
 //! leaves (with a state folder), and the reading of up-log events into
 //! [`EventKind`]s (`parse_event`).
 //!
 //! Never: sends a new delegation before authorizing it: `Caller::delegate`
 //! refuses a nested delegation, runs `authorize_outgoing` (grant and policy,
-//! fail closed), signs the request and saves its state file, all before the
+//! fail closed), signs the request and saves its state record, all before the
 //! `Open` is handed to the link; a delegation restored from the state folder
 //! is sent again exactly as it was signed then. Never takes a result on the
 //! relay's word: [`Caller::verify`] checks the callee's signature with its
@@ -28,7 +28,7 @@ use oab_wire::envelope::Envelope;
 use oab_wire::identity::{Identity, now_ms};
 use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestId};
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::audit::{AuditEvent, AuditRecord, AuditSink, Side};
 use crate::authority::{AuthorityError, Grant, Policy, authorize_outgoing};
@@ -189,9 +189,71 @@ struct CallerRecord {
     request: DelegationRequest,
     request_digest: Digest,
     envelope: String,
+    /// While the first call with this request id waits for its state
+    /// record to be durable: `Some(true)` once it is, `Some(false)` (or a
+    /// dropped sender) when that failed and the record is gone. Concurrent
+    /// calls with the same id wait on it. `None` once saved, and without a
+    /// state folder.
+    saving: Option<watch::Receiver<Option<bool>>>,
+}
+
+/// A delegation found already recorded for a new call: its handle and,
+/// while its first call is still saving it, what to wait on.
+type Existing = Result<(DelegationHandle, Option<watch::Receiver<Option<bool>>>), CallerError>;
+
+/// Answers a call that found its request id recorded: the same delegation
+/// once its record is durable, or the first call's failure.
+async fn settle(found: Existing) -> Result<DelegationHandle, CallerError> {
+    let (handle, saving) = found?;
+    if let Some(mut saving) = saving {
+        let saved = saving
+            .wait_for(Option::is_some)
+            .await
+            .is_ok_and(|v| *v == Some(true));
+        if !saved {
+            return Err(CallerError::State(format!(
+                "{}: the first call with this request id could not save its state",
+                handle.key
+            )));
+        }
+    }
+    Ok(handle)
+}
+
+/// Removes a delegation's record when its first call fails (or is
+/// dropped) before its state record is durable, so the request id is free
+/// again.
+struct Unclaim<'a> {
+    records: &'a Mutex<Records>,
+    key: &'a DelegationKey,
+    armed: bool,
+}
+
+impl Drop for Unclaim<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.records.lock().map.remove(self.key);
+        }
+    }
 }
 
 impl CallerRecord {
+    /// What a new call with `spec` to `callee` gets when this record holds
+    /// its request id.
+    fn existing(&self, key: &DelegationKey, spec: &NewDelegation, callee: &PeerId) -> Existing {
+        if self.same(spec, callee) {
+            Ok((
+                DelegationHandle {
+                    key: key.clone(),
+                    callee: self.callee.clone(),
+                },
+                self.saving.clone(),
+            ))
+        } else {
+            Err(CallerError::IdempotencyMismatch(key.request_id.to_string()))
+        }
+    }
+
     /// Whether `spec` asks for the same delegation as this record.
     fn same(&self, spec: &NewDelegation, callee: &PeerId) -> bool {
         if &self.callee != callee {
@@ -219,11 +281,12 @@ impl CallerRecord {
             request: s.request,
             request_digest: s.request_digest,
             envelope: s.envelope,
+            saving: None,
         }
     }
 
     /// What a finished record weighs against the retention's byte budget:
-    /// the length of its state file's JSON (the record in memory holds the
+    /// the length of its state record's JSON (the record in memory holds the
     /// same request and envelope).
     fn weight(&self, key: &DelegationKey) -> u64 {
         saved_weight(&self.saved(key, 0, true))
@@ -249,7 +312,7 @@ pub struct FinishedRetention {
     /// Finished delegations kept; past this the oldest is forgotten.
     pub max_finished: usize,
     /// Bytes the kept finished delegations may weigh together (each weighs
-    /// the length of its state file's JSON); past this the oldest is
+    /// the length of its state record's JSON); past this the oldest is
     /// forgotten.
     pub max_finished_bytes: u64,
 }
@@ -273,7 +336,7 @@ impl Default for FinishedRetention {
 /// [`Caller::commit`], the delegation joins `finished`, newest last. The
 /// oldest finished delegations are forgotten while more than
 /// `max_finished` are kept or they weigh more than `max_finished_bytes`
-/// together: the record is removed and the state file deleted. Finished
+/// together: the record is removed and the state record removed. Finished
 /// delegations restored from the state folder (files only, no record) take
 /// part in the same list.
 #[derive(Debug, Default)]
@@ -291,7 +354,7 @@ struct Records {
 
 impl Records {
     /// Adds `key` to the finished list; returns the delegations that aged
-    /// out (their records are already removed; their state files are the
+    /// out (their records are already removed; their state records are the
     /// caller's to delete).
     fn finish(&mut self, key: &DelegationKey, bytes: u64) -> Vec<DelegationKey> {
         self.finished.push_back((key.clone(), bytes));
@@ -306,7 +369,7 @@ impl Records {
             self.finished_bytes = self.finished_bytes.saturating_sub(b);
             match self.map.get(&old) {
                 // Taken back by a re-sent request since: it stays, and so
-                // does its state file, until it finishes again.
+                // does its state record, until it finishes again.
                 Some(r) if !r.finished => {}
                 Some(_) => {
                     self.map.remove(&old);
@@ -319,13 +382,13 @@ impl Records {
     }
 }
 
-/// What a saved delegation weighs: the length of its state file's JSON.
+/// What a saved delegation weighs: the length of its state record's JSON.
 fn saved_weight(saved: &SavedDelegation) -> u64 {
     serde_json::to_vec(saved).map_or(0, |b| u64::try_from(b.len()).unwrap_or(u64::MAX))
 }
 
 /// An unfinished delegation whose deadline passed longer ago than this is
-/// not taken back by [`Caller::restore`]; its state file is deleted. The
+/// not taken back by [`Caller::restore`]; its state record is removed. The
 /// relay keeps a finished delegation readable for a day by default
 /// (`finished_ttl_ms`), so after this long it no longer holds the terminal.
 pub const STALE_AFTER_DEADLINE: Duration = Duration::from_secs(24 * 3600);
@@ -371,28 +434,33 @@ impl Drop for FinishGuard {
 
 /// Moves `key`'s record to the finished list (once) and forgets the
 /// finished delegations that aged out: their records are dropped and their
-/// state files deleted. A key without a record (forgotten already, or never
+/// state records removed. A key without a record (forgotten already, or never
 /// this caller's) is left alone.
 fn finish_record(records: &Mutex<Records>, state: Option<&FileState>, key: &DelegationKey) {
-    let gone = {
-        let mut records = records.lock();
-        let Some(rec) = records.map.get_mut(key) else {
-            return;
-        };
-        if rec.finished {
-            return;
-        }
-        rec.finished = true;
-        let bytes = rec.weight(key);
-        records.finish(key, bytes)
-    };
+    let gone = move_to_finished(records, key);
+    // Not waited for (a drop calls this): a removal lost in a crash is
+    // made again by the next `restore`, which applies the retention.
     if let Some(state) = state {
         for old in gone {
-            if let Err(e) = state.remove(&old) {
-                tracing::warn!(key = %old, error = %e, "could not delete a finished delegation's state file");
-            }
+            state.remove_later(&old);
         }
     }
+}
+
+/// Moves `key`'s record to the finished list (once); returns the
+/// delegations that aged out (their records are dropped, their state
+/// records are the caller's to remove).
+fn move_to_finished(records: &Mutex<Records>, key: &DelegationKey) -> Vec<DelegationKey> {
+    let mut records = records.lock();
+    let Some(rec) = records.map.get_mut(key) else {
+        return Vec::new();
+    };
+    if rec.finished {
+        return Vec::new();
+    }
+    rec.finished = true;
+    let bytes = rec.weight(key);
+    records.finish(key, bytes)
 }
 
 /// Parses an up-log event into what the caller sees.
@@ -505,10 +573,11 @@ impl Caller {
     /// log resumes after the committed cursor. Returns their handles.
     ///
     /// Cleans the folder first: finished delegations join the finished list
-    /// (newest kept, within the retention; the files of older ones are
-    /// deleted), an unfinished one whose deadline passed more than
-    /// [`STALE_AFTER_DEADLINE`] ago is deleted (the relay no longer holds
-    /// it), and so are temporary files a crash left behind.
+    /// (newest kept, within the retention; the records of older ones are
+    /// removed), an unfinished one whose deadline passed more than
+    /// [`STALE_AFTER_DEADLINE`] ago is removed (the relay no longer holds
+    /// it), with one sync for all of them; temporary files an earlier
+    /// version's crash left behind are deleted.
     pub async fn restore(&self) -> Result<Vec<DelegationHandle>, CallerError> {
         let Some(state) = &self.state else {
             return Ok(Vec::new());
@@ -520,18 +589,18 @@ impl Caller {
             .saturating_sub(u64::try_from(STALE_AFTER_DEADLINE.as_millis()).unwrap_or(u64::MAX));
         let (mut finished, open): (Vec<_>, Vec<_>) = saved.into_iter().partition(|s| s.finished);
         finished.sort_by_key(|s| s.request.issued_ms);
+        let mut gone = Vec::new();
         for s in &finished {
-            let gone = self.records.lock().finish(&s.key, saved_weight(s));
-            for old in gone {
-                state.remove(&old).map_err(state_err)?;
-            }
+            gone.extend(self.records.lock().finish(&s.key, saved_weight(s)));
         }
+        let (stale, open): (Vec<_>, Vec<_>) = open
+            .into_iter()
+            .partition(|s| s.request.deadline_ms < stale_before);
+        gone.extend(stale.into_iter().map(|s| s.key));
+        // One sync for all of them.
+        state.remove_many(&gone).await.map_err(state_err)?;
         let mut handles = Vec::new();
         for s in open {
-            if s.request.deadline_ms < stale_before {
-                state.remove(&s.key).map_err(state_err)?;
-                continue;
-            }
             handles.push(self.reattach(s).await?);
         }
         Ok(handles)
@@ -574,8 +643,11 @@ impl Caller {
     }
 
     /// Records that the application finished processing `event`: after a
-    /// restart, events resume after it. Needs a state folder (a no-op without).
-    pub fn commit(
+    /// restart, events resume after it. Returns once that is durable (the
+    /// state writer syncs it, together with whatever other delegations
+    /// committed meanwhile; no runtime thread waits on the disk). Needs a
+    /// state folder (a no-op without).
+    pub async fn commit(
         &self,
         handle: &DelegationHandle,
         event: &DelegationEvent,
@@ -583,28 +655,28 @@ impl Caller {
         let Some(state) = &self.state else {
             return Ok(());
         };
-        let rec = self
+        let finished = matches!(event.kind, EventKind::Terminal(_));
+        let saved = self
             .records
             .lock()
             .map
             .get(&handle.key)
-            .cloned()
+            .map(|rec| rec.saved(&handle.key, event.seq, finished))
             .ok_or_else(|| CallerError::UnknownDelegation(handle.key.to_string()))?;
-        let finished = matches!(event.kind, EventKind::Terminal(_));
+        // At the terminal the delegation joins the finished list (as the
+        // event stream that yielded it does), and the oldest finished ones
+        // beyond the retention are forgotten: their state records are
+        // removed in the same sync as this save, so the folder is within the
+        // retention when this returns.
+        let gone = if finished {
+            move_to_finished(&self.records, &handle.key)
+        } else {
+            Vec::new()
+        };
         state
-            .save(&rec.saved(&handle.key, event.seq, finished))
-            .map_err(|e| CallerError::State(e.to_string()))?;
-        if finished {
-            self.finished(&handle.key);
-        }
-        Ok(())
-    }
-
-    /// The end of a delegation was handed to the application: it joins the
-    /// finished list, and the oldest finished delegations beyond the
-    /// retention are forgotten (record removed, state file deleted).
-    fn finished(&self, key: &DelegationKey) {
-        finish_record(&self.records, self.state.as_ref(), key);
+            .save_and_remove(&saved, &gone)
+            .await
+            .map_err(|e| CallerError::State(e.to_string()))
     }
 
     /// How many delegations the caller holds a record of (open ones, and
@@ -637,15 +709,14 @@ impl Caller {
                 .map_err(|e| ProfileError::Malformed(e.to_string()))?,
         };
         let key = DelegationKey::new(self.identity.peer.clone(), request_id.clone());
-        if let Some(rec) = self.records.lock().map.get(&key) {
-            return if rec.same(&spec, peer) {
-                Ok(DelegationHandle {
-                    key,
-                    callee: rec.callee.clone(),
-                })
-            } else {
-                Err(CallerError::IdempotencyMismatch(request_id.to_string()))
-            };
+        let found = self
+            .records
+            .lock()
+            .map
+            .get(&key)
+            .map(|rec| rec.existing(&key, &spec, peer));
+        if let Some(found) = found {
+            return settle(found).await;
         }
         // Started by an earlier process of this connector (and finished
         // before this one restored what was open): the same request is the
@@ -701,34 +772,55 @@ impl Caller {
             ceiling: String::new(),
             payload,
         };
-        {
+        // The record claims the request id (a concurrent call with the same
+        // id finds it and waits for its save); the save itself runs without
+        // the records lock.
+        let claim = {
             let mut records = self.records.lock();
             if let Some(rec) = records.map.get(&key) {
                 // A concurrent call with the same request id won the race.
-                return if rec.same(&spec, peer) {
-                    Ok(DelegationHandle {
-                        key,
-                        callee: rec.callee.clone(),
-                    })
-                } else {
-                    Err(CallerError::IdempotencyMismatch(request_id.to_string()))
+                Err(rec.existing(&key, &spec, peer))
+            } else {
+                let mut rec = CallerRecord {
+                    finished: false,
+                    callee: peer.clone(),
+                    spec: Some(spec),
+                    request,
+                    request_digest,
+                    envelope: envelope_text,
+                    saving: None,
                 };
+                let to_save = self.state.as_ref().map(|_| {
+                    let (tx, rx) = watch::channel(None);
+                    rec.saving = Some(rx);
+                    (rec.saved(&key, 0, false), tx)
+                });
+                records.map.insert(key.clone(), rec);
+                Ok(to_save)
             }
-            let rec = CallerRecord {
-                finished: false,
-                callee: peer.clone(),
-                spec: Some(spec),
-                request,
-                request_digest,
-                envelope: envelope_text,
+        };
+        let to_save = match claim {
+            Ok(to_save) => to_save,
+            Err(found) => return settle(found).await,
+        };
+        // Durable before the open leaves, so a crash right after still
+        // resumes it.
+        if let (Some(state), Some((saved, saved_tx))) = (&self.state, to_save) {
+            let mut unclaim = Unclaim {
+                records: &self.records,
+                key: &key,
+                armed: true,
             };
-            // Saved before the open leaves, so a crash right after still resumes.
-            if let Some(state) = &self.state {
-                state
-                    .save(&rec.saved(&key, 0, false))
-                    .map_err(|e| CallerError::State(e.to_string()))?;
+            if let Err(e) = state.save(&saved).await {
+                drop(unclaim);
+                let _ignored = saved_tx.send(Some(false));
+                return Err(CallerError::State(e.to_string()));
             }
-            records.map.insert(key.clone(), rec);
+            unclaim.armed = false;
+            if let Some(rec) = self.records.lock().map.get_mut(&key) {
+                rec.saving = None;
+            }
+            let _ignored = saved_tx.send(Some(true));
         }
         self.audit.record(
             &AuditRecord::new(now, Side::Caller, &key, AuditEvent::Opened)

@@ -180,7 +180,7 @@ async fn caller_restart_resumes_from_its_committed_cursor() {
     let mut events = a.caller().events(&h, 0).await.unwrap();
     loop {
         let ev = events.next().await.unwrap().unwrap();
-        a.caller().commit(&h, &ev).unwrap();
+        a.caller().commit(&h, &ev).await.unwrap();
         if ev.seq == 60 {
             break;
         }
@@ -208,7 +208,7 @@ async fn caller_restart_resumes_from_its_committed_cursor() {
             .unwrap();
         assert_eq!(ev.seq, last + 1, "exactly once after the cursor");
         last = ev.seq;
-        a2.caller().commit(&h, &ev).unwrap();
+        a2.caller().commit(&h, &ev).await.unwrap();
         if let EventKind::Terminal(t) = ev.kind {
             break t;
         }
@@ -616,6 +616,58 @@ async fn a_store_that_loses_acknowledged_events_ends_the_stream_with_a_gap() {
         ),
         "{gap:?}"
     );
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_delegates_with_one_request_id_are_one_durable_delegation() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let exec = Paced::new(1, Duration::ZERO);
+    let b = connector(&env, &env.callee, relay.addr, Some(exec.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let state = oab_connector::state::FileState::open(dir.path()).unwrap();
+    let a = connector_state(
+        &env,
+        settings(&env.caller, relay.addr, &env.cert_der),
+        None,
+        policy(),
+        None,
+        Some(state.clone()),
+    );
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let mut same = spec("once");
+    same.request_id = Some(oab_wire::RequestId::new("req-concurrent").unwrap());
+    // Every call races the first one's save; all get the one delegation.
+    let callee = peer(CALLEE);
+    let calls = (0..8).map(|_| a.caller().delegate(&callee, same.clone()));
+    let handles: Vec<_> = futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(handles.iter().all(|h| h == &handles[0]), "{handles:?}");
+    assert_eq!(state.count().unwrap(), 1, "one durable record");
+    let mut other = same.clone();
+    other.task.text = "something else".into();
+    let e = a.caller().delegate(&peer(CALLEE), other).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            oab_connector::caller::CallerError::IdempotencyMismatch(_)
+        ),
+        "{e}"
+    );
+    let t = a
+        .caller()
+        .wait(&handles[0], Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(t.outcome, Outcome::Completed);
+    assert_eq!(exec.runs.load(Ordering::SeqCst), 1, "run once");
     a.shutdown().await;
     b.shutdown().await;
     relay.stop().await;

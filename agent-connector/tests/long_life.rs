@@ -90,7 +90,7 @@ async fn run_one(caller: &Caller) {
         if let oab_connector::EventKind::Terminal(t) = &ev.kind {
             assert_eq!(t.outcome, Outcome::Completed);
             caller.verify(&handle, t).unwrap();
-            caller.commit(&handle, &ev).unwrap();
+            caller.commit(&handle, &ev).await.unwrap();
             return;
         }
     }
@@ -207,7 +207,7 @@ async fn restart_cleans_finished_stale_and_temporary_state_files() {
     stale.key = DelegationKey::new(peer(CALLER), RequestId::new("req-stale").unwrap());
     stale.finished = false;
     stale.request.deadline_ms = oab_wire::identity::now_ms() - 2 * 24 * 3600 * 1000;
-    state.save(&stale).unwrap();
+    state.save(&stale).await.unwrap();
     std::fs::write(dir.path().join("leftover.json.tmp"), b"{").unwrap();
 
     // A new process keeping fewer finished delegations.

@@ -1623,7 +1623,7 @@ async fn read_events(
                 // What a restarted connector resumes after.
                 let g = ctx.caller.conn.read().await;
                 if let Some(conn) = g.as_ref()
-                    && let Err(e) = conn.caller().commit(h, &ev)
+                    && let Err(e) = conn.caller().commit(h, &ev).await
                 {
                     c.errors.push(format!("commit: {e}"));
                 }

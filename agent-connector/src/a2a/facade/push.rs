@@ -692,8 +692,7 @@ pub(super) async fn persist(inner: &Arc<Inner>, key: &DelegationKey) -> Result<(
 /// config done).
 pub(super) async fn commit_terminal(inner: &Arc<Inner>, cell: &TaskCell, ev: DelegationEvent) {
     let (caller, handle) = (inner.caller.clone(), cell.handle.clone());
-    let saved = tokio::task::spawn_blocking(move || caller.commit(&handle, &ev)).await;
-    if let Ok(Err(e)) = saved {
+    if let Err(e) = caller.commit(&handle, &ev).await {
         warn!(error = %e, "could not record the delegation as finished");
     }
 }

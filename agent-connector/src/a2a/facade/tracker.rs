@@ -55,7 +55,7 @@ pub(super) async fn track_delegation(inner: Arc<Inner>, cell: Arc<TaskCell>) {
                     cell.notify();
                     if let Some(ev) = terminal {
                         // Finished: a restart no longer takes it back (the
-                        // state file stays while the delegation is within the
+                        // state record stays while the delegation is within the
                         // caller's finished retention, so a re-sent request
                         // is still the same delegation). While push configs
                         // still deliver, the last of them commits instead,
