@@ -205,6 +205,7 @@ async fn main() -> anyhow::Result<()> {
                 policy: Arc::new(policy.clone()),
                 max_concurrent: 4,
                 max_concurrent_per_peer: 4,
+                max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
             }),
             audit: None,
             state: None,

@@ -284,6 +284,11 @@ pub struct CalleeOptions {
     pub max_concurrent: usize,
     /// Delegations running at once per caller.
     pub max_concurrent_per_peer: usize,
+    /// Requests remembered per caller against replays, live until they can
+    /// no longer be accepted; a caller whose share is full is refused
+    /// `saturated` (see [`crate::nonce`]). Default
+    /// [`NonceCache::DEFAULT_PER_CALLER`].
+    pub max_live_requests_per_peer: usize,
 }
 
 impl std::fmt::Debug for CalleeOptions {
@@ -291,6 +296,10 @@ impl std::fmt::Debug for CalleeOptions {
         f.debug_struct("CalleeOptions")
             .field("max_concurrent", &self.max_concurrent)
             .field("max_concurrent_per_peer", &self.max_concurrent_per_peer)
+            .field(
+                "max_live_requests_per_peer",
+                &self.max_live_requests_per_peer,
+            )
             .finish_non_exhaustive()
     }
 }
@@ -395,7 +404,11 @@ impl CalleeRuntime {
         let global = options.as_ref().map_or(1, |o| o.max_concurrent.max(1));
         // A share per configured caller, and room for all of them: one
         // caller filling its share never refuses another.
-        let per_caller = NonceCache::DEFAULT_PER_CALLER;
+        let per_caller = options
+            .as_ref()
+            .map_or(NonceCache::DEFAULT_PER_CALLER, |o| {
+                o.max_live_requests_per_peer.max(1)
+            });
         let nonces = NonceCache::new(
             per_caller.saturating_mul(trust.load().len().max(1)),
             NonceCache::DEFAULT_MAX_AGE_MS,

@@ -367,6 +367,11 @@ pub struct PolicySection {
     /// Longest deadline accepted, ms.
     #[serde(default = "default_max_deadline_ms")]
     pub max_deadline_ms: u64,
+    /// Requests remembered per calling peer against replays (each until it
+    /// can no longer be accepted); beyond it new ones are refused
+    /// `saturated`.
+    #[serde(default = "default_max_live_requests_per_peer")]
+    pub max_live_requests_per_peer: usize,
 }
 
 impl PolicySection {
@@ -401,6 +406,9 @@ fn default_max_concurrent_per_peer() -> usize {
 fn default_max_deadline_ms() -> u64 {
     3_600_000
 }
+fn default_max_live_requests_per_peer() -> usize {
+    crate::nonce::NonceCache::DEFAULT_PER_CALLER
+}
 
 impl Default for PolicySection {
     fn default() -> Self {
@@ -410,6 +418,7 @@ impl Default for PolicySection {
             max_concurrent: default_max_concurrent(),
             max_concurrent_per_peer: default_max_concurrent_per_peer(),
             max_deadline_ms: default_max_deadline_ms(),
+            max_live_requests_per_peer: default_max_live_requests_per_peer(),
         }
     }
 }
@@ -587,6 +596,9 @@ impl ConnectorConfig {
         }
         if self.policy.max_concurrent_per_peer == 0 {
             errors.push("policy.max_concurrent_per_peer: must be greater than 0".into());
+        }
+        if self.policy.max_live_requests_per_peer == 0 {
+            errors.push("policy.max_live_requests_per_peer: must be greater than 0".into());
         }
         if errors.is_empty() {
             Ok(())

@@ -339,6 +339,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
         policy: callee_policy.clone(),
         max_concurrent: p.max_concurrent,
         max_concurrent_per_peer: p.max_concurrent_per_peer,
+        max_live_requests_per_peer: p.max_live_requests_per_peer,
     });
     let connector = Connector::start(ConnectorOptions {
         link,

@@ -85,6 +85,22 @@ fn callee_connector(
     executor: Arc<dyn TaskExecutor>,
     per_peer: usize,
 ) -> Connector {
+    callee_connector_with_share(
+        env,
+        relay,
+        executor,
+        per_peer,
+        oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
+    )
+}
+
+fn callee_connector_with_share(
+    env: &Env,
+    relay: std::net::SocketAddr,
+    executor: Arc<dyn TaskExecutor>,
+    per_peer: usize,
+    live_requests: usize,
+) -> Connector {
     Connector::start(ConnectorOptions {
         link: settings(&env.callee, relay, &env.cert_der),
         trust: env.trust(),
@@ -98,6 +114,7 @@ fn callee_connector(
             policy: Arc::new(policy()),
             max_concurrent: 512,
             max_concurrent_per_peer: per_peer,
+            max_live_requests_per_peer: live_requests,
         }),
         audit: None,
         state: None,
@@ -378,6 +395,45 @@ async fn a_task_left_waiting_for_input_frees_its_slot() {
     a.shutdown().await;
     b.shutdown().await;
     relay.stop().await;
+}
+
+/// `policy.max_live_requests_per_peer` bounds the requests a callee
+/// remembers per caller: each stays (against a replay) until its deadline,
+/// after it finished, so with a share of two the third delegation within
+/// the deadline is refused `saturated` and takes no entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_replay_cache_share_refuses_the_next_request_saturated() {
+    let env = Env::new("");
+    let (_redis, relay) = redis_relay(&env).await;
+    let exec = Arc::new(FlowExec {
+        events: 0,
+        gate: Arc::new(Notify::new()),
+    });
+    let b = callee_connector_with_share(&env, relay.addr, exec, 4, 2);
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    for _ in 0..2 {
+        let h = a
+            .caller()
+            .delegate(&peer(CALLEE), spec("quick"))
+            .await
+            .unwrap();
+        let t = a.caller().wait(&h, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(t.outcome, Outcome::Completed);
+    }
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("quick"))
+        .await
+        .unwrap();
+    let t = a.caller().wait(&h, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(t.outcome, Outcome::Rejected);
+    let error = result_error(&a, &h, &t);
+    assert!(error.starts_with("saturated"), "{error}");
+    assert_eq!(b.callee_footprint().nonces, 2, "the two admitted requests");
+    a.shutdown().await;
+    b.shutdown().await;
 }
 
 /// A request the callee refuses (`saturated`: the caller's one slot is

@@ -67,6 +67,7 @@ fn callee(
             policy: live,
             max_concurrent: 16,
             max_concurrent_per_peer: 16,
+            max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
         }),
         audit: None,
         state: None,

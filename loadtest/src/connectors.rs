@@ -177,6 +177,9 @@ fn start(
             policy: Arc::new(policy()?),
             max_concurrent: CALLEE_MAX_CONCURRENT,
             max_concurrent_per_peer: CALLEE_MAX_CONCURRENT,
+            // The default share: a run at thousands of delegations a second
+            // with these 600 s deadlines fills it in seconds (then `saturated`).
+            max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
         }),
         None => None,
     };

@@ -108,6 +108,7 @@ fn start_from(
             policy: Arc::new(policy),
             max_concurrent: p.max_concurrent,
             max_concurrent_per_peer: p.max_concurrent_per_peer,
+            max_live_requests_per_peer: p.max_live_requests_per_peer,
         }),
         audit: None,
         state: None,

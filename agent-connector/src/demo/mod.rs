@@ -311,6 +311,7 @@ fn start(
             policy: Arc::new(policy()),
             max_concurrent: 4,
             max_concurrent_per_peer: 4,
+            max_live_requests_per_peer: crate::nonce::NonceCache::DEFAULT_PER_CALLER,
         }),
         audit: None,
         state: None,

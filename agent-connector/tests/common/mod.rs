@@ -282,6 +282,7 @@ pub fn connector_state(
             policy: Arc::new(policy()),
             max_concurrent: 512,
             max_concurrent_per_peer: 512,
+            max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
         }),
         audit,
         state,
