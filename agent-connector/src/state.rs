@@ -70,7 +70,11 @@
 //! under `max(COMPACT_MIN_BYTES, COMPACT_RATIO × live set)` plus one frame;
 //! saves queued while a compaction runs wait for it (at most one write of
 //! the live set). If a compaction fails it is logged and retried once the
-//! journal has grown by another [`COMPACT_MIN_BYTES`].
+//! journal has grown by another [`COMPACT_MIN_BYTES`]. A writer that had
+//! nothing to do for [`IDLE_COMPACT_AFTER`] after writing compacts once if
+//! the journal's records are at least an eighth of the live set, so an
+//! idle connector's folder holds about its live set (the soak run checks
+//! it does not grow with the delegations it served).
 //!
 //! **Upgrade.** Earlier versions kept one `<key>.json` file per delegation.
 //! [`FileState::open`] takes such files into the journal (synced) and only
@@ -149,6 +153,11 @@ pub const MAX_QUEUED_BYTES: usize = 16 << 20;
 pub const COMPACT_MIN_BYTES: u64 = 4 << 20;
 /// ... and only when it is this many times the live set.
 pub const COMPACT_RATIO: u64 = 4;
+/// A writer with nothing queued for this long compacts the journal once
+/// if it holds more than an eighth of the live set in records since the
+/// last compaction, so an idle connector's folder is its live set, not the
+/// live set plus up to [`COMPACT_RATIO`] times it of superseded records.
+pub const IDLE_COMPACT_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One persisted delegation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -305,6 +314,10 @@ struct Queue {
     /// Tests hold the writer to queue a known batch.
     #[cfg(test)]
     paused: bool,
+    /// Unit tests that read the files turn the idle compaction off (off
+    /// unless a test turns it on).
+    #[cfg(test)]
+    idle_compaction: bool,
 }
 
 struct Request {
@@ -597,6 +610,13 @@ impl FileState {
         self.shared().work.notify_all();
     }
 
+    /// Turns the idle compaction on or off (tests; off by default there).
+    #[cfg(test)]
+    fn idle_compaction(&self, on: bool) {
+        self.shared().queue.lock().idle_compaction = on;
+        self.shared().work.notify_all();
+    }
+
     /// Requests waiting for the writer (tests).
     #[cfg(test)]
     fn queued(&self) -> usize {
@@ -673,8 +693,9 @@ impl Shared {
     }
 
     /// The next batch: every queued request up to [`MAX_BATCH_BYTES`] (at
-    /// least one); `None` once the queue is closed and empty.
-    fn next_batch(&self) -> Option<Vec<Request>> {
+    /// least one); `None` once the queue is closed and empty. With `idle`,
+    /// an empty batch after [`IDLE_COMPACT_AFTER`] with nothing queued.
+    fn next_batch(&self, idle: bool) -> Option<Vec<Request>> {
         let mut q = self.queue.lock();
         loop {
             #[cfg(test)]
@@ -687,7 +708,16 @@ impl Shared {
             if q.items.is_empty() && q.closed {
                 return None;
             }
-            self.work.wait(&mut q);
+            #[cfg(test)]
+            let idle = idle && q.idle_compaction;
+            if idle {
+                if self.work.wait_for(&mut q, IDLE_COMPACT_AFTER).timed_out() && q.items.is_empty()
+                {
+                    return Some(Vec::new());
+                }
+            } else {
+                self.work.wait(&mut q);
+            }
         }
         let mut batch = Vec::new();
         let mut bytes = 0usize;
@@ -713,20 +743,33 @@ impl Shared {
         let _exit = WriterExit(self);
         let mut frame = Vec::with_capacity(64 * 1024);
         let mut compact_after = 0u64;
-        while let Some(batch) = self.next_batch() {
+        // Records were written since the last compaction.
+        let mut written_since = false;
+        while let Some(batch) = self.next_batch(written_since) {
+            let idle = batch.is_empty();
             let compact = batch.iter().any(|r| matches!(r.op, Op::Compact));
             let (written, compacts): (Vec<_>, Vec<_>) = batch
                 .into_iter()
                 .partition(|r| !matches!(r.op, Op::Compact));
             if !written.is_empty() {
                 self.write(written, &mut frame);
+                written_since = true;
             }
             let due = {
                 let f = self.files.lock();
+                let records = f.journal_len.saturating_sub(MAGIC_LEN);
                 f.failed.is_none()
-                    && f.journal_len >= COMPACT_MIN_BYTES.max(compact_after)
-                    && f.journal_len >= COMPACT_RATIO.saturating_mul(f.live_bytes)
+                    && if idle {
+                        records > 0 && records >= f.live_bytes / 8
+                    } else {
+                        f.journal_len >= COMPACT_MIN_BYTES.max(compact_after)
+                            && f.journal_len >= COMPACT_RATIO.saturating_mul(f.live_bytes)
+                    }
             };
+            if idle {
+                // One idle compaction (or none) per quiet spell.
+                written_since = false;
+            }
             if compact || due {
                 let result = self.compact();
                 match &result {
@@ -1432,6 +1475,35 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), bytes);
     }
 
+    /// A writer left idle after writing compacts once: the journal goes
+    /// back to its header, the snapshot holds the live set, and a reopen
+    /// reads the same records.
+    #[tokio::test]
+    async fn an_idle_writer_compacts_the_journal_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = FileState::open(dir.path()).unwrap();
+        state.idle_compaction(true);
+        for i in 0..50 {
+            state.save(&saved(&format!("req-{i}"), 0)).await.unwrap();
+            state.save(&saved(&format!("req-{i}"), 7)).await.unwrap();
+        }
+        let live = sorted(&state);
+        assert_eq!(live.len(), 50);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while state.journal_bytes() > MAGIC_LEN {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no idle compaction: the journal holds {} bytes",
+                state.journal_bytes()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(journal_len(dir.path()), MAGIC_LEN);
+        assert_eq!(sorted(&state), live);
+        drop(state);
+        let state = FileState::open(dir.path()).unwrap();
+        assert_eq!(sorted(&state), live);
+    }
     #[tokio::test]
     async fn compaction_keeps_exactly_the_live_set() {
         let dir = tempfile::tempdir().unwrap();
