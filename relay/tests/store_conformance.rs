@@ -241,6 +241,7 @@ conformance! {
     delegations_of_lists_caller_and_callee_side => retention(100);
     open_delegations_of_lists_only_those_without_a_terminal => retention(100);
     finished_delegations_expire => retention(100);
+    a_terminal_leaves_the_open_indexes_whoever_wrote_it => retention(100);
     descriptors => retention(100);
     epoch_is_stable => retention(100);
     batch_append_of_1000_entries => retention(10_000);
@@ -1293,6 +1294,65 @@ async fn finished_delegations_expire<S: EventStore>(s: &S) {
         s.delegations_of(&peer("acme/other")).await.unwrap(),
         vec![again]
     );
+}
+
+/// A terminal moves its delegation from the open indexes (the peers' open
+/// sets, the deadlines) to the finished one, whether the callee wrote it
+/// (on a single Redis server the append script does it) or the relay did
+/// in a batch where another peer's terminal was refused (the store does it
+/// after the script): neither is listed open or due any more, and each
+/// expires `finished_ttl_ms` after its own terminal.
+async fn a_terminal_leaves_the_open_indexes_whoever_wrote_it<S: EventStore>(s: &S) {
+    let by_callee = key("acme/caller", "by-callee");
+    let by_relay = key("acme/caller", "by-relay");
+    let open = key("acme/caller", "open");
+    let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
+    for k in [&by_callee, &by_relay, &open] {
+        created(s, open_req(k, CALLEE, 5_000, 100)).await;
+    }
+    let out = s
+        .append(vec![
+            peer_entry(&by_callee, Direction::Up, 1),
+            terminal_entry(&by_callee, 2, Outcome::Completed, 10_000),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        vec![
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::Appended { seq: 2 }
+        ]
+    );
+    let out = s
+        .append(vec![
+            sent_by(
+                terminal_entry(&by_relay, 1, Outcome::Completed, 20_000),
+                "acme/intruder",
+            ),
+            AppendRequest {
+                now_ms: 20_000,
+                ..relay_entry(&by_relay, Direction::Up, 1, Some(Outcome::Expired))
+            },
+        ])
+        .await
+        .unwrap();
+    assert_eq!(out[0], AppendOutcome::NotParty);
+    assert_eq!(out[1], AppendOutcome::Appended { seq: 1 });
+    for p in ["acme/caller", CALLEE] {
+        assert_eq!(
+            keys(s.open_delegations_of(&peer(p)).await.unwrap()),
+            vec![open.clone()],
+            "open delegations of {p}"
+        );
+    }
+    assert_eq!(s.due(u64::MAX, 10).await.unwrap(), vec![open.clone()]);
+    assert_eq!(s.expire_finished(10_000 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(s.meta(&by_callee).await.unwrap(), None);
+    assert!(s.meta(&by_relay).await.unwrap().is_some());
+    assert_eq!(s.expire_finished(20_000 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(s.meta(&by_relay).await.unwrap(), None);
+    assert!(s.meta(&open).await.unwrap().is_some());
 }
 
 async fn descriptors<S: EventStore>(s: &S) {

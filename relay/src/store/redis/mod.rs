@@ -35,7 +35,11 @@
 //! The cross-delegation indexes (peer sets, deadlines, finished) are updated
 //! with separate single-key commands after the script, which is what Redis
 //! Cluster allows; on a single server the `open` script indexes the
-//! delegation it creates itself (one round trip per open). They can
+//! delegation it creates itself (one round trip per open), and the `append`
+//! script of a batch with the callee's terminal moves the delegation from
+//! the open indexes to the finished one itself (the terminal is then
+//! delivered one round trip sooner; a terminal the relay writes, on expiry
+//! for one, is still indexed after its script). They can
 //! therefore be stale (a crash between the script and the index update, or
 //! `PEXPIRE` dropping a delegation): every reader checks candidates against
 //! the meta hash and removes stale members, and an `open` that finds an
@@ -47,7 +51,8 @@
 //! delegation in the batch (a run of one delegation's entries is one script
 //! call: its meta hash is read and written once, its logs trimmed once), one
 //! round trip after the peer budget's (plus one for the indexes when an
-//! entry set a terminal). If Redis
+//! entry set a terminal; on a single server a batch is one round trip, the
+//! budgets and the callee's terminal's index in its script). If Redis
 //! refuses a script (out of memory under `noeviction`, say) or the connection
 //! fails mid-batch, the call returns [`StoreError::Unavailable`] although some
 //! entries may be durable; resending is safe: a peer's entries then come back
@@ -816,15 +821,40 @@ impl EventStore for RedisStore {
                     }
                 }
             }
+            // Fused, with the callee's terminal among the entries: the
+            // finished-index keys follow, and the script moves the
+            // delegation out of the open indexes itself (the callee's set
+            // named by the terminal's sender, which the script checks
+            // against the meta's callee; otherwise it leaves the index to
+            // `index_finished` below).
+            let index_keys = fused
+                .then(|| {
+                    group.iter().filter_map(|&i| reqs.get(i)).find_map(|req| {
+                        match (&req.origin, req.dir, req.terminal) {
+                            (Origin::Peer { peer, .. }, Direction::Up, Some(_)) => Some([
+                                peer_open_key(&first.key.caller),
+                                peer_open_key(peer),
+                                DEADLINES_KEY.to_string(),
+                                FINISHED_KEY.to_string(),
+                            ]),
+                            _ => None,
+                        }
+                    })
+                })
+                .flatten();
             let mut key_names: Vec<&str> = vec![&keys.meta, &keys.down, &keys.up];
             key_names.extend(budget_keys.iter().map(|(_, k)| k.as_str()));
+            if let Some(index) = &index_keys {
+                key_names.extend(index.iter().map(String::as_str));
+            }
             let mut cmd = evalsha(&self.scripts.append, &key_names);
             cmd.arg(self.maxlen)
                 .arg(self.ttl_ms)
                 .arg(first.key.caller.as_str())
                 .arg(self.retention.max_delegation_bytes)
                 .arg(self.retention.max_peer_bytes)
-                .arg(first.key.to_string());
+                .arg(first.key.to_string())
+                .arg(if index_keys.is_some() { "1" } else { "0" });
             for &i in group {
                 let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
                     continue;

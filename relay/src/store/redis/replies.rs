@@ -225,7 +225,8 @@ pub(super) fn parse_append(
         u64_of(value).ok_or_else(|| corrupt(format!("append reply {code:?} lacks a number")))
     };
     let outcome = match code {
-        Some("A") => {
+        // `I`: it set the terminal, and the script updated the indexes.
+        Some("A" | "I") => {
             return Ok((AppendOutcome::Appended { seq: req.seq }, None, num()?));
         }
         Some("F") => {

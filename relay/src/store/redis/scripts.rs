@@ -29,9 +29,13 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 
 /// `append` (a batch of one delegation's entries, in order): KEYS meta,
 /// down log, up log, then on a single server the byte budget hash of each
-/// sender among the entries; ARGV maxlen, ttl, the delegation's caller,
-/// `max_delegation_bytes`, `max_peer_bytes`, the delegation's budget member
-/// (`<caller>#<rid>`), then nine per entry: dir (`d`|`u`), seq, origin (`r`
+/// sender among the entries, then (when ARGV 7 is `1`) the finished-index
+/// keys: the caller's and the callee's open-delegation sets,
+/// `oab:deadlines` and `oab:finished`; ARGV maxlen, ttl, the delegation's
+/// caller, `max_delegation_bytes`, `max_peer_bytes`, the delegation's
+/// budget member (`<caller>#<rid>`), whether the index keys follow (`1`,
+/// on a single server for a batch with the callee's terminal, or `0`),
+/// then nine per entry: dir (`d`|`u`), seq, origin (`r`
 /// for the relay, else the instance hex), terminal (outcome name or empty),
 /// frame, now, wake channel (or empty: when set, an appended entry is also
 /// published there as `W<frame>`, atomically with the append, so a wake-up
@@ -57,7 +61,9 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// per entry, then the delegation's deadline and callee (for the index
 /// entry of a terminal): `A, trimmed` appended, `F, trimmed` appended and it
 /// set the terminal (`trimmed`: bytes the trim dropped from this log because
-/// of this entry, an integer), `D, sender_tail`, `H, tail`, `C, tail`,
+/// of this entry, an integer), `I, trimmed` the same, and the script moved
+/// the delegation from the open indexes to the finished one itself (with
+/// the index keys, and the callee's set being the meta callee's), `D, sender_tail`, `H, tail`, `C, tail`,
 /// `T, outcome or ''` (already terminal), `P, ''` or `B, 'd'|'p'`. The
 /// stream id of an entry is its sequence (`<seq>-0`).
 const APPEND_LUA: &str = include_str!("lua/append.lua");
@@ -216,7 +222,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "f9fbe07ff2db429a25a9758f9789f08d78eb798a",
+                "5bb709a52780fcf989844957ae1933c7bf6d122b",
             ),
             (
                 "charge",

@@ -43,7 +43,7 @@ local cur = m[5] or ''
 local acc = m[6] or ''
 local party = {d = ARGV[3], u = m[8]}
 local left = {d = 0, u = 0}
-for i = 7, #ARGV, 9 do
+for i = 8, #ARGV, 9 do
   local dir = ARGV[i]
   left[dir] = left[dir] + 1
 end
@@ -54,9 +54,10 @@ local head = {}
 local qlen = {}
 local moved = {}
 local term_ms = nil
+local term_at = nil
 local out = {}
 local n = 0
-for b = 6, #ARGV - 1, 9 do
+for b = 7, #ARGV - 1, 9 do
   local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local seq = tonumber(seqs)
   local t = tail[dir]
@@ -133,6 +134,7 @@ for b = 6, #ARGV - 1, 9 do
       cur = term
       term_ms = ARGV[b + 6]
       code = 'F'
+      term_at = n + 1
     else
       code = 'A'
     end
@@ -196,6 +198,18 @@ elseif cur ~= '' and (len.d or len.u) then
     for dir, key in pairs(log) do
       if len[dir] then redis.call('PEXPIRE', key, ttl) end
     end
+  end
+end
+if term_ms and ARGV[7] == '1' and m[7] and m[8] then
+  local nk = #KEYS
+  if KEYS[nk - 2] == 'oab:p:{' .. m[8] .. '}:open' then
+    local member = ARGV[6]
+    local function pad(d) return string.rep('0', 20 - #d) .. d end
+    redis.call('SREM', KEYS[nk - 3], member)
+    redis.call('SREM', KEYS[nk - 2], member)
+    redis.call('ZREM', KEYS[nk - 1], pad(m[7]) .. '|' .. member)
+    redis.call('ZADD', KEYS[nk], 0, pad(term_ms) .. '|' .. member .. '|' .. m[8])
+    out[term_at] = 'I'
   end
 end
 out[n + 1] = m[7] or ''
