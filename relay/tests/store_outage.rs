@@ -134,7 +134,28 @@ async fn one_master_down_is_not_ready_and_logs_little() {
         down.contains(&format!("master {dead} (slots 10922-16383) unreachable")),
         "the answer names the shard that is down:\n{down}"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Store errors name the shard that is down (the fleet's liveness key,
+    // renewed every 500 ms, is on node 2's slots), never a redirect. The
+    // first one comes once the cluster client gave up its retries (up to
+    // its 5 s response timeout): the shard stays down until then (bounded).
+    let names_it =
+        |l: &str| l.contains("the shard of slot") && l.contains(&format!("(master {dead})"));
+    let named = tokio::time::timeout(Duration::from_secs(30), async {
+        while !relay.log().lines().skip(before).any(names_it) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        named.is_ok(),
+        "no store error named the shard that is down:\n{}",
+        relay
+            .log()
+            .lines()
+            .skip(before)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     let cluster = tokio::task::spawn_blocking(move || cluster.restart_node(2).map(|()| cluster))
         .await
         .unwrap()
@@ -159,11 +180,7 @@ async fn one_master_down_is_not_ready_and_logs_little() {
         "{} lines during the outage:\n{shown}",
         during.len()
     );
-    // Store errors name the shard that is down (the fleet's liveness key,
-    // renewed every 500 ms, is on node 2's slots), never a redirect.
-    let names_it =
-        |l: &&str| l.contains("the shard of slot") && l.contains(&format!("(master {dead})"));
-    assert!(during.iter().any(names_it), "{shown}");
+    assert!(during.iter().any(|l| names_it(l)), "{shown}");
     assert!(!during.iter().any(|l| l.contains("Moved")), "{shown}");
     eprintln!(
         "{} lines during the outage ({from_client} from the Redis client):\n{shown}",
