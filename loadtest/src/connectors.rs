@@ -36,6 +36,10 @@ pub const CALLEE_MAX_CONCURRENT: usize = 4_096;
 /// Audit records the callee's sink keeps: five or so per delegation for the
 /// largest default run (cancel-race, 1,000), with a wide margin.
 pub const AUDIT_CAPACITY: usize = 1_000_000;
+/// Requests a benchmark callee keeps for one caller (its replay cache
+/// share): one `delegations` level of the default --max-delegations, whose
+/// 600 s deadlines all outlive the run. The connector's default is 16,384.
+pub const BENCH_LIVE_REQUESTS_PER_PEER: usize = 1 << 20;
 
 /// First reconnect backoff of the scenarios' connectors (the library default
 /// is 100 ms; a fault scenario reconnects hundreds of times).
@@ -177,9 +181,11 @@ fn start(
             policy: Arc::new(policy()?),
             max_concurrent: CALLEE_MAX_CONCURRENT,
             max_concurrent_per_peer: CALLEE_MAX_CONCURRENT,
-            // The default share: a run at thousands of delegations a second
-            // with these 600 s deadlines fills it in seconds (then `saturated`).
-            max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
+            // A callee keeps every request until its deadline (600 s here),
+            // so the default share (16,384) would refuse a run at thousands
+            // of delegations a second as `saturated` after a few seconds;
+            // this one holds a level of the default --max-delegations.
+            max_live_requests_per_peer: BENCH_LIVE_REQUESTS_PER_PEER,
         }),
         None => None,
     };

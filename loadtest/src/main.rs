@@ -26,6 +26,14 @@ use oab_loadtest::scenario::throughput::ThroughputOptions;
 use oab_loadtest::scenario::{self, Common};
 use oab_loadtest::setup::Tuning;
 
+/// The allocator of the relay's and the connector's binaries (jemalloc),
+/// so the connectors and the relay this process runs in-process are
+/// measured as operators run them. With glibc's `malloc`, `malloc`, `free`
+/// and `malloc_consolidate` were about 17% of this process's samples at 256
+/// delegations in flight (BENCHMARKS.md, "Delegations end to end").
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 const ABOUT: &str = "Benchmarks for OAB Relay, on this machine's loopback.";
 
 const LONG_ABOUT: &str = "\
