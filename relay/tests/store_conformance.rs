@@ -1721,9 +1721,10 @@ async fn redis_connect_failure_is_unavailable() {
 
 /// A peer's byte budget hash lives exactly as long as it holds bytes: each
 /// dropped delegation takes its member away, the last one the hash, also
-/// when Redis dropped the delegation by itself first.
+/// when Redis dropped the delegation by itself first; and the expired
+/// delegations leave no member in the peers' sets or the finished index.
 #[tokio::test]
-async fn redis_peer_budget_keys_go_away_with_their_delegations() {
+async fn redis_peer_budget_and_index_keys_go_away_with_their_delegations() {
     let r = Retention {
         finished_ttl_ms: 100,
         ..retention(100)
@@ -1786,6 +1787,19 @@ async fn redis_peer_budget_keys_go_away_with_their_delegations() {
             .await
             .unwrap();
         assert_eq!(n, 0, "{p}'s budget hash outlived its delegations");
+    }
+    let mut index: Vec<String> = [CALLEE, "acme/caller"]
+        .iter()
+        .flat_map(|p| [format!("oab:p:{{{p}}}:dlg"), format!("oab:p:{{{p}}}:open")])
+        .collect();
+    index.extend(["oab:finished".to_string(), "oab:deadlines".to_string()]);
+    for k in index {
+        let n: u64 = redis::cmd("EXISTS")
+            .arg(&k)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{k} outlived the delegations it indexed");
     }
 }
 

@@ -39,7 +39,10 @@
 //! script of a batch with the callee's terminal moves the delegation from
 //! the open indexes to the finished one itself (the terminal is then
 //! delivered one round trip sooner; a terminal the relay writes, on expiry
-//! for one, is still indexed after its script). They can
+//! for one, is still indexed after its script), and the `expire` script
+//! of a finished delegation takes it out of `oab:finished` and the peer
+//! sets and gives its bytes back to both peers' budgets (one call per
+//! delegation instead of three, and one round trip per chunk). They can
 //! therefore be stale (a crash between the script and the index update, or
 //! `PEXPIRE` dropping a delegation): every reader checks candidates against
 //! the meta hash and removes stale members, and an `open` that finds an
@@ -120,7 +123,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
-use oab_wire::{DelegationKey, Direction, Outcome, PeerId};
+use oab_wire::{DelegationKey, Direction, InstanceId, Outcome, PeerId};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
@@ -647,6 +650,85 @@ impl RedisStore {
         }
     }
 
+    /// [`EventStore::expire_finished`] on a single server: per member of
+    /// `oab:finished` below `upper`, one `expire` script call that deletes
+    /// the delegation, takes the member out of the index and the peer sets
+    /// and gives the delegation's bytes back to both budgets (on a cluster
+    /// those keys live in other slots: a cleanup pipeline and `uncharge`
+    /// calls follow the scripts instead). One round trip per chunk after
+    /// the range read.
+    async fn expire_finished_fused(&self, upper: &str) -> Result<u64, StoreError> {
+        let mut expired = 0u64;
+        loop {
+            let members = self
+                .range_below(FINISHED_KEY, upper, 0, EXPIRE_CHUNK as u64)
+                .await?;
+            if members.is_empty() {
+                break;
+            }
+            let fetched = members.len();
+            let mut scripts = pipeline();
+            let mut unreadable = pipeline();
+            for m in members {
+                let target = str_of(&m).and_then(parse_finished_member);
+                let Value::BulkString(member) = m else {
+                    return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&m))));
+                };
+                let Some((at, key, callee)) = target else {
+                    // Unreadable: drop it from the index, count nothing.
+                    unreadable.zrem(FINISHED_KEY, member);
+                    continue;
+                };
+                let keys = DelegationKeys::new(&key);
+                let (caller_set, callee_set) = (peer_set_key(&key.caller), peer_set_key(&callee));
+                let (caller_bytes, callee_bytes) =
+                    (peer_bytes_key(&key.caller), peer_bytes_key(&callee));
+                let mut cmd = evalsha(
+                    &self.scripts.expire,
+                    &[
+                        &keys.meta,
+                        &keys.down,
+                        &keys.up,
+                        FINISHED_KEY,
+                        &caller_set,
+                        &callee_set,
+                        &caller_bytes,
+                        &callee_bytes,
+                    ],
+                );
+                cmd.arg(at).arg(member).arg(key.to_string());
+                scripts.add_command(cmd);
+            }
+            if !unreadable.is_empty() {
+                let removed = self.query_pipeline(&unreadable, true, "expire").await?;
+                first_error(&removed, "expire")?;
+            }
+            if !scripts.is_empty() {
+                let replies = self
+                    .eval_batch(&self.scripts.expire, scripts, true, "expire")
+                    .await?;
+                for reply in replies {
+                    // Count an entry once, by whoever removed it from the
+                    // index, and only if the delegation is gone.
+                    let counted = match reply_array(reply, "expire")?.as_slice() {
+                        [gone, removed] => u64_of(gone) == Some(1) && u64_of(removed) == Some(1),
+                        other => {
+                            return Err(corrupt(format!(
+                                "expire: expected {{gone, removed}}, got {} values",
+                                other.len()
+                            )));
+                        }
+                    };
+                    expired += u64::from(counted);
+                }
+            }
+            if fetched < EXPIRE_CHUNK {
+                break;
+            }
+        }
+        Ok(expired)
+    }
+
     /// Metas of `keys` (None where gone), one round trip.
     async fn metas(
         &self,
@@ -855,6 +937,9 @@ impl EventStore for RedisStore {
                 .arg(self.retention.max_peer_bytes)
                 .arg(first.key.to_string())
                 .arg(if index_keys.is_some() { "1" } else { "0" });
+            // A group's entries mostly come from one connection: its
+            // instance is formatted once.
+            let mut origin_hex: Option<(InstanceId, String)> = None;
             for &i in group {
                 let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
                     continue;
@@ -870,7 +955,15 @@ impl EventStore for RedisStore {
                         None
                     }
                     Origin::Peer { peer, instance } => {
-                        cmd.arg(instance.to_hex());
+                        match &origin_hex {
+                            Some((at, hex)) if at == instance => cmd.arg(hex.as_str()),
+                            _ => {
+                                let hex = instance.to_hex();
+                                cmd.arg(hex.as_str());
+                                origin_hex = Some((*instance, hex));
+                                &mut cmd
+                            }
+                        };
                         Some(peer)
                     }
                 };
@@ -1081,6 +1174,9 @@ impl EventStore for RedisStore {
     async fn expire_finished(&self, now_ms: u64) -> Result<u64, StoreError> {
         let cutoff = now_ms.saturating_sub(self.retention.finished_ttl_ms);
         let upper = lex_upper_bound(cutoff);
+        if !self.is_cluster() {
+            return self.expire_finished_fused(&upper).await;
+        }
         let mut expired = 0u64;
         loop {
             let members = self

@@ -53,9 +53,13 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// pass `max_delegation_bytes`, `{'B', 'p'}` if the peer budget refused it.
 /// Every append adds the frame to its log's held bytes and takes off what
 /// the log's `MAXLEN` trims because of it. The meta hash is read once and
-/// written once, each log is trimmed once (exact `MAXLEN`, the same entries
-/// as one trim per append would drop) and `XLEN`/`XRANGE` run only for a log
-/// that gets an entry, `XRANGE` only when that log reaches its cap.
+/// written once (the held bytes `db`/`ub` with the tails, no `HINCRBY`), a
+/// budget hash once per sender, each log is trimmed once (exact `MAXLEN`,
+/// the same entries as one trim per append would drop), and `XLEN` runs
+/// only for a log that gets an entry and whose tail plus the batch's
+/// entries could pass `MAXLEN` (a log holds at most one entry per sequence
+/// up to its tail, so below that nothing is trimmed), `XRANGE` only when
+/// that log reaches its cap.
 ///
 /// Returns `{'U'}` when the delegation is unknown, else a code and a value
 /// per entry, then the delegation's deadline and callee (for the index
@@ -89,6 +93,16 @@ const READ_LUA: &str = include_str!("lua/read.lua");
 /// ms recorded in the index. Deletes the delegation if it is still the one
 /// the index entry was made for. Returns 1 if it is gone now, 0 if a newer
 /// delegation with the same key lives there.
+///
+/// On a single server it also cleans up after it (one call instead of a
+/// cleanup pipeline and two `uncharge` calls): KEYS then `oab:finished`,
+/// the caller's and the callee's delegation sets and their byte budget
+/// hashes; ARGV then the finished-index member and the delegation's member
+/// (`<caller>#<rid>`). It removes the index member, and when the delegation
+/// is gone also the set members and whatever the delegation still holds of
+/// each budget (as `uncharge` with no bytes does), and returns `{gone,
+/// removed}`, `removed` being 1 if this call took the member out of
+/// `oab:finished`.
 const EXPIRE_LUA: &str = include_str!("lua/expire.lua");
 
 /// `claim`: KEYS presence; ARGV node, session, floor, incarnation. Returns the new
@@ -222,7 +236,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "5bb709a52780fcf989844957ae1933c7bf6d122b",
+                "0c2f096d53121550fcac96e5bcd5803ffc07a8b6",
             ),
             (
                 "charge",
@@ -238,7 +252,7 @@ mod tests {
             (
                 "expire",
                 EXPIRE_LUA,
-                "747cf0db1f8a5772d724deb9c7bf411680937769",
+                "6765c80a392f893e0c095b9d197c076a3d831f3f",
             ),
             (
                 "claim",

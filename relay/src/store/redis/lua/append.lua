@@ -95,7 +95,10 @@ for b = 7, #ARGV - 1, 9 do
     local size = #frame
     local l = len[dir]
     if not l then
-      l = redis.call('XLEN', log[dir])
+      -- A log holds at most one entry per sequence up to its tail, so
+      -- when the tail and this batch's entries fit under maxlen nothing
+      -- is trimmed and the tail bounds the length: no XLEN needed.
+      if seq - 1 + left[dir] <= maxlen then l = seq - 1 else l = redis.call('XLEN', log[dir]) end
       queue[dir] = {}
       head[dir] = 1
       qlen[dir] = 0
@@ -168,25 +171,28 @@ if term_ms then
   fields[#fields + 1] = 'tms'
   fields[#fields + 1] = term_ms
 end
+local held_at = {d = tonumber(m[9] or '0'), u = tonumber(m[10] or '0')}
+for dir, _ in pairs(log) do
+  if len[dir] then
+    fields[#fields + 1] = dir .. 'b'
+    fields[#fields + 1] = string.format('%.0f', held_at[dir] + added[dir])
+  end
+end
 if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
 for k, budget in pairs(budgets) do
   local key = KEYS[3 + k]
-  if budget.member > 0 then
-    redis.call('HSET', key, ARGV[6], string.format('%.0f', budget.member))
+  if budget.total <= 0 then
+    redis.call('DEL', key)
+  elseif budget.member > 0 then
+    redis.call('HSET', key, ARGV[6], string.format('%.0f', budget.member),
+      'total', string.format('%.0f', budget.total))
   else
     redis.call('HDEL', key, ARGV[6])
-  end
-  if budget.total > 0 then
     redis.call('HSET', key, 'total', string.format('%.0f', budget.total))
-  else
-    redis.call('DEL', key)
   end
 end
 for dir, key in pairs(log) do
-  if len[dir] then
-    if head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
-    redis.call('HINCRBY', KEYS[1], dir .. 'b', string.format('%.0f', added[dir]))
-  end
+  if len[dir] and head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
 end
 if term_ms then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
