@@ -248,6 +248,11 @@ async fn delegations_smoke_verifies_every_delegation() {
     for l in levels {
         assert!(l["verified"].as_u64().unwrap() > 0, "{l}");
         assert_eq!(l["failed"], 0, "{l}");
+        // Where the level's CPU went: this process's is always readable;
+        // the memory store has no redis-server to read.
+        let cpu = &l["cpu_us_per_delegation"];
+        assert!(cpu["loadtest"].as_f64().is_some_and(|us| us >= 0.0), "{l}");
+        assert!(cpu["redis"].is_null(), "{l}");
     }
     assert!(
         report.json["baselines"][0]["frames_per_sec"]

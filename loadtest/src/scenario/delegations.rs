@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::throughput::{ThroughputOptions, relay_case};
-use super::{Common, relay_bin, run_header};
+use super::{Common, cpu_seconds, relay_bin, run_header};
 use crate::connectors::{AUDIT_CAPACITY, WatchedAudit, new_delegation, start_callee, start_caller};
 use crate::endpoint::latency_histogram;
 use crate::relay::{RelayUnderTest, StoreKind};
@@ -92,8 +92,59 @@ pub struct LevelResult {
     pub round_trip: Percentiles,
     /// `1e6/events_per_sec - 1e6/raw frames_per_sec`, µs.
     pub overhead_us_per_event: Option<f64>,
+    /// CPU time each process used over the level, per verified delegation.
+    pub cpu_us_per_delegation: CpuPerDelegation,
     /// The first few failures, described.
     pub errors: Vec<String>,
+}
+
+/// CPU time (user + system) per verified delegation over one level, µs:
+/// where a level's cores went. `None` where it could not be read (or, for
+/// the relay, when it runs in this process and is part of `loadtest`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct CpuPerDelegation {
+    /// This process: both connectors (all signing and verification), and
+    /// the relay too with `--relay in-process`.
+    pub loadtest: Option<f64>,
+    /// The relay's process (`--relay process`).
+    pub relay: Option<f64>,
+    /// The relay's `redis-server` (`INFO cpu`; the Redis store only).
+    pub redis: Option<f64>,
+}
+
+/// CPU seconds so far of this process, the relay's and its Redis.
+#[derive(Debug, Clone, Copy)]
+struct CpuSample {
+    loadtest: Option<f64>,
+    relay: Option<f64>,
+    redis: Option<f64>,
+}
+
+impl CpuSample {
+    async fn take(relay: &RelayUnderTest) -> Self {
+        let redis = match relay.redis_socket() {
+            Some(_) => relay.redis_cpu_seconds().await.ok(),
+            None => None,
+        };
+        Self {
+            loadtest: cpu_seconds("self"),
+            relay: relay.pid().and_then(|p| cpu_seconds(&p.to_string())),
+            redis,
+        }
+    }
+
+    /// Per delegation from `self` to `later`, µs.
+    fn per_delegation(&self, later: &Self, delegations: u64) -> CpuPerDelegation {
+        let per = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if delegations > 0 => Some((b - a) * 1e6 / delegations as f64),
+            _ => None,
+        };
+        CpuPerDelegation {
+            loadtest: per(self.loadtest, later.loadtest),
+            relay: per(self.relay, later.relay),
+            redis: per(self.redis, later.redis),
+        }
+    }
 }
 
 /// The raw-frame baseline of one store.
@@ -272,7 +323,10 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
         caller.connected().await.context("caller connect")?;
         callee.connected().await.context("callee connect")?;
         for &n in &opts.in_flight {
+            let before = CpuSample::take(&relay).await;
             let mut r = Box::pin(level(&caller, store, n, opts, common.drain)).await;
+            r.cpu_us_per_delegation =
+                before.per_delegation(&CpuSample::take(&relay).await, r.verified);
             r.overhead_us_per_event = (r.events_per_sec > 0.0 && base.frames_per_sec > 0.0)
                 .then(|| 1e6 / r.events_per_sec - 1e6 / base.frames_per_sec);
             tracing::info!(
@@ -319,6 +373,9 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
             "rtt p99",
             "verified",
             "failed",
+            "cpu µs/d: lt",
+            "relay",
+            "redis",
         ],
     );
     for r in &levels {
@@ -342,6 +399,9 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
             fmt_us(r.round_trip.p99_us),
             fmt_count(r.verified as f64),
             r.failed.to_string(),
+            fmt_cpu(r.cpu_us_per_delegation.loadtest),
+            fmt_cpu(r.cpu_us_per_delegation.relay),
+            fmt_cpu(r.cpu_us_per_delegation.redis),
         ]);
     }
     let mut json = run_header("delegations", common, relay_bin(common).as_deref());
@@ -390,6 +450,11 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
             "overhead/event: 1/(events/s) - 1/(raw frames/s); an upper bound on the \
              connector's cost per event, as it includes each delegation's open, signing and \
              verification."
+                .into(),
+            "cpu µs/d: CPU time (user + system) over the level / its verified delegations: lt \
+             this process (both connectors, all signing and verification; with --relay \
+             in-process the relay too), relay its process, redis its redis-server (INFO cpu). \
+             The level's wind-down (the last delegations finishing) is included."
                 .into(),
         ],
         json,
@@ -463,6 +528,7 @@ async fn level(
         events_per_sec: per_sec((verified * (u64::from(opts.events) + 2)) as f64),
         round_trip: Percentiles::of(&rtt),
         overhead_us_per_event: None,
+        cpu_us_per_delegation: CpuPerDelegation::default(),
         errors,
     }
 }
@@ -512,4 +578,9 @@ async fn one(
         );
     }
     Ok(())
+}
+
+/// A CPU-per-delegation figure, or `-` where there is none.
+fn fmt_cpu(us: Option<f64>) -> String {
+    us.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
