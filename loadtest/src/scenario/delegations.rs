@@ -93,16 +93,17 @@ pub struct LevelResult {
     /// `1e6/events_per_sec - 1e6/raw frames_per_sec`, µs.
     pub overhead_us_per_event: Option<f64>,
     /// CPU time each process used over the level, per verified delegation.
-    pub cpu_us_per_delegation: CpuPerDelegation,
+    pub cpu_us_per_delegation: CpuSplit,
     /// The first few failures, described.
     pub errors: Vec<String>,
 }
 
-/// CPU time (user + system) per verified delegation over one level, µs:
-/// where a level's cores went. `None` where it could not be read (or, for
-/// the relay, when it runs in this process and is part of `loadtest`).
+/// CPU time (user + system) of each process the level runs on: seconds so
+/// far when sampled, µs per verified delegation in a [`LevelResult`] (where
+/// a level's cores went). `None` where it could not be read (or, for the
+/// relay, when it runs in this process and is part of `loadtest`).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct CpuPerDelegation {
+pub struct CpuSplit {
     /// This process: both connectors (all signing and verification), and
     /// the relay too with `--relay in-process`.
     pub loadtest: Option<f64>,
@@ -112,34 +113,23 @@ pub struct CpuPerDelegation {
     pub redis: Option<f64>,
 }
 
-/// CPU seconds so far of this process, the relay's and its Redis.
-#[derive(Debug, Clone, Copy)]
-struct CpuSample {
-    loadtest: Option<f64>,
-    relay: Option<f64>,
-    redis: Option<f64>,
-}
-
-impl CpuSample {
-    async fn take(relay: &RelayUnderTest) -> Self {
-        let redis = match relay.redis_socket() {
-            Some(_) => relay.redis_cpu_seconds().await.ok(),
-            None => None,
-        };
+impl CpuSplit {
+    /// CPU seconds so far of this process, the relay's and its Redis.
+    async fn sample(relay: &RelayUnderTest) -> Self {
         Self {
             loadtest: cpu_seconds("self"),
             relay: relay.pid().and_then(|p| cpu_seconds(&p.to_string())),
-            redis,
+            redis: relay.redis_cpu_seconds().await.ok(),
         }
     }
 
-    /// Per delegation from `self` to `later`, µs.
-    fn per_delegation(&self, later: &Self, delegations: u64) -> CpuPerDelegation {
+    /// From this sample to `later`, per delegation, µs.
+    fn per_delegation(&self, later: &Self, delegations: u64) -> Self {
         let per = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) if delegations > 0 => Some((b - a) * 1e6 / delegations as f64),
             _ => None,
         };
-        CpuPerDelegation {
+        Self {
             loadtest: per(self.loadtest, later.loadtest),
             relay: per(self.relay, later.relay),
             redis: per(self.redis, later.redis),
@@ -323,10 +313,10 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
         caller.connected().await.context("caller connect")?;
         callee.connected().await.context("callee connect")?;
         for &n in &opts.in_flight {
-            let before = CpuSample::take(&relay).await;
+            let before = CpuSplit::sample(&relay).await;
             let mut r = Box::pin(level(&caller, store, n, opts, common.drain)).await;
             r.cpu_us_per_delegation =
-                before.per_delegation(&CpuSample::take(&relay).await, r.verified);
+                before.per_delegation(&CpuSplit::sample(&relay).await, r.verified);
             r.overhead_us_per_event = (r.events_per_sec > 0.0 && base.frames_per_sec > 0.0)
                 .then(|| 1e6 / r.events_per_sec - 1e6 / base.frames_per_sec);
             tracing::info!(
@@ -528,7 +518,7 @@ async fn level(
         events_per_sec: per_sec((verified * (u64::from(opts.events) + 2)) as f64),
         round_trip: Percentiles::of(&rtt),
         overhead_us_per_event: None,
-        cpu_us_per_delegation: CpuPerDelegation::default(),
+        cpu_us_per_delegation: CpuSplit::default(),
         errors,
     }
 }

@@ -169,6 +169,9 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 const CLUSTER_RETRIES: u32 = 5;
 /// Members of `oab:finished` handled per round trip by `expire_finished`.
 const EXPIRE_CHUNK: usize = 512;
+/// A member of `oab:finished` as read (its bytes) and parsed: terminal ms,
+/// the delegation and its callee (`None`: unreadable).
+type FinishedEntry = (Vec<u8>, Option<(u64, DelegationKey, PeerId)>);
 /// Largest `PEXPIRE` argument sent: Redis refuses values whose absolute
 /// expiry overflows an i64 of milliseconds; 2^53 ms is about 285,000 years.
 const MAX_TTL_MS: u64 = 1 << 53;
@@ -650,81 +653,127 @@ impl RedisStore {
         }
     }
 
-    /// [`EventStore::expire_finished`] on a single server: per member of
-    /// `oab:finished` below `upper`, one `expire` script call that deletes
-    /// the delegation, takes the member out of the index and the peer sets
-    /// and gives the delegation's bytes back to both budgets (on a cluster
-    /// those keys live in other slots: a cleanup pipeline and `uncharge`
-    /// calls follow the scripts instead). One round trip per chunk after
-    /// the range read.
-    async fn expire_finished_fused(&self, upper: &str) -> Result<u64, StoreError> {
-        let mut expired = 0u64;
-        loop {
-            let members = self
-                .range_below(FINISHED_KEY, upper, 0, EXPIRE_CHUNK as u64)
-                .await?;
-            if members.is_empty() {
-                break;
-            }
-            let fetched = members.len();
-            let mut scripts = pipeline();
-            let mut unreadable = pipeline();
-            for m in members {
-                let target = str_of(&m).and_then(parse_finished_member);
-                let Value::BulkString(member) = m else {
-                    return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&m))));
-                };
-                let Some((at, key, callee)) = target else {
-                    // Unreadable: drop it from the index, count nothing.
-                    unreadable.zrem(FINISHED_KEY, member);
-                    continue;
-                };
-                let keys = DelegationKeys::new(&key);
-                let (caller_set, callee_set) = (peer_set_key(&key.caller), peer_set_key(&callee));
-                let (caller_bytes, callee_bytes) =
-                    (peer_bytes_key(&key.caller), peer_bytes_key(&callee));
-                let mut cmd = evalsha(
-                    &self.scripts.expire,
-                    &[
-                        &keys.meta,
-                        &keys.down,
-                        &keys.up,
-                        FINISHED_KEY,
-                        &caller_set,
-                        &callee_set,
-                        &caller_bytes,
-                        &callee_bytes,
-                    ],
-                );
-                cmd.arg(at).arg(member).arg(key.to_string());
+    /// One chunk of [`EventStore::expire_finished`] on a cluster, where the
+    /// index and budget keys live in other slots than the delegation's: the
+    /// `expire` scripts, then a cleanup pipeline (the index members, and the
+    /// peer sets of the delegations gone), then `uncharge` calls; three
+    /// round trips. Returns the delegations this call expired.
+    async fn expire_chunk_split(&self, chunk: Vec<FinishedEntry>) -> Result<u64, StoreError> {
+        let mut scripts = pipeline();
+        for (_, target) in &chunk {
+            if let Some((at, key, _)) = target {
+                let keys = DelegationKeys::new(key);
+                let mut cmd = evalsha(&self.scripts.expire, &[&keys.meta, &keys.down, &keys.up]);
+                cmd.arg(*at);
                 scripts.add_command(cmd);
             }
-            if !unreadable.is_empty() {
-                let removed = self.query_pipeline(&unreadable, true, "expire").await?;
-                first_error(&removed, "expire")?;
+        }
+        let mut gone = if scripts.is_empty() {
+            Vec::new()
+        } else {
+            self.eval_batch(&self.scripts.expire, scripts, true, "expire")
+                .await?
+        }
+        .into_iter();
+        // Per member: ZREM from the index (its reply position and whether
+        // the delegation is gone), then the peer sets if it is.
+        let mut cleanup = pipeline();
+        let mut counted = Vec::with_capacity(chunk.len());
+        let mut dropped = Vec::new();
+        for (member, target) in chunk {
+            let position = cleanup.len();
+            cleanup.zrem(FINISHED_KEY, member);
+            let Some((_, key, callee)) = target else {
+                // Unreadable: drop it from the index, count nothing.
+                continue;
+            };
+            let reply = gone.next().unwrap_or(Value::Nil);
+            if let Value::ServerError(e) = &reply {
+                return Err(StoreError::unavailable("redis expire", e));
             }
-            if !scripts.is_empty() {
-                let replies = self
-                    .eval_batch(&self.scripts.expire, scripts, true, "expire")
-                    .await?;
-                for reply in replies {
-                    // Count an entry once, by whoever removed it from the
-                    // index, and only if the delegation is gone.
-                    let counted = match reply_array(reply, "expire")?.as_slice() {
-                        [gone, removed] => u64_of(gone) == Some(1) && u64_of(removed) == Some(1),
-                        other => {
-                            return Err(corrupt(format!(
-                                "expire: expected {{gone, removed}}, got {} values",
-                                other.len()
-                            )));
-                        }
-                    };
-                    expired += u64::from(counted);
+            if u64_of(&reply) == Some(1) {
+                let k = key.to_string();
+                cleanup
+                    .srem(peer_set_key(&key.caller), &k)
+                    .srem(peer_set_key(&callee), &k);
+                counted.push(position);
+                dropped.push((key, callee));
+            }
+        }
+        let removed = self.query_pipeline(&cleanup, true, "expire").await?;
+        first_error(&removed, "expire")?;
+        // The dropped delegations' bytes leave their peers' budgets.
+        self.uncharge(
+            dropped
+                .iter()
+                .flat_map(|(key, callee)| [(&key.caller, key, None), (callee, key, None)]),
+        )
+        .await;
+        // Count an entry once, by whoever removed it from the index.
+        Ok(counted
+            .into_iter()
+            .filter(|&i| removed.get(i).and_then(u64_of) == Some(1))
+            .count() as u64)
+    }
+
+    /// One chunk of [`EventStore::expire_finished`] on a single server: per
+    /// member, one `expire` script call that deletes the delegation, takes
+    /// the member out of the index and the peer sets and gives the
+    /// delegation's bytes back to both budgets; one round trip. Returns the
+    /// delegations this call expired.
+    async fn expire_chunk_fused(&self, chunk: Vec<FinishedEntry>) -> Result<u64, StoreError> {
+        let mut scripts = pipeline();
+        let mut unreadable = pipeline();
+        for (member, target) in chunk {
+            let Some((at, key, callee)) = target else {
+                // Unreadable: drop it from the index, count nothing.
+                unreadable.zrem(FINISHED_KEY, member);
+                continue;
+            };
+            let keys = DelegationKeys::new(&key);
+            let (caller_set, callee_set) = (peer_set_key(&key.caller), peer_set_key(&callee));
+            let (caller_bytes, callee_bytes) =
+                (peer_bytes_key(&key.caller), peer_bytes_key(&callee));
+            let mut cmd = evalsha(
+                &self.scripts.expire,
+                &[
+                    &keys.meta,
+                    &keys.down,
+                    &keys.up,
+                    FINISHED_KEY,
+                    &caller_set,
+                    &callee_set,
+                    &caller_bytes,
+                    &callee_bytes,
+                ],
+            );
+            cmd.arg(at).arg(member).arg(key.to_string());
+            scripts.add_command(cmd);
+        }
+        if !unreadable.is_empty() {
+            let removed = self.query_pipeline(&unreadable, true, "expire").await?;
+            first_error(&removed, "expire")?;
+        }
+        if scripts.is_empty() {
+            return Ok(0);
+        }
+        let mut expired = 0u64;
+        let replies = self
+            .eval_batch(&self.scripts.expire, scripts, true, "expire")
+            .await?;
+        for reply in replies {
+            // Count an entry once, by whoever removed it from the index, and
+            // only if the delegation is gone.
+            let counted = match reply_array(reply, "expire")?.as_slice() {
+                [gone, removed] => u64_of(gone) == Some(1) && u64_of(removed) == Some(1),
+                other => {
+                    return Err(corrupt(format!(
+                        "expire: expected {{gone, removed}}, got {} values",
+                        other.len()
+                    )));
                 }
-            }
-            if fetched < EXPIRE_CHUNK {
-                break;
-            }
+            };
+            expired += u64::from(counted);
         }
         Ok(expired)
     }
@@ -1174,9 +1223,6 @@ impl EventStore for RedisStore {
     async fn expire_finished(&self, now_ms: u64) -> Result<u64, StoreError> {
         let cutoff = now_ms.saturating_sub(self.retention.finished_ttl_ms);
         let upper = lex_upper_bound(cutoff);
-        if !self.is_cluster() {
-            return self.expire_finished_fused(&upper).await;
-        }
         let mut expired = 0u64;
         loop {
             let members = self
@@ -1186,71 +1232,19 @@ impl EventStore for RedisStore {
                 break;
             }
             let fetched = members.len();
-            let mut parsed = Vec::with_capacity(fetched);
-            let mut scripts = pipeline();
+            let mut chunk = Vec::with_capacity(fetched);
             for m in members {
                 let target = str_of(&m).and_then(parse_finished_member);
-                let member = match m {
-                    Value::BulkString(b) => b,
-                    other => {
-                        return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&other))));
-                    }
+                let Value::BulkString(member) = m else {
+                    return Err(corrupt(format!("ZRANGEBYLEX: member {}", excerpt(&m))));
                 };
-                if let Some((at, key, _)) = &target {
-                    let keys = DelegationKeys::new(key);
-                    let mut cmd =
-                        evalsha(&self.scripts.expire, &[&keys.meta, &keys.down, &keys.up]);
-                    cmd.arg(*at);
-                    scripts.add_command(cmd);
-                }
-                parsed.push((member, target));
+                chunk.push((member, target));
             }
-            let mut gone = if scripts.is_empty() {
-                Vec::new()
+            expired += if self.is_cluster() {
+                self.expire_chunk_split(chunk).await?
             } else {
-                self.eval_batch(&self.scripts.expire, scripts, true, "expire")
-                    .await?
-            }
-            .into_iter();
-            // Per member: ZREM from the index (its reply position and whether
-            // the delegation is gone), then the peer sets if it is.
-            let mut cleanup = pipeline();
-            let mut counted = Vec::with_capacity(parsed.len());
-            let mut dropped = Vec::new();
-            for (member, target) in parsed {
-                let position = cleanup.len();
-                cleanup.zrem(FINISHED_KEY, member);
-                let Some((_, key, callee)) = target else {
-                    // Unreadable: drop it from the index, count nothing.
-                    continue;
-                };
-                let reply = gone.next().unwrap_or(Value::Nil);
-                if let Value::ServerError(e) = &reply {
-                    return Err(StoreError::unavailable("redis expire", e));
-                }
-                if u64_of(&reply) == Some(1) {
-                    let k = key.to_string();
-                    cleanup
-                        .srem(peer_set_key(&key.caller), &k)
-                        .srem(peer_set_key(&callee), &k);
-                    counted.push(position);
-                    dropped.push((key, callee));
-                }
-            }
-            let removed = self.query_pipeline(&cleanup, true, "expire").await?;
-            first_error(&removed, "expire")?;
-            // The dropped delegations' bytes leave their peers' budgets.
-            self.uncharge(
-                dropped
-                    .iter()
-                    .flat_map(|(key, callee)| [(&key.caller, key, None), (callee, key, None)]),
-            )
-            .await;
-            // Count an entry once, by whoever removed it from the index.
-            expired += counted
-                .into_iter()
-                .filter(|&i| removed.get(i).and_then(u64_of) == Some(1))
-                .count() as u64;
+                self.expire_chunk_fused(chunk).await?
+            };
             if fetched < EXPIRE_CHUNK {
                 break;
             }
