@@ -17,7 +17,7 @@
 //! | [`cp`] | OpenAB control-plane runtimes: a primary keeping N delegations in flight, a worker, a direct CP worker for the baseline |
 //! | [`a2a_agent`] | an A2A agent that answers every message with a completed task at once, behind a connector's driver |
 //! | [`scenario`] | `throughput`, `latency`, `sessions`, `delegations`, `cancel-race`, `reconnect-storm`, `slow-consumer`, `cross-instance`, `soak` |
-//! | [`xadd`] | Redis's own pipelined `XADD` rate on the relay's `redis-server`, the Redis store's baseline |
+//! | [`xadd`] | Redis's own pipelined `XADD` rate on the relay's `redis-server`, the Redis store's baseline, and the same `XADD`s from a script that does nothing else |
 //! | [`report`] | tables, JSON documents, violations |
 //! | [`chart`] | an SVG chart of the throughput and latency results |
 //!

@@ -58,7 +58,9 @@ them under relay.tuning.
 
 Scenarios:
   throughput  frames/s and MB/s per payload size, relay (memory and/or Redis
-              store) against a direct WSS connection, with ratios
+              store) against a direct WSS connection, with ratios; on Redis
+              also against that redis-server's own pipelined XADD rate and
+              the same XADDs from a script that does nothing else
   latency     round-trip p50/p90/p99/p99.9 at several offered loads,
               relay against direct
   sessions    relay memory per idle authenticated session, handshakes/s

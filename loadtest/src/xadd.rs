@@ -10,6 +10,11 @@
 //! relay's read batch) with at most `window` unanswered, the window of the
 //! relay case. What the relay adds per entry (its Lua script's checks and
 //! meta hash, the peer byte budget) is what the ratio measures.
+//!
+//! [`Via::Script`] makes the same `XADD`s from a Lua script that does
+//! nothing else ([`FLOOR_LUA`], one `EVAL` per chunk, the chunk's entries
+//! as its arguments, as the relay's `append` script gets a batch): the rate
+//! any script-based append could reach on that server, whatever its checks.
 
 use std::path::Path;
 use std::time::Duration;
@@ -25,9 +30,27 @@ pub const CHUNK: u64 = 256;
 /// it fails (a Redis that stopped answering).
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// The script of [`Via::Script`]: KEYS the stream; ARGV `MAXLEN`, then an
+/// id and a frame per entry. Returns how many entries it appended.
+pub const FLOOR_LUA: &str = "for i = 2, #ARGV - 1, 2 do \
+     redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[1], ARGV[i], 'f', ARGV[i + 1]) end \
+     return (#ARGV - 1) / 2";
+
+/// How the entries are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// One pipelined `XADD` command per entry.
+    Commands,
+    /// One `EVAL` of [`FLOOR_LUA`] per chunk of entries.
+    Script,
+}
+
 /// What one `XADD` measurement did.
 #[derive(Debug, Clone, Serialize)]
 pub struct XaddResult {
+    /// How the entries were sent.
+    pub via: Via,
     /// Bytes per entry (the relay case's frame length).
     pub entry_bytes: usize,
     /// Unanswered commands at most.
@@ -45,7 +68,9 @@ pub struct XaddResult {
 /// Appends `entry_bytes`-long entries to a fresh stream `stream` on the
 /// `redis-server` at `socket` for `seconds` (or `max` entries), keeping at
 /// most `window` unanswered, then deletes the stream.
+#[allow(clippy::too_many_arguments)]
 pub async fn measure(
+    via: Via,
     socket: &Path,
     stream: &str,
     entry_bytes: usize,
@@ -72,22 +97,42 @@ pub async fn measure(
         let sending = Instant::now() < stop_sending && sent < max;
         while sending && sent - answered + CHUNK <= window {
             out.clear();
-            for _ in 0..CHUNK {
-                sent += 1;
-                // Sequence 1 is the relay's `Open`: entries start at 2 there.
-                let id = format!("{}-0", sent + 1);
-                command(
-                    &mut out,
-                    &[
-                        b"XADD",
+            // Sequence 1 is the relay's `Open`: entries start at 2 there.
+            let ids: Vec<String> = (sent + 2..sent + 2 + CHUNK)
+                .map(|seq| format!("{seq}-0"))
+                .collect();
+            sent += CHUNK;
+            match via {
+                Via::Commands => {
+                    for id in &ids {
+                        command(
+                            &mut out,
+                            &[
+                                b"XADD",
+                                stream.as_bytes(),
+                                b"MAXLEN",
+                                maxlen.as_bytes(),
+                                id.as_bytes(),
+                                b"f",
+                                &entry,
+                            ],
+                        );
+                    }
+                }
+                Via::Script => {
+                    let mut args: Vec<&[u8]> = vec![
+                        b"EVAL",
+                        FLOOR_LUA.as_bytes(),
+                        b"1",
                         stream.as_bytes(),
-                        b"MAXLEN",
                         maxlen.as_bytes(),
-                        id.as_bytes(),
-                        b"f",
-                        &entry,
-                    ],
-                );
+                    ];
+                    for id in &ids {
+                        args.push(id.as_bytes());
+                        args.push(&entry);
+                    }
+                    command(&mut out, &args);
+                }
             }
             s.write_all(&out).await.context("writing XADDs")?;
         }
@@ -110,6 +155,7 @@ pub async fn measure(
     let _ = tokio::time::timeout(DRAIN, s.read(&mut buf)).await;
     let secs = last.duration_since(t0).as_secs_f64();
     Ok(XaddResult {
+        via,
         entry_bytes,
         window,
         chunk: CHUNK,
@@ -133,15 +179,16 @@ fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
     }
 }
 
-/// Counts `XADD` replies (bulk strings) across reads; any other reply is an
-/// error.
+/// Counts appended entries across reads: one per `XADD` reply (a bulk
+/// string), `n` per script reply (an integer); any other reply is an error.
 #[derive(Debug, Default)]
 struct Replies {
     pending: Vec<u8>,
 }
 
 impl Replies {
-    /// Takes the bytes of one read; returns how many replies completed.
+    /// Takes the bytes of one read; returns how many entries the replies
+    /// completed in it counted.
     fn feed(&mut self, bytes: &[u8]) -> anyhow::Result<u64> {
         self.pending.extend_from_slice(bytes);
         let mut at = 0usize;
@@ -153,6 +200,17 @@ impl Replies {
             };
             let line = rest.get(1..eol).unwrap_or_default();
             match rest.first() {
+                // The script's reply: how many entries it appended.
+                Some(b':') => {
+                    let n: u64 = std::str::from_utf8(line)
+                        .ok()
+                        .and_then(|l| l.parse().ok())
+                        .with_context(|| {
+                            format!("script reply {:?}", String::from_utf8_lossy(line))
+                        })?;
+                    at += eol + 2;
+                    done += n;
+                }
                 Some(b'$') => {
                     let len: usize = std::str::from_utf8(line)
                         .ok()
@@ -188,5 +246,13 @@ mod tests {
         assert_eq!(r.feed(b"$3\r\n2-0\r\n$3\r\n3-").unwrap(), 1);
         assert_eq!(r.feed(b"0\r\n").unwrap(), 1);
         assert!(r.feed(b"-ERR out of memory\r\n").is_err());
+    }
+
+    #[test]
+    fn a_script_reply_counts_its_entries() {
+        let mut r = Replies::default();
+        assert_eq!(r.feed(b":256\r\n:2").unwrap(), 256);
+        assert_eq!(r.feed(b"56\r\n$3\r\n2-0\r\n").unwrap(), 257);
+        assert!(r.feed(b":x\r\n").is_err());
     }
 }

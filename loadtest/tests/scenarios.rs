@@ -55,6 +55,18 @@ async fn throughput_counts_every_frame_on_every_path() {
     }
     assert_eq!(report.json["params"]["window"], 64);
     assert!(report.to_string().contains("relay-redis"));
+    // Redis's own rate, by commands and from a script, per size.
+    let baselines = report.json["redis_xadd_baseline"].as_array().unwrap();
+    assert_eq!(baselines.len(), 2, "{baselines:?}");
+    for b in baselines {
+        assert_eq!(b["xadd"]["via"], "commands", "{b}");
+        assert_eq!(b["script_xadd"]["via"], "script", "{b}");
+        for via in ["xadd", "script_xadd"] {
+            assert!(b[via]["appended"].as_u64().unwrap() > 0, "{b}");
+        }
+        assert!(b["script_xadd_vs_xadd"].as_f64().unwrap() > 0.0, "{b}");
+    }
+    assert!(report.to_string().contains("XADD in a script"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,6 +32,7 @@ use crate::relay::{RelayUnderTest, StoreKind};
 use crate::report::{Percentiles, Report, Table, fmt_count, fmt_size, fmt_us};
 use crate::setup::Setup;
 use crate::traffic::{CheckReport, DataTemplate, Progress, StreamCheck};
+use crate::xadd::Via;
 
 /// Options of the throughput scenario.
 #[derive(Debug, Clone, Serialize)]
@@ -112,6 +113,8 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
     let mut results: Vec<CaseResult> = Vec::new();
     let mut relay_pids = serde_json::Map::new();
     let mut xadds: Vec<(usize, crate::xadd::XaddResult)> = Vec::new();
+    // The same XADDs from a script that does nothing else.
+    let mut floors: Vec<(usize, crate::xadd::XaddResult)> = Vec::new();
 
     let direct = Arc::new(DirectListener::bind(&setup, &setup.config).await?);
     for &size in &opts.sizes {
@@ -148,23 +151,30 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
                     .iter()
                     .find(|r| r.path == Path::Relay(store) && r.payload_bytes == size)
                     .map_or(size, |r| r.frame_bytes);
-                let x = crate::xadd::measure(
-                    &socket,
-                    &format!("oab:bench:xadd:{size}"),
-                    frame_bytes,
-                    setup.tuning.max_log_entries,
-                    opts.window,
-                    opts.seconds,
-                    opts.max_frames,
-                )
-                .await
-                .with_context(|| format!("redis XADD baseline, {size} B"))?;
-                tracing::info!(
-                    payload = size,
-                    per_sec = x.per_sec.round(),
-                    "redis XADD baseline done"
-                );
-                xadds.push((size, x));
+                for via in [Via::Commands, Via::Script] {
+                    let x = crate::xadd::measure(
+                        via,
+                        &socket,
+                        &format!("oab:bench:xadd:{size}"),
+                        frame_bytes,
+                        setup.tuning.max_log_entries,
+                        opts.window,
+                        opts.seconds,
+                        opts.max_frames,
+                    )
+                    .await
+                    .with_context(|| format!("redis XADD baseline ({via:?}), {size} B"))?;
+                    tracing::info!(
+                        payload = size,
+                        ?via,
+                        per_sec = x.per_sec.round(),
+                        "redis XADD baseline done"
+                    );
+                    match via {
+                        Via::Commands => xadds.push((size, x)),
+                        Via::Script => floors.push((size, x)),
+                    }
+                }
             }
         }
         relay.stop().await;
@@ -255,6 +265,19 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
             ];
             row.extend(std::iter::repeat_n("-".to_string(), 6));
             table.row(row);
+            if let Some((_, f)) = floors.iter().find(|(s, _)| *s == r.payload_bytes) {
+                let mut row = vec![
+                    fmt_size(r.payload_bytes),
+                    "XADD in a script".into(),
+                    fmt_count(f.per_sec),
+                    format!("{:.1}", f.per_sec * r.payload_bytes as f64 / 1e6),
+                    "-".into(),
+                    ratio(f.per_sec, x.per_sec).map_or("-".into(), |v| format!("{v:.2}x")),
+                    fmt_count(f.appended as f64),
+                ];
+                row.extend(std::iter::repeat_n("-".to_string(), 6));
+                table.row(row);
+            }
         }
     }
     let mut json = run_header("throughput", common, relay_bin(common).as_deref());
@@ -268,9 +291,12 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
                 let relay = results
                     .iter()
                     .find(|r| r.path == Path::Relay(StoreKind::Redis) && r.payload_bytes == *size);
+                let floor = floors.iter().find(|(s, _)| s == size).map(|(_, f)| f);
                 serde_json::json!({
                     "payload_bytes": size,
                     "xadd": x,
+                    "script_xadd": floor,
+                    "script_xadd_vs_xadd": floor.and_then(|f| ratio(f.per_sec, x.per_sec)),
                     "relay_frames_per_sec": relay.map(|r| r.frames_per_sec),
                     "relay_vs_xadd": relay.and_then(|r| r.vs_xadd),
                 })
@@ -290,7 +316,10 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
                 .into(),
             "vs XADD (Redis store): relay frames/s / the same redis-server's own pipelined XADD \
              rate (one stream, entries as long as the frames, MAXLEN as the relay's, chunks of \
-             256, the same window), measured right after the relay's cases."
+             256, the same window), measured right after the relay's cases. XADD in a script: \
+             the same XADDs made by a Lua script that does nothing else (one EVAL per chunk, \
+             the chunk's entries as its arguments): what any script-based append reaches on \
+             this server."
                 .into(),
             "the window is advanced by acks (relay: durable; direct: received) and bounded by \
              the receiver's progress; all endpoints and the relay share this machine's CPUs."
@@ -561,4 +590,9 @@ async fn pair<A: Ws, B: Ws>(
                 .map(|c| c * 1e6 / frames as f64),
         },
     ))
+}
+
+/// `a / b`, when `b` is a rate.
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0).then(|| a / b)
 }
