@@ -199,26 +199,21 @@ impl Replies {
                 break;
             };
             let line = rest.get(1..eol).unwrap_or_default();
+            let number = || -> anyhow::Result<u64> {
+                std::str::from_utf8(line)
+                    .ok()
+                    .and_then(|l| l.parse().ok())
+                    .with_context(|| format!("reply {:?}", String::from_utf8_lossy(line)))
+            };
             match rest.first() {
                 // The script's reply: how many entries it appended.
                 Some(b':') => {
-                    let n: u64 = std::str::from_utf8(line)
-                        .ok()
-                        .and_then(|l| l.parse().ok())
-                        .with_context(|| {
-                            format!("script reply {:?}", String::from_utf8_lossy(line))
-                        })?;
+                    done += number()?;
                     at += eol + 2;
-                    done += n;
                 }
+                // An entry id.
                 Some(b'$') => {
-                    let len: usize = std::str::from_utf8(line)
-                        .ok()
-                        .and_then(|l| l.parse().ok())
-                        .with_context(|| {
-                            format!("XADD reply {:?}", String::from_utf8_lossy(line))
-                        })?;
-                    let whole = eol + 2 + len + 2;
+                    let whole = eol + 2 + usize::try_from(number()?)? + 2;
                     if rest.len() < whole {
                         break;
                     }

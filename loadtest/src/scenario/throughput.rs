@@ -254,29 +254,15 @@ pub async fn run(opts: &ThroughputOptions, common: &Common) -> anyhow::Result<Re
         if r.path == Path::Relay(StoreKind::Redis)
             && let Some((_, x)) = xadds.iter().find(|(s, _)| *s == r.payload_bytes)
         {
-            let mut row = vec![
-                fmt_size(r.payload_bytes),
-                "redis XADD alone".into(),
-                fmt_count(x.per_sec),
-                format!("{:.1}", x.per_sec * r.payload_bytes as f64 / 1e6),
-                "-".into(),
-                "1".into(),
-                fmt_count(x.appended as f64),
-            ];
-            row.extend(std::iter::repeat_n("-".to_string(), 6));
-            table.row(row);
+            table.row(baseline_row(
+                r.payload_bytes,
+                "redis XADD alone",
+                x,
+                Some(1.0),
+            ));
             if let Some((_, f)) = floors.iter().find(|(s, _)| *s == r.payload_bytes) {
-                let mut row = vec![
-                    fmt_size(r.payload_bytes),
-                    "XADD in a script".into(),
-                    fmt_count(f.per_sec),
-                    format!("{:.1}", f.per_sec * r.payload_bytes as f64 / 1e6),
-                    "-".into(),
-                    ratio(f.per_sec, x.per_sec).map_or("-".into(), |v| format!("{v:.2}x")),
-                    fmt_count(f.appended as f64),
-                ];
-                row.extend(std::iter::repeat_n("-".to_string(), 6));
-                table.row(row);
+                let vs = ratio(f.per_sec, x.per_sec);
+                table.row(baseline_row(r.payload_bytes, "XADD in a script", f, vs));
             }
         }
     }
@@ -590,6 +576,27 @@ async fn pair<A: Ws, B: Ws>(
                 .map(|c| c * 1e6 / frames as f64),
         },
     ))
+}
+
+/// A table row for one of Redis's own rates: frames/s, MB/s, its ratio
+/// to the plain `XADD`s, the entries appended.
+fn baseline_row(
+    payload: usize,
+    name: &str,
+    x: &crate::xadd::XaddResult,
+    vs_xadd: Option<f64>,
+) -> Vec<String> {
+    let mut row = vec![
+        fmt_size(payload),
+        name.into(),
+        fmt_count(x.per_sec),
+        format!("{:.1}", x.per_sec * payload as f64 / 1e6),
+        "-".into(),
+        vs_xadd.map_or("-".into(), |v| format!("{v:.2}x")),
+        fmt_count(x.appended as f64),
+    ];
+    row.extend(std::iter::repeat_n("-".to_string(), 6));
+    row
 }
 
 /// `a / b`, when `b` is a rate.
