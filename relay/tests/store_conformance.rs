@@ -15,7 +15,7 @@
     clippy::indexing_slicing
 )]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -253,6 +253,7 @@ conformance! {
     a_batch_is_judged_entry_by_entry => budgets(2, 1_000, 1 << 30);
     peer_byte_budget => budgets(100, 1 << 30, 1_000);
     peer_byte_budget_gives_back_trimmed_entries => budgets(2, 1 << 30, 1_000);
+    held_bytes_follow_a_long_stream_of_varied_sizes => budgets(STREAM_CAP, STREAM_BUDGET, 1 << 30);
 }
 
 // ---------------------------------------------------------------------------
@@ -618,6 +619,140 @@ async fn peer_byte_budget_gives_back_trimmed_entries<S: EventStore>(s: &S) {
         append1(s, sized(peer_entry(&k, Direction::Up, 21), 400)).await,
         AppendOutcome::Appended { seq: 21 }
     );
+}
+
+/// `max_log_entries` and `max_delegation_bytes` of [`Stream`]'s cases.
+const STREAM_CAP: u64 = 3;
+const STREAM_BUDGET: u64 = 3_000;
+
+/// A long stream on both logs of one delegation, far past `STREAM_CAP`, in
+/// batches of 1 to 6 entries of pseudo-random sizes and directions, with
+/// what the logs must hold modelled beside it.
+struct Stream {
+    key: DelegationKey,
+    /// The sizes each log holds, oldest first: down, up.
+    logs: [VecDeque<usize>; 2],
+    next: [u64; 2],
+    rng: u64,
+}
+
+impl Stream {
+    async fn open<S: EventStore>(s: &S, rid: &str) -> Stream {
+        let key = key("acme/caller", rid);
+        created(s, open_req(&key, CALLEE, 5_000, 1)).await;
+        let open = usize::try_from(open_len(&key)).unwrap();
+        Stream {
+            key,
+            logs: [VecDeque::from([open]), VecDeque::new()],
+            next: [2, 1],
+            rng: 7,
+        }
+    }
+
+    fn held(&self) -> u64 {
+        self.logs.iter().flatten().sum::<usize>() as u64
+    }
+
+    /// The next entry of log `at` (0 down, 1 up), and its place in the model.
+    fn entry(&mut self, at: usize, size: usize) -> AppendRequest {
+        let dir = [Direction::Down, Direction::Up][at];
+        let seq = self.next[at];
+        self.next[at] += 1;
+        let log = &mut self.logs[at];
+        log.push_back(size);
+        if log.len() > STREAM_CAP as usize {
+            log.pop_front();
+        }
+        sized(peer_entry(&self.key, dir, seq), size)
+    }
+
+    async fn batches<S: EventStore>(&mut self, s: &S, rounds: usize) {
+        for round in 0..rounds {
+            let mut batch = Vec::new();
+            for _ in 0..=round % 6 {
+                self.rng = self
+                    .rng
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let at = usize::from(!(self.rng >> 33).is_multiple_of(3));
+                let size = 1 + usize::try_from((self.rng >> 40) % 200).unwrap();
+                batch.push(self.entry(at, size));
+            }
+            let expect: Vec<AppendOutcome> = batch
+                .iter()
+                .map(|r| AppendOutcome::Appended { seq: r.seq })
+                .collect();
+            assert_eq!(s.append(batch).await.unwrap(), expect, "round {round}");
+            if round % 3 == 2 && self.logs[1].len() == STREAM_CAP as usize {
+                self.probe(s, round).await;
+            }
+        }
+    }
+
+    /// The delegation's held bytes are exactly the model's: one byte more
+    /// than the room left is refused, the room itself fits. Then three
+    /// one-byte entries trim the probe away again.
+    async fn probe<S: EventStore>(&mut self, s: &S, round: usize) {
+        let room = usize::try_from(STREAM_BUDGET - self.held()).unwrap();
+        let over = sized(peer_entry(&self.key, Direction::Up, self.next[1]), room + 1);
+        assert_eq!(
+            append1(s, over).await,
+            AppendOutcome::OverBudget {
+                budget: Budget::Delegation
+            },
+            "round {round}: {room} bytes should be left"
+        );
+        for size in [room, 1, 1, 1] {
+            let req = self.entry(1, size);
+            let seq = req.seq;
+            assert_eq!(
+                append1(s, req).await,
+                AppendOutcome::Appended { seq },
+                "round {round}"
+            );
+        }
+    }
+
+    /// The up log holds the model's last entries, in order.
+    async fn check_up<S: EventStore>(&self, s: &S) {
+        let tail = self.next[1] - 1;
+        let ReadOutcome::Entries { entries, .. } = s
+            .read(&self.key, Direction::Up, tail - STREAM_CAP, 10)
+            .await
+            .unwrap()
+        else {
+            panic!("the up log is readable");
+        };
+        let sizes: Vec<usize> = entries.iter().map(|(_, f)| f.len()).collect();
+        assert_eq!(sizes, Vec::from(self.logs[1].clone()));
+        let meta = s
+            .meta(&self.key)
+            .await
+            .unwrap()
+            .expect("the meta reads back");
+        assert_eq!(meta.up_tail, tail);
+    }
+}
+
+/// A long stream far past `max_log_entries` (3), in batches of varied
+/// length, entry sizes and directions: what each trim gives back keeps the
+/// delegation's held bytes exact (probed at `max_delegation_bytes` every
+/// few batches), on the Redis store also once the logs' sizes are taken
+/// from their size lists instead of the logs.
+async fn held_bytes_follow_a_long_stream_of_varied_sizes<S: EventStore>(s: &S) {
+    let mut stream = Stream::open(s, "long-stream").await;
+    stream.batches(s, 60).await;
+    stream.check_up(s).await;
+    // One batch longer than the log, in one direction.
+    let batch: Vec<AppendRequest> = (0..1_100).map(|i| stream.entry(1, 1 + i % 199)).collect();
+    let expect: Vec<AppendOutcome> = batch
+        .iter()
+        .map(|r| AppendOutcome::Appended { seq: r.seq })
+        .collect();
+    assert_eq!(s.append(batch).await.unwrap(), expect);
+    stream.probe(s, 60).await;
+    stream.batches(s, 12).await;
+    stream.check_up(s).await;
 }
 
 /// One batch of a long stream on a single server or in memory: each entry
@@ -1723,6 +1858,87 @@ async fn redis_connect_failure_is_unavailable() {
 /// dropped delegation takes its member away, the last one the hash, also
 /// when Redis dropped the delegation by itself first; and the expired
 /// delegations leave no member in the peers' sets or the finished index.
+/// At its cap a Redis log's trims take the sizes they give back from the
+/// log's size list: the list exists and holds the newest entries' sizes. A
+/// log whose list is gone (as one written before lists existed) is read
+/// from the log again and listed from its next batch on, with the held
+/// bytes exact throughout. The lists go away with the delegation.
+#[tokio::test]
+async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
+    let r = Retention {
+        finished_ttl_ms: 100,
+        ..budgets(STREAM_CAP, STREAM_BUDGET, 1 << 30)
+    };
+    let (server, s) = redis_store(r).await;
+    let mut raw = raw(&server).await;
+    let mut stream = Stream::open(&s, "listed").await;
+    stream.batches(&s, 30).await;
+    let base = format!("oab:d:{{{}}}", stream.key);
+    let list = |raw: &mut redis::aio::MultiplexedConnection, dir: &'static str| {
+        let key = format!("{base}:{dir}:sizes");
+        let mut raw = raw.clone();
+        async move {
+            let v: Vec<usize> = redis::cmd("LRANGE")
+                .arg(key)
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            v
+        }
+    };
+    for (at, dir) in ["down", "up"].into_iter().enumerate() {
+        let listed = list(&mut raw, dir).await;
+        let model = Vec::from(stream.logs[at].clone());
+        assert!(!listed.is_empty(), "{dir}: no size list at the cap");
+        assert!(
+            model.ends_with(&listed),
+            "{dir}: the list {listed:?} is not the newest of {model:?}"
+        );
+    }
+    // Lost lists: the log is read again, then listed again.
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{base}:down:sizes"))
+        .arg(format!("{base}:up:sizes"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HDEL")
+        .arg(format!("{base}:meta"))
+        .arg("dz")
+        .arg("uz")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    stream.batches(&s, 30).await;
+    stream.check_up(&s).await;
+    assert!(Vec::from(stream.logs[1].clone()).ends_with(&list(&mut raw, "up").await));
+    // A terminal: every key of the delegation expires with it.
+    let end = relay_entry(
+        &stream.key,
+        Direction::Up,
+        stream.next[1],
+        Some(Outcome::Expired),
+    );
+    append1(&s, end).await;
+    let pattern = format!("{base}:*");
+    let gone = eventually(100, Duration::from_millis(20), || {
+        let mut raw = raw.clone();
+        let pattern = pattern.clone();
+        async move {
+            let left: Vec<String> = redis::cmd("KEYS")
+                .arg(pattern)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            left.is_empty()
+        }
+    })
+    .await;
+    assert!(gone, "a key of the finished delegation outlived it");
+}
+
 #[tokio::test]
 async fn redis_peer_budget_and_index_keys_go_away_with_their_delegations() {
     let r = Retention {

@@ -12,9 +12,10 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`) |
+//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` `1` once the down / up log's sizes are listed |
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
+//! | `oab:d:{<caller>#<rid>}:down:sizes`, `…:up:sizes` | list | from the log's first append batch at `max_log_entries` on (meta `dz`/`uz` = `1`), the byte length of each of its newest entries, oldest first: what a trim gives back to the budgets, read without reading the frames; the entries older than the list are read from the log |
 //! | `oab:p:{<peer>}:dlg` | set | delegation keys (`<caller>#<rid>`) where the peer is caller or callee |
 //! | `oab:p:{<peer>}:open` | set | the same for delegations without a terminal: added at open, removed when the terminal is indexed (readers remove finished or gone members they find) |
 //! | `oab:deadlines` | zset (all scores 0) | `<deadline, 20 digits>\|<caller>#<rid>` of open delegations |
@@ -70,6 +71,8 @@ pub(super) struct DelegationKeys {
     pub(super) meta: String,
     pub(super) down: String,
     pub(super) up: String,
+    pub(super) down_sizes: String,
+    pub(super) up_sizes: String,
 }
 
 impl DelegationKeys {
@@ -79,7 +82,21 @@ impl DelegationKeys {
             meta: format!("{base}:meta"),
             down: format!("{base}:down"),
             up: format!("{base}:up"),
+            down_sizes: format!("{base}:down:sizes"),
+            up_sizes: format!("{base}:up:sizes"),
         }
+    }
+
+    /// The keys the `append` and `expire` scripts take first, in this
+    /// order: meta, down log, up log, and the two logs' size lists.
+    pub(super) fn script_keys(&self) -> [&str; 5] {
+        [
+            &self.meta,
+            &self.down,
+            &self.up,
+            &self.down_sizes,
+            &self.up_sizes,
+        ]
     }
 
     /// This log and the other one.

@@ -663,7 +663,7 @@ impl RedisStore {
         for (_, target) in &chunk {
             if let Some((at, key, _)) = target {
                 let keys = DelegationKeys::new(key);
-                let mut cmd = evalsha(&self.scripts.expire, &[&keys.meta, &keys.down, &keys.up]);
+                let mut cmd = evalsha(&self.scripts.expire, &keys.script_keys());
                 cmd.arg(*at);
                 scripts.add_command(cmd);
             }
@@ -734,12 +734,15 @@ impl RedisStore {
             let (caller_set, callee_set) = (peer_set_key(&key.caller), peer_set_key(&callee));
             let (caller_bytes, callee_bytes) =
                 (peer_bytes_key(&key.caller), peer_bytes_key(&callee));
+            let [meta, down, up, down_sizes, up_sizes] = keys.script_keys();
             let mut cmd = evalsha(
                 &self.scripts.expire,
                 &[
-                    &keys.meta,
-                    &keys.down,
-                    &keys.up,
+                    meta,
+                    down,
+                    up,
+                    down_sizes,
+                    up_sizes,
                     FINISHED_KEY,
                     &caller_set,
                     &callee_set,
@@ -973,7 +976,7 @@ impl EventStore for RedisStore {
                     })
                 })
                 .flatten();
-            let mut key_names: Vec<&str> = vec![&keys.meta, &keys.down, &keys.up];
+            let mut key_names: Vec<&str> = keys.script_keys().to_vec();
             key_names.extend(budget_keys.iter().map(|(_, k)| k.as_str()));
             if let Some(index) = &index_keys {
                 key_names.extend(index.iter().map(String::as_str));

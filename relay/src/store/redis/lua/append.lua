@@ -1,15 +1,15 @@
 
-local m = redis.call('HMGET', KEYS[1], 'dt', 'ds', 'ut', 'us', 'term', 'acc', 'dl', 'callee', 'db', 'ub')
+local m = redis.call('HMGET', KEYS[1], 'dt', 'ds', 'ut', 'us', 'term', 'acc', 'dl', 'callee', 'db', 'ub', 'dz', 'uz')
 if not m[1] then return {'U'} end
 local maxlen = tonumber(ARGV[1])
 local maxbytes = tonumber(ARGV[4])
 local maxpeer = tonumber(ARGV[5])
-local fused = #KEYS > 3
+local fused = #KEYS > 5
 local budgets = {}
 local function budget_of(k)
   local budget = budgets[k]
   if not budget then
-    local key = KEYS[3 + k]
+    local key = KEYS[5 + k]
     local v = redis.call('HMGET', key, 'total', ARGV[6])
     budget = {total = tonumber(v[1] or '0'), member = tonumber(v[2] or '0')}
     budgets[k] = budget
@@ -34,6 +34,14 @@ local function give_back(index, trimmed)
   budget.total = budget.total - back
 end
 local log = {d = KEYS[2], u = KEYS[3]}
+-- The sizes of a log's newest entries, once the log has reached its cap
+-- (meta `dz`/`uz` set): what a trim gives back, without reading the frames.
+local sizes = {d = KEYS[4], u = KEYS[5]}
+local listing = {d = m[11] == '1', u = m[12] == '1'}
+local listed = {}
+local unlisted = {}
+local pushed = {}
+local started = {}
 local tails = {d = m[1], u = m[3] or '0'}
 local tail = {d = tonumber(tails.d), u = tonumber(tails.u)}
 local sents = {d = m[2] or '0', u = m[4] or '0'}
@@ -98,16 +106,49 @@ for b = 7, #ARGV - 1, 9 do
       -- A log holds at most one entry per sequence up to its tail, so
       -- when the tail and this batch's entries fit under maxlen nothing
       -- is trimmed and the tail bounds the length: no XLEN needed.
-      if seq - 1 + left[dir] <= maxlen then l = seq - 1 else l = redis.call('XLEN', log[dir]) end
+      local capped = seq - 1 + left[dir] > maxlen
+      if capped then l = redis.call('XLEN', log[dir]) else l = seq - 1 end
       queue[dir] = {}
       head[dir] = 1
       qlen[dir] = 0
+      if capped or listing[dir] then
+        -- From its first batch at the cap on, every entry of the log gets
+        -- its size listed: the list holds the sizes of the newest entries,
+        -- the older ones (appended before) are read from the log.
+        local n = 0
+        if listing[dir] then
+          n = redis.call('LLEN', sizes[dir])
+        else
+          -- Nothing of an earlier delegation under this key may count.
+          redis.call('DEL', sizes[dir])
+          listing[dir] = true
+          started[dir] = true
+        end
+        if n > l then
+          -- Longer than the log: not this log's; read the log instead.
+          redis.call('DEL', sizes[dir])
+          n = 0
+        end
+        listed[dir] = n
+        unlisted[dir] = l - n
+        pushed[dir] = {}
+      end
       local over = math.min(l, l + left[dir] - maxlen)
       if over > 0 then
         local q, k = queue[dir], 0
-        for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', over)) do
-          k = k + 1
-          q[k] = #e[2][2]
+        local from_log = over
+        if listed[dir] then from_log = math.min(over, unlisted[dir]) end
+        if from_log > 0 then
+          for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', from_log)) do
+            k = k + 1
+            q[k] = #e[2][2]
+          end
+        end
+        if over > from_log then
+          for _, z in ipairs(redis.call('LRANGE', sizes[dir], 0, over - from_log - 1)) do
+            k = k + 1
+            q[k] = tonumber(z)
+          end
         end
         qlen[dir] = k
       end
@@ -129,6 +170,10 @@ for b = 7, #ARGV - 1, 9 do
       len[dir] = l + 1
     end
     redis.call('XADD', log[dir], seqs, 'f', frame)
+    if pushed[dir] then
+      local p = pushed[dir]
+      p[#p + 1] = size
+    end
     held = held + size - trimmed
     if fused then give_back(ARGV[b + 9], trimmed) end
     added[dir] = added[dir] + size - trimmed
@@ -171,6 +216,10 @@ if term_ms then
   fields[#fields + 1] = 'tms'
   fields[#fields + 1] = term_ms
 end
+for dir, _ in pairs(started) do
+  fields[#fields + 1] = dir .. 'z'
+  fields[#fields + 1] = '1'
+end
 local held_at = {d = tonumber(m[9] or '0'), u = tonumber(m[10] or '0')}
 for dir, _ in pairs(log) do
   if len[dir] then
@@ -180,7 +229,7 @@ for dir, _ in pairs(log) do
 end
 if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
 for k, budget in pairs(budgets) do
-  local key = KEYS[3 + k]
+  local key = KEYS[5 + k]
   if budget.total <= 0 then
     redis.call('DEL', key)
   elseif budget.member > 0 then
@@ -194,15 +243,27 @@ end
 for dir, key in pairs(log) do
   if len[dir] and head[dir] > 1 then redis.call('XTRIM', key, 'MAXLEN', ARGV[1]) end
 end
+for dir, p in pairs(pushed) do
+  for at = 1, #p, 512 do
+    redis.call('RPUSH', sizes[dir], unpack(p, at, math.min(at + 511, #p)))
+  end
+  -- The trim dropped the oldest entries: those the list holds go too.
+  local gone = head[dir] - 1 - unlisted[dir]
+  if gone > 0 then redis.call('LTRIM', sizes[dir], gone, -1) end
+end
 if term_ms then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  for dir, key in pairs(sizes) do
+    if listing[dir] then redis.call('PEXPIRE', key, ARGV[2]) end
+  end
 elseif cur ~= '' and (len.d or len.u) then
   local ttl = redis.call('PTTL', KEYS[1])
   if ttl > 0 then
     for dir, key in pairs(log) do
       if len[dir] then redis.call('PEXPIRE', key, ttl) end
+      if pushed[dir] then redis.call('PEXPIRE', sizes[dir], ttl) end
     end
   end
 end

@@ -1,15 +1,23 @@
 
-local t = redis.call('HGET', KEYS[1], 'tms')
+local m = redis.call('HMGET', KEYS[1], 'tms', 'dz', 'uz')
+local t = m[1]
 local gone = 1
 if t then
-  if t ~= ARGV[1] then gone = 0 else redis.call('DEL', KEYS[1], KEYS[2], KEYS[3]) end
+  if t ~= ARGV[1] then
+    gone = 0
+  else
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+    -- The size lists exist only for logs that reached their cap.
+    if m[2] then redis.call('DEL', KEYS[4]) end
+    if m[3] then redis.call('DEL', KEYS[5]) end
+  end
 end
-if #KEYS == 3 then return gone end
-local removed = redis.call('ZREM', KEYS[4], ARGV[2])
+if #KEYS == 5 then return gone end
+local removed = redis.call('ZREM', KEYS[6], ARGV[2])
 if gone == 1 then
-  redis.call('SREM', KEYS[5], ARGV[3])
-  redis.call('SREM', KEYS[6], ARGV[3])
-  for k = 7, 8 do
+  redis.call('SREM', KEYS[7], ARGV[3])
+  redis.call('SREM', KEYS[8], ARGV[3])
+  for k = 9, 10 do
     local v = redis.call('HMGET', KEYS[k], ARGV[3], 'total')
     local held = tonumber(v[1] or '0')
     local total = tonumber(v[2] or '0')
