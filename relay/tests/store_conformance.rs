@@ -1859,10 +1859,12 @@ async fn redis_connect_failure_is_unavailable() {
 /// when Redis dropped the delegation by itself first; and the expired
 /// delegations leave no member in the peers' sets or the finished index.
 /// At its cap a Redis log's trims take the sizes they give back from the
-/// log's size list: the list exists and holds the newest entries' sizes. A
-/// log whose list is gone (as one written before lists existed) is read
-/// from the log again and listed from its next batch on, with the held
-/// bytes exact throughout. The lists go away with the delegation.
+/// log's size list: the list exists, holds the newest entries' sizes and
+/// has a TTL while the delegation is open. A list out of step with its log
+/// is not used, and a log whose list is gone (as one written before lists
+/// existed) is read from the log again; either is listed again from its
+/// next batch on, with the held bytes exact throughout. The lists go away
+/// with the delegation.
 #[tokio::test]
 async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
     let r = Retention {
@@ -1897,6 +1899,32 @@ async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
             "{dir}: the list {listed:?} is not the newest of {model:?}"
         );
     }
+    // An open delegation's list expires by itself too, if no relay that
+    // knows of it ends the delegation.
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(format!("{base}:up:sizes"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "the up list has no TTL ({ttl})");
+    // A list out of step with its log (as after an append by a relay that
+    // does not list sizes): it is not used, and listed again.
+    let _: () = redis::cmd("LSET")
+        .arg(format!("{base}:up:sizes"))
+        .arg(0)
+        .arg(999)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{base}:meta"))
+        .arg("uz")
+        .arg("1")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    stream.batches(&s, 30).await;
+    stream.check_up(&s).await;
     // Lost lists: the log is read again, then listed again.
     let _: () = redis::cmd("DEL")
         .arg(format!("{base}:down:sizes"))

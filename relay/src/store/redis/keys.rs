@@ -12,10 +12,10 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` `1` once the down / up log's sizes are listed |
+//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` the down / up log's tail when its size list was last in step with it |
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
-//! | `oab:d:{<caller>#<rid>}:down:sizes`, `…:up:sizes` | list | from the log's first append batch at `max_log_entries` on (meta `dz`/`uz` = `1`), the byte length of each of its newest entries, oldest first: what a trim gives back to the budgets, read without reading the frames; the entries older than the list are read from the log |
+//! | `oab:d:{<caller>#<rid>}:down:sizes`, `…:up:sizes` | list | from the log's first append batch at `max_log_entries` on, the byte length of each of its newest entries, oldest first: what a trim gives back to the budgets, read without reading the frames; the entries older than the list are read from the log. Used only while meta `dz`/`uz` (the log's tail when the list was last in step) is the log's tail; TTL: the delegation's, or while it is open its deadline plus `finished_ttl_ms` |
 //! | `oab:p:{<peer>}:dlg` | set | delegation keys (`<caller>#<rid>`) where the peer is caller or callee |
 //! | `oab:p:{<peer>}:open` | set | the same for delegations without a terminal: added at open, removed when the terminal is indexed (readers remove finished or gone members they find) |
 //! | `oab:deadlines` | zset (all scores 0) | `<deadline, 20 digits>\|<caller>#<rid>` of open delegations |

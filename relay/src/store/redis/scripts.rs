@@ -59,12 +59,16 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// only for a log that gets an entry and whose tail plus the batch's
 /// entries could pass `MAXLEN` (a log holds at most one entry per sequence
 /// up to its tail, so below that nothing is trimmed). From a log's first
-/// batch at its cap on (meta `dz`/`uz` = `1`), every entry appended to it
-/// also has its byte length pushed on its size list, and a trim takes the
-/// sizes of the entries it drops from that list (`LRANGE`, then `LTRIM`),
-/// and only those of entries older than the list from the log itself
-/// (`XRANGE`, which hands the frames to Lua: 10-30% of the script's time at
-/// the cap when every trimmed size came that way).
+/// batch at its cap on, every entry appended to it also has its byte
+/// length pushed on its size list, and a trim takes the sizes of the
+/// entries it drops from that list (`LRANGE`, then `LTRIM`), and only those
+/// of entries older than the list from the log itself (`XRANGE`, which
+/// hands the frames to Lua: 10-30% of the script's time at the cap when
+/// every trimmed size came that way). Meta `dz`/`uz` is the log's tail when
+/// its list was last in step with it; a list whose mark is not the tail
+/// (an append by a relay that does not list sizes) is dropped and started
+/// again. A list has the delegation's TTL, or while the delegation is open
+/// its deadline plus the finished TTL (ARGV 2).
 ///
 /// Returns `{'U'}` when the delegation is unknown, else a code and a value
 /// per entry, then the delegation's deadline and callee (for the index
@@ -242,7 +246,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "8275c011fba5cc5f4503f4a0abd861e529741440",
+                "e606056765a04d2baa85aa20ae3692aff614e67d",
             ),
             (
                 "charge",

@@ -34,15 +34,19 @@ local function give_back(index, trimmed)
   budget.total = budget.total - back
 end
 local log = {d = KEYS[2], u = KEYS[3]}
--- The sizes of a log's newest entries, once the log has reached its cap
--- (meta `dz`/`uz` set): what a trim gives back, without reading the frames.
+-- The sizes of a log's newest entries, once the log has reached its cap:
+-- what a trim gives back, without reading the frames. Meta `dz`/`uz` is
+-- the log's tail when its list was last in step with it: a list is this
+-- log's only while that is still the tail (an append by a relay that does
+-- not list leaves it behind), else it is started again.
 local sizes = {d = KEYS[4], u = KEYS[5]}
-local listing = {d = m[11] == '1', u = m[12] == '1'}
+local tails = {d = m[1], u = m[3] or '0'}
+local has_list = {d = m[11] ~= nil, u = m[12] ~= nil}
+local listing = {d = has_list.d and m[11] == tails.d, u = has_list.u and m[12] == tails.u}
 local listed = {}
 local unlisted = {}
 local pushed = {}
-local started = {}
-local tails = {d = m[1], u = m[3] or '0'}
+local now_ms = nil
 local tail = {d = tonumber(tails.d), u = tonumber(tails.u)}
 local sents = {d = m[2] or '0', u = m[4] or '0'}
 local sent = {d = tonumber(sents.d), u = tonumber(sents.u)}
@@ -67,6 +71,7 @@ local out = {}
 local n = 0
 for b = 7, #ARGV - 1, 9 do
   local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  now_ms = ARGV[b + 6]
   local seq = tonumber(seqs)
   local t = tail[dir]
   local code, value = nil, ''
@@ -119,10 +124,11 @@ for b = 7, #ARGV - 1, 9 do
         if listing[dir] then
           n = redis.call('LLEN', sizes[dir])
         else
-          -- Nothing of an earlier delegation under this key may count.
+          -- Nothing of an earlier list, or of an earlier delegation under
+          -- this key, may count.
           redis.call('DEL', sizes[dir])
           listing[dir] = true
-          started[dir] = true
+          has_list[dir] = true
         end
         if n > l then
           -- Longer than the log: not this log's; read the log instead.
@@ -216,9 +222,9 @@ if term_ms then
   fields[#fields + 1] = 'tms'
   fields[#fields + 1] = term_ms
 end
-for dir, _ in pairs(started) do
+for dir, _ in pairs(pushed) do
   fields[#fields + 1] = dir .. 'z'
-  fields[#fields + 1] = '1'
+  fields[#fields + 1] = tails[dir]
 end
 local held_at = {d = tonumber(m[9] or '0'), u = tonumber(m[10] or '0')}
 for dir, _ in pairs(log) do
@@ -256,7 +262,7 @@ if term_ms then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
   for dir, key in pairs(sizes) do
-    if listing[dir] then redis.call('PEXPIRE', key, ARGV[2]) end
+    if has_list[dir] then redis.call('PEXPIRE', key, ARGV[2]) end
   end
 elseif cur ~= '' and (len.d or len.u) then
   local ttl = redis.call('PTTL', KEYS[1])
@@ -266,6 +272,12 @@ elseif cur ~= '' and (len.d or len.u) then
       if pushed[dir] then redis.call('PEXPIRE', sizes[dir], ttl) end
     end
   end
+elseif next(pushed) and m[7] then
+  -- An open delegation's list outlives it by at most its deadline and the
+  -- finished TTL, whichever relay ends and drops the delegation.
+  local left_ms = math.max(0, math.min(tonumber(m[7]) - tonumber(now_ms), 1e12))
+  local ttl = string.format('%.0f', left_ms + tonumber(ARGV[2]))
+  for dir, _ in pairs(pushed) do redis.call('PEXPIRE', sizes[dir], ttl) end
 end
 if term_ms and ARGV[7] == '1' and m[7] and m[8] then
   local nk = #KEYS
