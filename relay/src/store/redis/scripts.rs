@@ -246,7 +246,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "e606056765a04d2baa85aa20ae3692aff614e67d",
+                "28512cc22fc35f727f8cbc71d6653a85ddad3339",
             ),
             (
                 "charge",

@@ -120,9 +120,9 @@ for b = 7, #ARGV - 1, 9 do
         -- From its first batch at the cap on, every entry of the log gets
         -- its size listed: the list holds the sizes of the newest entries,
         -- the older ones (appended before) are read from the log.
-        local n = 0
+        local count = 0
         if listing[dir] then
-          n = redis.call('LLEN', sizes[dir])
+          count = redis.call('LLEN', sizes[dir])
         else
           -- Nothing of an earlier list, or of an earlier delegation under
           -- this key, may count.
@@ -130,13 +130,13 @@ for b = 7, #ARGV - 1, 9 do
           listing[dir] = true
           has_list[dir] = true
         end
-        if n > l then
+        if count > l then
           -- Longer than the log: not this log's; read the log instead.
           redis.call('DEL', sizes[dir])
-          n = 0
+          count = 0
         end
-        listed[dir] = n
-        unlisted[dir] = l - n
+        listed[dir] = count
+        unlisted[dir] = l - count
         pushed[dir] = {}
       end
       local over = math.min(l, l + left[dir] - maxlen)
