@@ -1909,14 +1909,12 @@ async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
     assert!(ttl > 0, "the up list has no TTL ({ttl})");
     // A list out of step with its log (as after an append by a relay that
     // does not list sizes): it is not used, and listed again.
-    let _: () = redis::cmd("LSET")
+    let _: () = redis::pipe()
+        .cmd("LSET")
         .arg(format!("{base}:up:sizes"))
         .arg(0)
         .arg(999)
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("HSET")
+        .cmd("HSET")
         .arg(format!("{base}:meta"))
         .arg("uz")
         .arg("1")
@@ -1926,13 +1924,11 @@ async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
     stream.batches(&s, 30).await;
     stream.check_up(&s).await;
     // Lost lists: the log is read again, then listed again.
-    let _: () = redis::cmd("DEL")
+    let _: () = redis::pipe()
+        .cmd("DEL")
         .arg(format!("{base}:down:sizes"))
         .arg(format!("{base}:up:sizes"))
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("HDEL")
+        .cmd("HDEL")
         .arg(format!("{base}:meta"))
         .arg("dz")
         .arg("uz")
