@@ -95,7 +95,12 @@
 //!
 //! **One process per folder.** A process opens a folder once: every
 //! [`FileState::open`] of the same folder in one process shares the same
-//! writer. Two processes must not share a state folder.
+//! writer. Two processes must not share a state folder (both would resume
+//! the same delegations and write one journal): the writer holds an
+//! exclusive advisory lock ([`LOCK_FILE`], `flock`) on the folder, and an
+//! open while another process holds it fails with [`StateError::Locked`].
+//! The lock goes with the process, so a crashed connector leaves none
+//! behind.
 //!
 //! Never: rewrites a journal frame in place, acknowledges a save before its
 //! `fdatasync`, or stores a follow-up message or a cancel.
@@ -120,6 +125,9 @@ use crate::profile::DelegationRequest;
 pub const JOURNAL_FILE: &str = "delegations.journal";
 /// The snapshot's file name in the state folder.
 pub const SNAPSHOT_FILE: &str = "delegations.snapshot";
+/// The file whose exclusive lock the folder's writer holds (empty; it is
+/// left in place, only the lock matters).
+pub const LOCK_FILE: &str = "lock";
 /// Where a compaction writes the next snapshot before renaming it.
 const SNAPSHOT_TMP: &str = "delegations.snapshot.tmp";
 /// First bytes of the journal (format version 1).
@@ -208,6 +216,15 @@ pub enum StateError {
         /// The limit.
         max: usize,
     },
+    /// Another process holds the folder's lock ([`LOCK_FILE`]): two
+    /// processes must not share a state folder.
+    #[error(
+        "{path}: another process has this state folder open (two connectors must not share a state folder; stop the other one or give this one a folder of its own)"
+    )]
+    Locked {
+        /// The lock file.
+        path: String,
+    },
     /// The writer stopped (its folder was closed).
     #[error("{path}: the state writer stopped")]
     Stopped {
@@ -262,6 +279,8 @@ impl std::fmt::Debug for FileState {
 struct Handle {
     shared: Arc<Shared>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// The folder's lock ([`LOCK_FILE`]), released once the writer is done.
+    lock: Mutex<Option<File>>,
 }
 
 impl Drop for Handle {
@@ -272,6 +291,9 @@ impl Drop for Handle {
         {
             tracing::error!(dir = %self.shared.dir.display(), "the state writer panicked");
         }
+        // Before taking `OPEN`: an open of this folder waiting for the lock
+        // holds it (see `FileState::open`).
+        drop(self.lock.lock().take());
         let mut open = OPEN.lock();
         open.retain(|e| !Arc::ptr_eq(&e.shared, &self.shared));
     }
@@ -411,11 +433,22 @@ impl FileState {
                 });
             }
             // Its last handle is being dropped on another thread: let its
-            // writer finish before this one reads the files.
+            // writer finish before this one reads the files, and wait for
+            // its lock (this process's own, released right after).
             let old = open.swap_remove(pos);
             old.shared.close_and_wait();
+            let handle = start(&canonical, Wait::ForOwnLock)?;
+            open.push(Registered {
+                dir: canonical,
+                handle: Arc::downgrade(&handle),
+                shared: handle.shared.clone(),
+            });
+            return Ok(FileState {
+                dir: dir.to_path_buf(),
+                handle,
+            });
         }
-        let handle = start(&canonical)?;
+        let handle = start(&canonical, Wait::No)?;
         open.push(Registered {
             dir: canonical,
             handle: Arc::downgrade(&handle),
@@ -1074,7 +1107,40 @@ fn valid_frame_follows(buf: &[u8], at: usize) -> bool {
 }
 
 /// Opens the folder's files and starts its writer.
-fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
+/// How [`start`] takes the folder's lock.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Fail at once when it is held: by another process.
+    No,
+    /// Wait for it: this process's last writer of the folder is releasing it.
+    ForOwnLock,
+}
+
+/// Takes the folder's exclusive lock ([`LOCK_FILE`]).
+fn lock_folder(dir: &Path, wait: Wait) -> Result<File, StateError> {
+    let path = dir.join(LOCK_FILE);
+    let io = |source| StateError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = open_private(&path, false).map_err(io)?;
+    match wait {
+        Wait::ForOwnLock => file.lock().map_err(io)?,
+        Wait::No => match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StateError::Locked {
+                    path: path.display().to_string(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        },
+    }
+    Ok(file)
+}
+
+fn start(dir: &Path, wait: Wait) -> Result<Arc<Handle>, StateError> {
+    let lock = lock_folder(dir, wait)?;
     let journal_path = dir.join(JOURNAL_FILE);
     let snapshot_path = dir.join(SNAPSHOT_FILE);
     let io = |path: &Path| {
@@ -1190,6 +1256,7 @@ fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
     Ok(Arc::new(Handle {
         shared,
         writer: Mutex::new(Some(writer)),
+        lock: Mutex::new(Some(lock)),
     }))
 }
 
@@ -1407,6 +1474,46 @@ mod tests {
         assert_eq!(state.load(&b.key).unwrap(), None);
         assert_eq!(state.load(&c.key).unwrap(), None);
         assert_eq!(state.load(&d.key).unwrap(), Some(d));
+    }
+
+    #[tokio::test]
+    async fn a_folder_locked_elsewhere_is_refused_and_taken_once_free() {
+        let dir = tempfile::tempdir().unwrap();
+        // What another process's writer holds: the lock on its own open file.
+        let other = File::create(dir.path().join(LOCK_FILE)).unwrap();
+        other.lock().unwrap();
+        match FileState::open(dir.path()) {
+            Err(StateError::Locked { path }) => {
+                assert!(path.ends_with(LOCK_FILE), "{path}");
+            }
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("a folder another process holds was opened"),
+        }
+        // Nothing was written while it was refused.
+        assert!(!dir.path().join(JOURNAL_FILE).exists());
+        drop(other);
+
+        let state = FileState::open(dir.path()).unwrap();
+        let a = saved("req-a", 0);
+        state.save(&a).await.unwrap();
+        // Held while open (also through a second open in this process) ...
+        let again = FileState::open(dir.path()).unwrap();
+        let probe = File::open(dir.path().join(LOCK_FILE)).unwrap();
+        assert!(matches!(
+            probe.try_lock(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ));
+        drop(state);
+        assert!(matches!(
+            probe.try_lock(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ));
+        // ... and released with the last handle.
+        drop(again);
+        probe.try_lock().unwrap();
+        probe.unlock().unwrap();
+        let state = FileState::open(dir.path()).unwrap();
+        assert_eq!(state.load(&a.key).unwrap(), Some(a));
     }
 
     #[tokio::test]

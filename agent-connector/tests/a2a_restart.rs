@@ -5,7 +5,8 @@
 //! found again under the ids the client holds (`GetTask`, `ListTasks`,
 //! `SubscribeToTask` with a cursor), each reaches its terminal, including
 //! the one that finished while the caller was down, and re-sending the same
-//! message with the profile returns the same task.
+//! message with the profile returns the same task. A second process started
+//! on the same state folder while the first runs is refused.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -169,7 +170,27 @@ async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart
         }
     }
 
-    // SIGKILL: no goodbye, nothing flushed.
+    // A second process on the same state folder is refused and says why
+    // (it would resume the same delegations); the first one goes on.
+    let second = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--config", &config])
+        .env("OAB_LOG", "warn")
+        .kill_on_drop(true)
+        .output();
+    let second = tokio::time::timeout(STEP, second)
+        .await
+        .expect("a second connector on the same state folder exits")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("another process has this state folder open"),
+        "{stderr}"
+    );
+    assert!(a.try_wait().unwrap().is_none(), "the first connector exited");
+
+    // SIGKILL: no goodbye, nothing flushed (and the folder's lock goes with
+    // the process: the restart below takes it).
     a.kill().await.unwrap();
     // One task finishes while the caller's connector is down.
     exec.open_gate();
