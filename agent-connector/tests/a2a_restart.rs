@@ -187,7 +187,10 @@ async fn a_killed_caller_connector_finds_and_finishes_every_task_after_a_restart
         stderr.contains("another process has this state folder open"),
         "{stderr}"
     );
-    assert!(a.try_wait().unwrap().is_none(), "the first connector exited");
+    assert!(
+        a.try_wait().unwrap().is_none(),
+        "the first connector exited"
+    );
 
     // SIGKILL: no goodbye, nothing flushed (and the folder's lock goes with
     // the process: the restart below takes it).

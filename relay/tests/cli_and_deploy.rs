@@ -279,6 +279,53 @@ fn relay_log_until(args: &[&str], until: &str) -> Vec<String> {
     seen
 }
 
+/// `--busy-poll-us` is taken and said at start; a window past the cap is
+/// refused with the range, before anything starts.
+#[test]
+fn busy_polling_is_said_at_start_and_a_window_past_the_cap_is_refused() {
+    let seen = relay_log_until(
+        &["--busy-poll-us", "500", "--worker-threads", "1"],
+        "relay listening",
+    );
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("busy polling after each frame batch") && l.contains("500")),
+        "{seen:#?}"
+    );
+    assert!(
+        seen.iter().any(|l| l.contains("relay listening")),
+        "{seen:#?}"
+    );
+    assert!(!seen.iter().any(|l| l.contains("WARN")), "{seen:#?}");
+    // With more workers it says what that costs.
+    let seen = relay_log_until(
+        &["--busy-poll-us", "500", "--worker-threads", "2"],
+        "relay listening",
+    );
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("WARN") && l.contains("more than one async worker")),
+        "{seen:#?}"
+    );
+    // Off by default: nothing said.
+    let seen = relay_log_until(&[], "relay listening");
+    assert!(
+        !seen.iter().any(|l| l.contains("busy polling")),
+        "{seen:#?}"
+    );
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .args(["--busy-poll-us", "20000"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("expected microseconds from 0 (off) to 10000"),
+        "{stderr}"
+    );
+}
+
 /// A Redis without its AOF loses acknowledged frames on a restart: the relay
 /// says so at start (as it does for eviction), and says nothing about a
 /// Redis that has it.
