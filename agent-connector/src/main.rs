@@ -147,7 +147,27 @@ enum Cmd {
         /// Override any value: `section.field=value` (repeatable).
         #[arg(long = "set", value_name = "PATH=VALUE")]
         set: Vec<String>,
+        /// Async worker threads (default: one per CPU).
+        #[arg(long, env = "OAB_CONNECTOR_WORKER_THREADS", value_parser = parse_threads)]
+        worker_threads: Option<usize>,
+        /// Busy polling, in microseconds (0, the default: off): after each
+        /// frame batch from the relay, one async task keeps polling the
+        /// sockets for this long instead of letting its worker sleep, so the
+        /// next frame does not wait for an idle CPU to wake. Costs up to that
+        /// much CPU per batch; meant for --worker-threads 1. At most 10000.
+        #[arg(long, env = "OAB_CONNECTOR_BUSY_POLL_US", value_parser = oab_ops::busy_poll::parse_window)]
+        busy_poll_us: Option<std::time::Duration>,
     },
+}
+
+/// A worker thread count (`0` or empty: one per CPU).
+fn parse_threads(s: &str) -> Result<usize, String> {
+    if s.trim().is_empty() {
+        return Ok(0);
+    }
+    s.trim()
+        .parse::<usize>()
+        .map_err(|_| format!("expected a number of threads, got {s:?}"))
 }
 
 #[allow(clippy::print_stdout)]
@@ -236,11 +256,41 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Run { config, set } => {
+        Cmd::Run {
+            config,
+            set,
+            worker_threads,
+            busy_poll_us,
+        } => {
             oab_ops::logging::init(cli.log_format, true);
             let overrides = overrides(&set)?;
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(run(config, overrides))
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if let Some(n) = worker_threads.filter(|&n| n > 0) {
+                builder.worker_threads(n);
+            }
+            let runtime = builder
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(async {
+                if let Some(window) = busy_poll_us
+                    && oab_ops::busy_poll::start(window)
+                {
+                    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+                    tracing::info!(
+                        window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX),
+                        workers,
+                        "busy polling after each frame batch from the relay"
+                    );
+                    if workers > 1 {
+                        tracing::warn!(
+                            workers,
+                            "busy polling with more than one async worker: an idle worker can take the wake-ups the poller was to save; --worker-threads 1 is the setting it is meant for"
+                        );
+                    }
+                }
+                run(config, overrides).await
+            })
         }
     }
 }

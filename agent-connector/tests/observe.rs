@@ -532,3 +532,73 @@ async fn oab_connector_status_without_a_connector_says_where_it_looked() {
         "{err}"
     );
 }
+
+/// `run --busy-poll-us` (here from the environment) says so at start, with
+/// the window and the worker count it got, and the connector connects and
+/// serves as without it; a window past the cap is refused before anything
+/// starts.
+#[tokio::test]
+async fn a_busy_polling_connector_says_so_and_connects() {
+    use tokio::io::AsyncBufReadExt as _;
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_file(&env, dir.path(), relay.addr);
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--log-format", "json", "--config"])
+        .arg(&config)
+        .env("OAB_CONNECTOR__ADMIN__LISTEN", admin.to_string())
+        .env("OAB_CONNECTOR_BUSY_POLL_US", "300")
+        .env("OAB_CONNECTOR_WORKER_THREADS", "1")
+        .env("OAB_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    // Up to the admin endpoint's line: the busy-polling line came first.
+    let said = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut said = None;
+        while let Some(line) = lines.next_line().await.unwrap() {
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+            let message = v["fields"]["message"].as_str().unwrap_or_default();
+            // One worker: no warning about more.
+            assert!(
+                !(v["level"] == "WARN" && message.contains("busy polling")),
+                "{line}"
+            );
+            if message.starts_with("busy polling after each frame batch") {
+                said = Some(v.clone());
+            }
+            if message.starts_with("admin endpoint listening") {
+                return said;
+            }
+        }
+        panic!("the connector exited before its admin endpoint listened");
+    })
+    .await
+    .expect("no admin line within 30 s")
+    .expect("no busy-polling line before the admin line");
+    assert_eq!(said["fields"]["window_us"], 300);
+    assert_eq!(said["fields"]["workers"], 1);
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let page = metric_until(admin, "oab_connector_link_up", 1).await;
+    assert!(page.contains("oab_connector_link_up 1"), "{page}");
+    let _ = child.kill().await;
+
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--busy-poll-us", "20000", "--config"])
+        .arg(&config)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("expected microseconds from 0 (off) to 10000"),
+        "{stderr}"
+    );
+    relay.stop().await;
+}

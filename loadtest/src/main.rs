@@ -163,6 +163,18 @@ struct Cli {
     /// relay's own default).
     #[arg(long, global = true, value_name = "N")]
     append_batches: Option<usize>,
+    /// Async worker threads of this process (its endpoints and its
+    /// in-process connectors) [default: one per CPU]. The relay child takes
+    /// OAB_RELAY_WORKER_THREADS from the environment.
+    #[arg(long, global = true, value_name = "N")]
+    worker_threads: Option<usize>,
+    /// Busy polling in this process, microseconds (0, the default: off), as
+    /// `oab-relay --busy-poll-us` does it: after each frame batch an
+    /// in-process connector reads, this process's runtime keeps polling its
+    /// sockets for that long. The relay child takes OAB_RELAY_BUSY_POLL_US
+    /// from the environment.
+    #[arg(long, global = true, value_name = "US", value_parser = oab_ops::busy_poll::parse_window)]
+    busy_poll_us: Option<Duration>,
     #[command(subcommand)]
     command: Command,
 }
@@ -1077,10 +1089,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cli.worker_threads.filter(|&n| n > 0) {
+        builder.worker_threads(n);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("oab-loadtest: starting the runtime: {e}");
@@ -1090,6 +1103,14 @@ fn main() -> ExitCode {
     // Dropping the scenario's future on a signal drops the relay, the
     // redis-server and every connection: their Drop kills the children.
     let outcome = runtime.block_on(async {
+        if let Some(window) = cli.busy_poll_us
+            && oab_ops::busy_poll::start(window)
+        {
+            tracing::info!(
+                window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX),
+                "busy polling in the load generator"
+            );
+        }
         tokio::select! {
             r = run(&cli, &common) => Some(r),
             () = interrupted() => None,
@@ -1112,6 +1133,25 @@ fn main() -> ExitCode {
         .out
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("loadtest-results/{}.json", report.scenario)));
+    let mut report = report;
+    if let Some(doc) = report.json.as_object_mut() {
+        // How this process and the relay child ran: busy polling and
+        // worker threads change every timing.
+        let env = |name: &str| std::env::var(name).ok();
+        doc.insert(
+            "runtime".into(),
+            serde_json::json!({
+                "load_generator": {
+                    "worker_threads": cli.worker_threads,
+                    "busy_poll_us": cli.busy_poll_us.map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+                },
+                "relay_env": {
+                    "OAB_RELAY_WORKER_THREADS": env("OAB_RELAY_WORKER_THREADS"),
+                    "OAB_RELAY_BUSY_POLL_US": env("OAB_RELAY_BUSY_POLL_US"),
+                },
+            }),
+        );
+    }
     match report.write_json(&out) {
         Ok(()) => println!("results: {}", out.display()),
         Err(e) => {

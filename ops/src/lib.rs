@@ -4,6 +4,7 @@
 //! | module | concern |
 //! |---|---|
 //! | [`build`] | version, git commit and build date (`--version`, `/status`) |
+//! | [`busy_poll`] | `--busy-poll-us`: keeping an async worker polling for a while after each frame batch |
 //! | [`overrides`] | `--set section.field=value` and `PREFIX__SECTION__FIELD=value` on a TOML document |
 //! | [`logging`] | the tracing subscriber: `OAB_LOG` filter, `text` or `json` lines on stderr |
 //! | [`admin_client`] | a small HTTP/1.1 GET for the loopback admin endpoints (`status` commands) |
@@ -15,6 +16,7 @@
 
 pub mod admin_client;
 pub mod build;
+pub mod busy_poll;
 pub mod logging;
 pub mod overrides;
 pub mod table;

@@ -31,7 +31,6 @@
 //! capability ceiling into the `Open`'s header.
 
 pub mod admission;
-pub mod busy_poll;
 pub mod client_log;
 pub mod config;
 pub mod dev;

@@ -108,8 +108,8 @@ struct RunArgs {
     /// arriving within it does not wait for an idle CPU to wake. Costs up to
     /// that much CPU per batch; most useful with --worker-threads 1. At most
     /// 10000.
-    #[arg(long, env = "OAB_RELAY_BUSY_POLL_US", value_parser = parse_busy_poll)]
-    busy_poll_us: Option<Micros>,
+    #[arg(long, env = "OAB_RELAY_BUSY_POLL_US", value_parser = oab_ops::busy_poll::parse_window)]
+    busy_poll_us: Option<std::time::Duration>,
     /// Log format.
     #[arg(long, env = "OAB_LOG_FORMAT", default_value = "text")]
     log_format: oab_ops::logging::LogFormat,
@@ -126,23 +126,6 @@ fn parse_threads(s: &str) -> Result<Threads, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(Threads(Some(n))),
         _ => Err(format!("expected a positive number of threads, got {s:?}")),
-    }
-}
-
-/// A busy-polling window; empty (an empty environment variable) means off.
-#[derive(Debug, Clone, Copy)]
-struct Micros(u64);
-
-fn parse_busy_poll(s: &str) -> Result<Micros, String> {
-    let max = u64::try_from(oab_relay::busy_poll::MAX_WINDOW.as_micros()).unwrap_or(u64::MAX);
-    if s.trim().is_empty() {
-        return Ok(Micros(0));
-    }
-    match s.trim().parse::<u64>() {
-        Ok(n) if n <= max => Ok(Micros(n)),
-        _ => Err(format!(
-            "expected microseconds from 0 (off) to {max}, got {s:?}"
-        )),
     }
 }
 
@@ -242,9 +225,10 @@ macro_rules! say {
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
-    if let Some(Micros(us)) = args.busy_poll_us
-        && oab_relay::busy_poll::start(std::time::Duration::from_micros(us))
+    if let Some(window) = args.busy_poll_us
+        && oab_ops::busy_poll::start(window)
     {
+        let us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
         let workers = tokio::runtime::Handle::current().metrics().num_workers();
         tracing::info!(
             window_us = us,

@@ -868,7 +868,7 @@ impl<S: EventStore> Session<S> {
                     }
                     // One clock read and one rate-limit check per batch.
                     self.batch_at = (Instant::now(), oab_wire::identity::now_ms());
-                    crate::busy_poll::touch(self.batch_at.0);
+                    oab_ops::busy_poll::touch(self.batch_at.0);
                     // The lookup cache lives for one batch only, so it never
                     // outlives the hub's eviction of a finished delegation.
                     self.cached_view = None;

@@ -304,6 +304,7 @@ impl Link {
                 }
                 msg = ws.next() => {
                     last_rx = tokio::time::Instant::now();
+                    oab_ops::busy_poll::touch(last_rx.into_std());
                     self.stats.frames_in.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     self.stats.last_rx_ms.store(now_ms(), std::sync::atomic::Ordering::Relaxed);
                     match msg {

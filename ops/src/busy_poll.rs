@@ -1,30 +1,31 @@
-//! Busy polling: an opt-in trade of CPU for latency at low load
-//! (`oab-relay --busy-poll-us`, off by default).
+//! Busy polling: an opt-in trade of CPU for latency at low load, for a
+//! process that relays frames (`oab-relay --busy-poll-us`, `oab-connector
+//! run --busy-poll-us`; off by default).
 //!
-//! At low load most of a relay hop's time is not the relay's work but the
+//! At low load most of a hop's time is not the work on the frame but the
 //! wake-up of an idle CPU: a frame arrives, the kernel wakes the async worker
 //! blocked in `epoll_wait`, and on a virtual machine whose idle vCPUs halt
-//! (no guest halt polling) that wake-up, and the endpoints' own, cost tens
-//! of microseconds each, twice per round trip through the relay. With busy
-//! polling on, every frame batch a session reads keeps one task, the
-//! *poller*, spinning for the window after it: the poller yields to the
-//! runtime in a loop, and each time it yields the worker polls its I/O driver
-//! without blocking, so a frame that arrives within the window (the answer
-//! to the frame just relayed, the next frame of a burst) is read by a worker
-//! that is already running. Each turn also yields the CPU to the kernel
-//! (`sched_yield`), so a process woken on the same CPU (an endpoint on a
-//! shared host) runs at once instead of waiting for the spinning thread's
-//! time slice to end. Past the window the poller sleeps until the next
-//! frame batch, so an idle relay spends nothing on it. HAProxy's
-//! `busy-polling` makes the same trade for the same reason.
+//! (no guest halt polling) that wake-up costs tens of microseconds, once per
+//! hop. With busy polling on, every frame batch the process reads ([`touch`])
+//! keeps one task, the *poller*, spinning for the window after it: the
+//! poller yields to the runtime in a loop, and each time it yields the
+//! worker polls its I/O driver without blocking, so a frame that arrives
+//! within the window (the answer to the frame just sent on, the next frame
+//! of a burst) is read by a worker that is already running. Each turn also
+//! yields the CPU to the kernel (`sched_yield`), so a process woken on the
+//! same CPU (another process on a shared host) runs at once instead of
+//! waiting for the spinning thread's time slice to end. Past the window the
+//! poller sleeps until the next frame batch, so an idle process spends
+//! nothing on it. HAProxy's `busy-polling` makes the same trade for the same
+//! reason.
 //!
 //! The cost is CPU: the worker stays busy for the window after each batch,
 //! so at `r` batches per second with a window `w` the poller takes up to
 //! `r × w` of one core, all of it once batches come closer together than
 //! the window. It helps only while the poller's worker is the one polling
-//! the I/O driver: with one async worker thread (`--worker-threads 1`) that
-//! is always so; with more, an idle worker can block in the driver and take
-//! the wake-up instead. Measured in `BENCHMARKS.md` ("Busy polling").
+//! the I/O driver: with one async worker thread that is always so; with
+//! more, an idle worker can block in the driver and take the wake-up
+//! instead. Measured in `BENCHMARKS.md` ("Busy polling").
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,7 +38,7 @@ use tokio::sync::Notify;
 pub const MAX_WINDOW: Duration = Duration::from_millis(10);
 
 /// A poller: spins for `window` after each [`Poller::touch`], sleeps
-/// otherwise. The relay has one ([`start`], [`touch`]).
+/// otherwise. A process has at most one ([`start`], [`touch`]).
 #[derive(Debug)]
 pub struct Poller {
     window_ns: u64,
@@ -81,7 +82,7 @@ impl Poller {
             <= self.window_ns
     }
 
-    /// Something to relay arrived at `at`: spin for the window after it.
+    /// Frames arrived at `at`: spin for the window after it.
     pub fn touch(&self, at: Instant) {
         self.last.fetch_max(self.ns_at(at), Ordering::Relaxed);
         if self.idle.load(Ordering::Relaxed) && self.idle.swap(false, Ordering::SeqCst) {
@@ -134,7 +135,7 @@ impl Poller {
     }
 }
 
-/// Starts the relay's poller on the current runtime with `window`; nothing
+/// Starts the process's poller on the current runtime with `window`; nothing
 /// when `window` is zero. Call once, from inside the runtime; a second call
 /// changes nothing and returns `false`.
 pub fn start(window: Duration) -> bool {
@@ -148,11 +149,26 @@ pub fn start(window: Duration) -> bool {
     true
 }
 
-/// A session read a frame batch at `at`: keeps the relay's poller spinning
-/// for the window after it (one atomic load when busy polling is off).
+/// A frame batch was read at `at`: keeps the process's poller spinning for
+/// the window after it (one atomic load when busy polling is off).
 pub fn touch(at: Instant) {
     if let Some(p) = POLLER.get() {
         p.touch(at);
+    }
+}
+
+/// Parses a window in microseconds for a command-line flag: empty (an empty
+/// environment variable) or `0` is off, at most [`MAX_WINDOW`].
+pub fn parse_window(s: &str) -> Result<Duration, String> {
+    let max = u64::try_from(MAX_WINDOW.as_micros()).unwrap_or(u64::MAX);
+    if s.trim().is_empty() {
+        return Ok(Duration::ZERO);
+    }
+    match s.trim().parse::<u64>() {
+        Ok(n) if n <= max => Ok(Duration::from_micros(n)),
+        _ => Err(format!(
+            "expected microseconds from 0 (off) to {max}, got {s:?}"
+        )),
     }
 }
 
@@ -225,6 +241,20 @@ mod tests {
         }
         assert!(poller.wakes() > 0);
         task.abort();
+    }
+
+    #[test]
+    fn a_flag_value_is_microseconds_up_to_the_cap() {
+        assert_eq!(parse_window("").unwrap(), Duration::ZERO);
+        assert_eq!(parse_window("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_window(" 250 ").unwrap(), Duration::from_micros(250));
+        assert_eq!(parse_window("10000").unwrap(), MAX_WINDOW);
+        for bad in ["10001", "-1", "2ms", "1e3"] {
+            let e = parse_window(bad).unwrap_err();
+            assert!(e.contains("from 0 (off) to 10000"), "{bad}: {e}");
+        }
+        // Zero starts nothing.
+        assert!(!start(Duration::ZERO));
     }
 
     #[test]
