@@ -225,23 +225,6 @@ macro_rules! say {
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
-    if let Some(window) = args.busy_poll_us
-        && oab_ops::busy_poll::start(window)
-    {
-        let us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
-        let workers = tokio::runtime::Handle::current().metrics().num_workers();
-        tracing::info!(
-            window_us = us,
-            workers,
-            "busy polling after each frame batch"
-        );
-        if workers > 1 {
-            tracing::warn!(
-                workers,
-                "busy polling with more than one async worker: an idle worker can take the wake-ups the poller was to save, and the spinning costs throughput (see BENCHMARKS.md); --worker-threads 1 is the setting it is meant for"
-            );
-        }
-    }
     let path = match &args.config {
         Some(p) => p.clone(),
         None => {
@@ -311,6 +294,23 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         "admin (metrics, health) on http://{}/metrics",
         admin.local_addr()?
     );
+    if let Some(window) = args.busy_poll_us
+        && oab_ops::busy_poll::start(window)
+    {
+        let us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        let workers = tokio::runtime::Handle::current().metrics().num_workers();
+        tracing::info!(
+            window_us = us,
+            workers,
+            "busy polling after each frame batch"
+        );
+        if workers > 1 {
+            tracing::warn!(
+                workers,
+                "busy polling with more than one async worker: an idle worker can take the wake-ups the poller was to save, and the spinning costs throughput (see BENCHMARKS.md); --worker-threads 1 is the setting it is meant for"
+            );
+        }
+    }
     tokio::spawn(oab_relay::client_log::flush_every());
     let shutdown = CancellationToken::new();
     let trigger = shutdown.clone();
