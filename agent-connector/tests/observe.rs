@@ -367,6 +367,25 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `oab-connector run` with `config`, its admin endpoint on `admin` (from
+/// the environment), JSON logs at `info` on a piped stderr, and `env`.
+fn run_with_json_logs(
+    config: &std::path::Path,
+    admin: SocketAddr,
+    env: &[(&str, &str)],
+) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .args(["run", "--log-format", "json", "--config"])
+        .arg(config)
+        .env("OAB_CONNECTOR__ADMIN__LISTEN", admin.to_string())
+        .env("OAB_LOG", "info")
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn the_binary_serves_its_admin_endpoint_from_an_env_override_with_json_logs() {
     use tokio::io::AsyncBufReadExt as _;
@@ -375,15 +394,7 @@ async fn the_binary_serves_its_admin_endpoint_from_an_env_override_with_json_log
     let dir = tempfile::tempdir().unwrap();
     let config = config_file(&env, dir.path(), relay.addr);
     let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
-        .args(["run", "--log-format", "json", "--config"])
-        .arg(&config)
-        .env("OAB_CONNECTOR__ADMIN__LISTEN", admin.to_string())
-        .env("OAB_LOG", "info")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = run_with_json_logs(&config, admin, &[]);
     // Every log line is one JSON object; one says the admin endpoint listens.
     let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let announced = tokio::time::timeout(Duration::from_secs(30), async {
@@ -545,17 +556,14 @@ async fn a_busy_polling_connector_says_so_and_connects() {
     let dir = tempfile::tempdir().unwrap();
     let config = config_file(&env, dir.path(), relay.addr);
     let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
-        .args(["run", "--log-format", "json", "--config"])
-        .arg(&config)
-        .env("OAB_CONNECTOR__ADMIN__LISTEN", admin.to_string())
-        .env("OAB_CONNECTOR_BUSY_POLL_US", "300")
-        .env("OAB_CONNECTOR_WORKER_THREADS", "1")
-        .env("OAB_LOG", "info")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = run_with_json_logs(
+        &config,
+        admin,
+        &[
+            ("OAB_CONNECTOR_BUSY_POLL_US", "300"),
+            ("OAB_CONNECTOR_WORKER_THREADS", "1"),
+        ],
+    );
     let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
     // Up to the admin endpoint's line: the busy-polling line came first.
     let said = tokio::time::timeout(Duration::from_secs(30), async {
