@@ -290,6 +290,7 @@ where
         instance: auth.instance,
         key_id: auth.key_id.clone(),
         since_ms: oab_wire::identity::now_ms(),
+        hello_ms: hello.time_ms,
         outbox: out,
     };
     // A callee back with a new instance lost what it had accepted: end that
@@ -305,7 +306,19 @@ where
     // welcome, not a close a moment later (this closes the sessions here
     // that predate the loss, as the sweep would).
     hub.check_epoch().await;
-    hub.register(me.clone());
+    if !hub.register(me.clone()) {
+        // A later connection of this connector process registered while
+        // this one waited (a store outage holds handshakes here): that one is
+        // in use, this one was given up.
+        m.handshakes.with_label_values(&["superseded"]).inc();
+        close_ws(
+            ws,
+            CloseCode::Superseded,
+            "a later connection of this connector is the session",
+        )
+        .await;
+        return None;
+    }
     // Verified against the configuration of a moment ago: a reload
     // installed meanwhile must not miss this session.
     hub.close_if_revoked(&me);

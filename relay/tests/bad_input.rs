@@ -410,6 +410,68 @@ async fn silent_connections_are_closed_while_a_pair_keeps_routing() {
     relay.stop().await;
 }
 
+/// A connection a connector gave up can finish its handshake after the one
+/// that took its place (the relay's handshake waits for the store): the
+/// one with the later `Hello` of the same instance stays the session, the
+/// late one is closed with `superseded` (a reconnect code), and the live
+/// one is not closed with `replaced`, which would stop the connector.
+#[tokio::test]
+async fn a_late_handshake_of_the_same_connector_does_not_replace_its_later_one() {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, memory()).await;
+    let instance = InstanceId::random();
+    let now = oab_wire::identity::now_ms();
+    // The connection in use: its Hello is the later one.
+    let mut live = connect(&relay.target())
+        .await
+        .unwrap()
+        .handshake_at(&env.caller, instance, now)
+        .await
+        .unwrap();
+    // The given-up attempt finishes now, with its earlier Hello.
+    let late = connect(&relay.target())
+        .await
+        .unwrap()
+        .handshake_at(&env.caller, instance, now - 1_000)
+        .await;
+    match late {
+        Err(ClientError::Closed { code, reason }) => {
+            assert_eq!(code, CloseCode::Superseded.as_u16(), "{reason}");
+            assert!(oab_wire::code::close_code_should_reconnect(code));
+        }
+        Err(e) => panic!("the late attempt failed otherwise: {e}"),
+        Ok(_) => panic!("the late attempt got a Welcome"),
+    }
+    // The live session still works: a Ping is answered, no close came.
+    live.send(&Frame::Ping(Ping { token: 7 })).await.unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), live.recv())
+            .await
+            .expect("an answer in time")
+        {
+            Ok(Frame::Pong(p)) if p.token == 7 => break,
+            Ok(_) => continue,
+            Err(e) => panic!("the live session was closed: {e}"),
+        }
+    }
+    let m = relay.metrics().await;
+    assert!(m.contains("oab_sessions_replaced_total 0"), "{m}");
+    assert!(
+        m.contains("oab_handshakes_total{result=\"superseded\"} 1"),
+        "{m}"
+    );
+    // Another instance of the same peer (another process) still replaces it,
+    // whatever its clock says.
+    let _other = connect(&relay.target())
+        .await
+        .unwrap()
+        .handshake_at(&env.caller, InstanceId::random(), now - 2_000)
+        .await
+        .unwrap();
+    assert_eq!(until_closed(&mut live).await, CloseCode::Replaced.as_u16());
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn a_newer_session_replaces_the_older_one() {
     let env = TestEnv::new("");

@@ -132,6 +132,11 @@ wire_enum! {
         IdleTimeout = 4006 => "idle_timeout",
         /// An unexpected internal fault; reconnect.
         InternalError = 4007 => "internal_error",
+        /// A later connection of the same connector process already is the
+        /// peer's session: this older attempt (one whose handshake the
+        /// relay finished late, e.g. after a store outage) is closed instead
+        /// of replacing it. Reconnect if this is the connection in use.
+        Superseded = 4008 => "superseded",
         /// A frame broke the protocol (wrong state, wrong sender).
         ProtocolViolation = 4500 => "protocol_violation",
         /// A frame was over the header or payload limit.

@@ -184,22 +184,27 @@ impl Connection {
 
     /// Runs the session handshake as `identity`.
     pub async fn handshake(
+        self,
+        identity: &Identity,
+        instance: InstanceId,
+    ) -> Result<RawClient, ClientError> {
+        self.handshake_at(identity, instance, now_ms()).await
+    }
+
+    /// Runs the session handshake as `identity`, with `time_ms` as the
+    /// `Hello`'s clock (within the relay's skew): which of two connections
+    /// of one connector process is the later one.
+    pub async fn handshake_at(
         mut self,
         identity: &Identity,
         instance: InstanceId,
+        time_ms: u64,
     ) -> Result<RawClient, ClientError> {
         let challenge = match self.recv().await? {
             Frame::Challenge(c) => c,
             other => return Err(ClientError::Unexpected(Box::new(other))),
         };
-        let hello = answer_challenge(
-            identity,
-            &challenge,
-            None,
-            instance,
-            now_ms(),
-            &self.binding,
-        )?;
+        let hello = answer_challenge(identity, &challenge, None, instance, time_ms, &self.binding)?;
         self.send(&Frame::Hello(hello)).await?;
         match self.recv().await? {
             Frame::Welcome(welcome) => Ok(RawClient {

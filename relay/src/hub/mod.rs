@@ -84,6 +84,10 @@ pub struct SessionRef {
     pub key_id: KeyId,
     /// When it was authenticated (ms since the Unix epoch; `/status`).
     pub since_ms: u64,
+    /// The connector's clock in its signed `Hello` (ms since the Unix
+    /// epoch): which of two connections of one connector process is the
+    /// later one.
+    pub hello_ms: u64,
     /// Its queue.
     pub outbox: Outbox,
 }

@@ -29,12 +29,30 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// Records a newly authenticated session; the older session of the same
-    /// peer, if any, is closed with `replaced`.
-    pub fn register(self: &Arc<Self>, session: SessionRef) {
-        let old = self
-            .sessions
-            .lock()
-            .insert(session.peer.clone(), session.clone());
+    /// peer, if any, is closed with `replaced`. Returns `false`, and records
+    /// nothing, when the peer's session is a connection of the same
+    /// connector process with a later `Hello`: this one is an attempt the
+    /// connector gave up while the relay finished its handshake (its
+    /// handshakes wait for the store), and replacing the live one would
+    /// close the connection in use with `replaced`, which the connector
+    /// takes as another process holding its identity.
+    pub fn register(self: &Arc<Self>, session: SessionRef) -> bool {
+        let old = {
+            let mut sessions = self.sessions.lock();
+            if let Some(cur) = sessions.get(&session.peer)
+                && cur.instance == session.instance
+                && cur.hello_ms > session.hello_ms
+            {
+                info!(
+                    peer = %session.peer,
+                    session = %session.id,
+                    current = %cur.id,
+                    "a later connection of this connector is the session: this earlier one is closed"
+                );
+                return false;
+            }
+            sessions.insert(session.peer.clone(), session.clone())
+        };
         self.offline_since.lock().remove(&session.peer);
         if let Some(old) = old {
             self.metrics.replaced.inc();
@@ -53,6 +71,7 @@ impl<S: EventStore> Hub<S> {
         if !self.fleet.enabled {
             self.announce_presence(&session.peer);
         }
+        true
     }
 
     /// Makes a registered session the peer's session fleet-wide: subscribes

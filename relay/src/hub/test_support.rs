@@ -85,6 +85,7 @@ pub(super) fn session(name: &str) -> (SessionRef, Inbox) {
         instance: InstanceId::random(),
         key_id: oab_wire::KeyId::new("k1").unwrap(),
         since_ms: oab_wire::identity::now_ms(),
+        hello_ms: oab_wire::identity::now_ms(),
         outbox: out,
     };
     (me, inbox)
