@@ -17,8 +17,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use oab_relay::store::{AppendOutcome, AppendRequest, EventStore, Origin, RedisStore, Retention};
-use oab_testkit::raw_client::ClientError;
 use oab_testkit::raw_client::RawClient;
+use oab_testkit::raw_client::{ClientError, connect};
 use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
 use oab_wire::frame::FLAG_RELAY_ORIGIN;
 use oab_wire::{CloseCode, Digest, Direction, Frame, GapReason, InstanceId, Open, Outcome, Resume};
@@ -208,6 +208,53 @@ async fn sweeper_instance_killed(url: &str) {
         survivors += fleet[i].metric("oab_sweeper_leader").await;
     }
     assert_eq!(survivors, 1.0, "one survivor holds the sweeper lease");
+}
+
+/// A connection the connector gave up that finishes its handshake late on
+/// another instance (its Hello earlier than the live one's, same connector
+/// process) is closed with `superseded`; the live session keeps the peer,
+/// is not closed with `replaced`, and new work still reaches it.
+async fn late_handshake_elsewhere(url: &str) {
+    let env = TestEnv::new("");
+    let fleet = start_fleet(&env, url, 2).await;
+    let instance = InstanceId::random();
+    let now = oab_wire::identity::now_ms();
+    let mut live = connect(&fleet[0].target())
+        .await
+        .unwrap()
+        .handshake_at(&env.callee, instance, now)
+        .await
+        .unwrap();
+    let late = connect(&fleet[1].target())
+        .await
+        .unwrap()
+        .handshake_at(&env.callee, instance, now - 1_000)
+        .await;
+    let code = match late {
+        Err(ClientError::Closed { code, .. }) => code,
+        Ok(mut late) => loop {
+            match tokio::time::timeout(Duration::from_secs(20), late.recv())
+                .await
+                .expect("the late attempt is closed")
+            {
+                Ok(_) => continue,
+                Err(ClientError::Closed { code, .. }) => break code,
+                Err(e) => panic!("{e}"),
+            }
+        },
+        Err(e) => panic!("the late attempt failed otherwise: {e}"),
+    };
+    assert_eq!(code, CloseCode::Superseded.as_u16());
+    let mut a = fleet[1].client_as(&env.caller, InstanceId::random()).await;
+    a.send(&open_frame("s1", b"{}")).await.unwrap();
+    await_ack(&mut a, "s1", Direction::Down, 1).await;
+    let open = recv_until(&mut live, |f| match f {
+        Frame::Open(o) => Some(o.key.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(open, key("s1"));
+    assert_eq!(fleet[0].metric("oab_sessions_replaced_total").await, 0.0);
 }
 
 /// A peer's newer session on another instance wins; the older one is closed
@@ -531,6 +578,7 @@ on_both_backends! {
     callee_instance_killed_mid_delegation_loses_nothing => callee_instance_killed;
     sweeper_instance_killed_deadline_still_expires_once => sweeper_instance_killed;
     newest_session_wins_across_instances => session_moves_between_instances;
+    a_late_handshake_elsewhere_does_not_take_the_peer => late_handshake_elsewhere;
     drained_sweeper_hands_its_lease_over_at_once => sweeper_instance_drained;
     drained_instance_reads_as_a_clean_leave => instance_drained_reads_as_a_clean_leave;
 }

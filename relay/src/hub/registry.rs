@@ -85,7 +85,21 @@ impl<S: EventStore> Hub<S> {
         // The floor is read before `subscribe` marks the session held.
         let floor = self.fleet.floor(&me.peer);
         self.fleet.subscribe(&me.peer, me.id).await?;
-        let generation = self
+        // A given-up attempt finishes its handshake at most about this long
+        // after its Hello (the handshake deadline, plus the store's
+        // retries); the window bounds how long a connector whose clock
+        // stepped back is refused.
+        let connection = crate::store::Connection {
+            instance: me.instance,
+            hello_ms: me.hello_ms,
+            window_ms: self
+                .config
+                .relay
+                .handshake_timeout_ms
+                .saturating_mul(2)
+                .max(10_000),
+        };
+        let Some(generation) = self
             .store
             .claim_presence(
                 &me.peer,
@@ -93,8 +107,17 @@ impl<S: EventStore> Hub<S> {
                 &self.fleet.incarnation,
                 me.id,
                 floor,
+                connection,
             )
-            .await?;
+            .await?
+        else {
+            info!(peer = %me.peer, session = %me.id, "a later connection of this connector holds the peer elsewhere: this earlier one is closed");
+            me.outbox.close(
+                CloseCode::Superseded,
+                "a later connection of this connector is the session",
+            );
+            return Ok(());
+        };
         if !self.fleet.hold(&me.peer, me.id, generation) {
             info!(peer = %me.peer, session = %me.id, "a newer session of this peer holds it elsewhere");
             me.outbox.close(

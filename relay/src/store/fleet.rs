@@ -76,6 +76,19 @@ pub struct Liveness {
     pub left: Vec<(String, String)>,
 }
 
+/// Which connection of a connector a session is, for [`FleetStore::claim_presence`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connection {
+    /// The connector process (`Hello.instance`).
+    pub instance: oab_wire::InstanceId,
+    /// Its clock in the signed `Hello` (ms since the Unix epoch).
+    pub hello_ms: u64,
+    /// How much earlier than the stored claim's `Hello` a claim of the same
+    /// instance may be and still be refused (it bounds how long a connector
+    /// whose clock stepped back is turned away).
+    pub window_ms: u64,
+}
+
 /// Fleet coordination through the store. Defaults are those of a store used
 /// by a single relay process.
 pub trait FleetStore {
@@ -94,6 +107,13 @@ pub trait FleetStore {
     /// the last writes) therefore still hands out a generation above every
     /// claim made before the loss: the clock has moved on since, and the
     /// floor covers a clock that stepped back.
+    ///
+    /// `None`, and no change, when the record is a claim of the same
+    /// connector process ([`Connection::instance`]) with a later `Hello`, by
+    /// at most [`Connection::window_ms`]: `connection` is an attempt the connector gave up
+    /// that finished its handshake late, and must not take the peer from the
+    /// connection in use (`docs/protocol.md` §7.4). The window bounds how
+    /// long a connector whose clock stepped back is refused.
     fn claim_presence(
         &self,
         _peer: &PeerId,
@@ -101,8 +121,9 @@ pub trait FleetStore {
         _incarnation: &str,
         _session: SessionId,
         _floor: u64,
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
-        async { Ok(0) }
+        _connection: Connection,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        async { Ok(Some(0)) }
     }
 
     /// Removes the presence record if it still names `session`.

@@ -47,7 +47,7 @@ use bytes::Bytes;
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId};
 use serde::{Deserialize, Serialize};
 
-pub use self::fleet::{FleetStore, Liveness, Presence, peer_of_channel, wake_channel};
+pub use self::fleet::{Connection, FleetStore, Liveness, Presence, peer_of_channel, wake_channel};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 

@@ -50,15 +50,30 @@ impl FleetStore for RedisStore {
         incarnation: &str,
         session: SessionId,
         floor: u64,
-    ) -> Result<u64, StoreError> {
+        connection: crate::store::fleet::Connection,
+    ) -> Result<Option<u64>, StoreError> {
         let s = &fleet_scripts().claim;
         let mut cmd = evalsha_one_key(s, &presence_key(peer));
         cmd.arg(node)
             .arg(session.to_string())
             .arg(floor.min(crate::store::fleet::MAX_GENERATION))
-            .arg(incarnation);
+            .arg(incarnation)
+            .arg(connection.instance.to_hex())
+            .arg(connection.hello_ms.min(crate::store::fleet::MAX_GENERATION))
+            .arg(
+                connection
+                    .window_ms
+                    .min(crate::store::fleet::MAX_GENERATION),
+            );
         let v = self.eval(s, cmd, false, "claim presence").await?;
-        reply_u64(&v).ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
+        if matches!(&v, redis::Value::BulkString(b) if b.as_slice() == b"S")
+            || matches!(&v, redis::Value::SimpleString(t) if t == "S")
+        {
+            return Ok(None);
+        }
+        reply_u64(&v)
+            .map(Some)
+            .ok_or_else(|| StoreError::Corrupt("claim presence: not a number".into()))
     }
 
     async fn release_presence(&self, peer: &PeerId, session: SessionId) -> Result<(), StoreError> {

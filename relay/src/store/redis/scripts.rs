@@ -115,12 +115,15 @@ const READ_LUA: &str = include_str!("lua/read.lua");
 /// `oab:finished`.
 const EXPIRE_LUA: &str = include_str!("lua/expire.lua");
 
-/// `claim`: KEYS presence; ARGV node, session, floor, incarnation. Returns the new
-/// generation: above the stored one, above `floor` (the highest generation
-/// the claiming instance has seen for the peer), and at least Redis's clock
-/// in microseconds, so that it stays above every earlier claim even after
-/// the store lost the record (see `FleetStore::claim_presence`). Numbers stay
-/// below 2^53, exact in Lua.
+/// `claim`: KEYS presence; ARGV node, session, floor, incarnation, connector
+/// instance (hex), `Hello` time (ms), window (ms). Returns `S` without a
+/// change when the stored claim is the same connector instance's with a
+/// later `Hello`, by at most the window (a given-up attempt finishing late).
+/// Otherwise returns the new generation: above the stored one, above `floor`
+/// (the highest generation the claiming instance has seen for the peer), and
+/// at least Redis's clock in microseconds, so that it stays above every
+/// earlier claim even after the store lost the record (see
+/// `FleetStore::claim_presence`). Numbers stay below 2^53, exact in Lua.
 const CLAIM_LUA: &str = include_str!("lua/claim.lua");
 
 /// `release`: KEYS presence; ARGV session. Clears node and session if the
@@ -267,7 +270,7 @@ mod tests {
             (
                 "claim",
                 CLAIM_LUA,
-                "9fd586456aea482abf26955a2e51607775dc70de",
+                "ab3dc2847326d5f1b8474bc68bdff371acc4253f",
             ),
             (
                 "release",
