@@ -279,8 +279,6 @@ impl std::fmt::Debug for FileState {
 struct Handle {
     shared: Arc<Shared>,
     writer: Mutex<Option<JoinHandle<()>>>,
-    /// The folder's lock ([`LOCK_FILE`]), released once the writer is done.
-    lock: Mutex<Option<File>>,
 }
 
 impl Drop for Handle {
@@ -291,9 +289,6 @@ impl Drop for Handle {
         {
             tracing::error!(dir = %self.shared.dir.display(), "the state writer panicked");
         }
-        // Before taking `OPEN`: an open of this folder waiting for the lock
-        // holds it (see `FileState::open`).
-        drop(self.lock.lock().take());
         let mut open = OPEN.lock();
         open.retain(|e| !Arc::ptr_eq(&e.shared, &self.shared));
     }
@@ -433,22 +428,12 @@ impl FileState {
                 });
             }
             // Its last handle is being dropped on another thread: let its
-            // writer finish before this one reads the files, and wait for
-            // its lock (this process's own, released right after).
+            // writer finish (and give the folder's lock back) before this
+            // one reads the files.
             let old = open.swap_remove(pos);
             old.shared.close_and_wait();
-            let handle = start(&canonical, Wait::ForOwnLock)?;
-            open.push(Registered {
-                dir: canonical,
-                handle: Arc::downgrade(&handle),
-                shared: handle.shared.clone(),
-            });
-            return Ok(FileState {
-                dir: dir.to_path_buf(),
-                handle,
-            });
         }
-        let handle = start(&canonical, Wait::No)?;
+        let handle = start(&canonical)?;
         open.push(Registered {
             dir: canonical,
             handle: Arc::downgrade(&handle),
@@ -772,8 +757,9 @@ impl Shared {
 
     /// The writer: one frame and one `fdatasync` per batch, then a
     /// compaction when the journal is due one.
-    fn run(&self) {
-        let _exit = WriterExit(self);
+    /// The writer's loop; holds the folder's `lock` until it exits.
+    fn run(&self, lock: File) {
+        let _exit = WriterExit(self, Some(lock));
         let mut frame = Vec::with_capacity(64 * 1024);
         let mut compact_after = 0u64;
         // Records were written since the last compaction.
@@ -971,13 +957,15 @@ impl Shared {
     }
 }
 
-/// Marks the writer gone when it returns or panics: the queue closes, what
-/// is still queued fails with [`StateError::Stopped`] (its senders are
-/// dropped), and [`Shared::close_and_wait`] returns.
-struct WriterExit<'a>(&'a Shared);
+/// Marks the writer gone when it returns or panics: the folder's lock is
+/// given back, the queue closes, what is still queued fails with
+/// [`StateError::Stopped`] (its senders are dropped), and
+/// [`Shared::close_and_wait`] returns.
+struct WriterExit<'a>(&'a Shared, Option<File>);
 
 impl Drop for WriterExit<'_> {
     fn drop(&mut self) {
+        drop(self.1.take());
         let left = {
             let mut q = self.0.queue.lock();
             q.closed = true;
@@ -1107,40 +1095,29 @@ fn valid_frame_follows(buf: &[u8], at: usize) -> bool {
 }
 
 /// Opens the folder's files and starts its writer.
-/// How [`start`] takes the folder's lock.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Wait {
-    /// Fail at once when it is held: by another process.
-    No,
-    /// Wait for it: this process's last writer of the folder is releasing it.
-    ForOwnLock,
-}
-
-/// Takes the folder's exclusive lock ([`LOCK_FILE`]).
-fn lock_folder(dir: &Path, wait: Wait) -> Result<File, StateError> {
+/// Takes the folder's exclusive lock ([`LOCK_FILE`]), or fails with
+/// [`StateError::Locked`] when another process holds it. The writer thread
+/// holds it and gives it back before it marks itself gone, so an earlier
+/// writer of the folder in this process never holds it past
+/// [`Shared::close_and_wait`].
+fn lock_folder(dir: &Path) -> Result<File, StateError> {
     let path = dir.join(LOCK_FILE);
     let io = |source| StateError::Io {
         path: path.display().to_string(),
         source,
     };
     let file = open_private(&path, false).map_err(io)?;
-    match wait {
-        Wait::ForOwnLock => file.lock().map_err(io)?,
-        Wait::No => match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(StateError::Locked {
-                    path: path.display().to_string(),
-                });
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
-        },
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StateError::Locked {
+            path: path.display().to_string(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
     }
-    Ok(file)
 }
 
-fn start(dir: &Path, wait: Wait) -> Result<Arc<Handle>, StateError> {
-    let lock = lock_folder(dir, wait)?;
+fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
+    let lock = lock_folder(dir)?;
     let journal_path = dir.join(JOURNAL_FILE);
     let snapshot_path = dir.join(SNAPSHOT_FILE);
     let io = |path: &Path| {
@@ -1250,13 +1227,12 @@ fn start(dir: &Path, wait: Wait) -> Result<Arc<Handle>, StateError> {
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("oab-state".into())
-            .spawn(move || shared.run())
+            .spawn(move || shared.run(lock))
             .map_err(io(dir))?
     };
     Ok(Arc::new(Handle {
         shared,
         writer: Mutex::new(Some(writer)),
-        lock: Mutex::new(Some(lock)),
     }))
 }
 
