@@ -246,6 +246,7 @@ conformance! {
     epoch_is_stable => retention(100);
     batch_append_of_1000_entries => retention(10_000);
     batch_outcomes_follow_request_order => retention(100);
+    a_run_in_one_batch_is_judged_as_its_entries => budgets(100, 10_000, 1 << 30);
     append_only_from_the_party => retention(100);
     callee_of_names_the_callee => retention(100);
     delegation_byte_budget => budgets(100, 1_000, 1 << 30);
@@ -1543,6 +1544,101 @@ async fn batch_append_of_1000_entries<S: EventStore>(s: &S) {
     assert_eq!(s.append(vec![]).await.unwrap(), vec![]);
 }
 
+/// One connection's consecutive entries at one time (what a read batch
+/// gives, and what the Redis store appends in one piece): entries after a
+/// terminal in the same batch are refused (the next as already terminal,
+/// the one after it as a hole), a relay entry between a peer's
+/// does not count as the peer's, and a run that overflows the budget part
+/// way is appended up to its last entry that fits.
+async fn a_run_in_one_batch_is_judged_as_its_entries<S: EventStore>(s: &S) {
+    let k = key("acme/caller", "runs");
+    created(s, open_req(&k, CALLEE, 5_000, 100)).await;
+    let at = |mut req: AppendRequest| {
+        req.now_ms = 2_000;
+        req
+    };
+    let mut batch: Vec<_> = (1..=2)
+        .map(|seq| at(peer_entry(&k, Direction::Up, seq)))
+        .collect();
+    batch.push(at(terminal_entry(&k, 3, Outcome::Completed, 2_000)));
+    batch.extend((4..=5).map(|seq| at(peer_entry(&k, Direction::Up, seq))));
+    let already = AppendOutcome::AlreadyTerminal {
+        outcome: Outcome::Completed,
+    };
+    assert_eq!(
+        s.append(batch).await.unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+            already,
+            AppendOutcome::Hole { tail: 3 },
+        ]
+    );
+    let m = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((m.up_tail, m.up_sender_tail), (3, 3));
+    assert_eq!(
+        (m.terminal, m.terminal_ms),
+        (Some(Outcome::Completed), Some(2_000))
+    );
+    assert_eq!(entries(s, &k, Direction::Up, 0, 10).await.len(), 3);
+
+    // The caller's entry, then the relay's.
+    let k = key("acme/caller", "mixed");
+    created(s, open_req(&k, CALLEE, 5_000, 100)).await;
+    let batch = vec![
+        at(peer_entry(&k, Direction::Down, 2)),
+        at(relay_entry(&k, Direction::Down, 3, None)),
+    ];
+    assert_eq!(
+        s.append(batch).await.unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 }
+        ]
+    );
+    let m = s.meta(&k).await.unwrap().unwrap();
+    assert_eq!((m.down_tail, m.down_sender_tail), (3, 2));
+    // The caller's frame for the relay's slot: not the caller's duplicate.
+    assert_eq!(
+        append1(s, at(peer_entry(&k, Direction::Down, 3))).await,
+        AppendOutcome::AlreadyTerminal {
+            outcome: Outcome::Unknown
+        }
+    );
+
+    // 10,000 bytes for the delegation: four entries of 3,000 in one run
+    // hold what fits (with the open's frame), the rest are refused and
+    // leave no trace.
+    let k = key("acme/caller", "full");
+    created(s, open_req(&k, CALLEE, 5_000, 100)).await;
+    let batch: Vec<_> = (1..=4)
+        .map(|seq| sized(at(peer_entry(&k, Direction::Up, seq)), 3_000))
+        .collect();
+    let over = AppendOutcome::OverBudget {
+        budget: Budget::Delegation,
+    };
+    assert_eq!(
+        s.append(batch).await.unwrap(),
+        vec![
+            AppendOutcome::Appended { seq: 1 },
+            AppendOutcome::Appended { seq: 2 },
+            AppendOutcome::Appended { seq: 3 },
+            over,
+        ]
+    );
+    assert_eq!(s.meta(&k).await.unwrap().unwrap().up_tail, 3);
+    let room = 10_000 - 9_000 - open_len(&k) as usize;
+    assert_eq!(
+        append1(s, sized(at(peer_entry(&k, Direction::Up, 4)), room + 1)).await,
+        over
+    );
+    assert_eq!(
+        append1(s, sized(at(peer_entry(&k, Direction::Up, 4)), room)).await,
+        AppendOutcome::Appended { seq: 4 }
+    );
+}
+
 async fn batch_outcomes_follow_request_order<S: EventStore>(s: &S) {
     let k = key("acme/caller", "req-1");
     let other = key("acme/caller", "req-2");
@@ -1865,6 +1961,47 @@ async fn redis_connect_failure_is_unavailable() {
 /// existed) is read from the log again; either is listed again from its
 /// next batch on, with the held bytes exact throughout. The lists go away
 /// with the delegation.
+/// A relay restarted with a lower `max_log_entries` finds logs longer
+/// than its cap: its first append trims each to the cap at once and gives
+/// back the bytes of every entry it dropped.
+#[tokio::test]
+async fn redis_a_log_longer_than_the_cap_is_cut_to_it_with_its_bytes() {
+    let (server, s) = redis_store(budgets(10, 2_000, 1 << 30)).await;
+    let k = key("acme/caller", "lowered");
+    created(&s, open_req(&k, CALLEE, 5_000, 100)).await;
+    for seq in 2..=10 {
+        append1(&s, sized(peer_entry(&k, Direction::Down, seq), 100)).await;
+    }
+    drop(s);
+    let s = RedisStore::connect(&server.url(), budgets(4, 2_000, 1 << 30))
+        .await
+        .unwrap();
+    assert_eq!(
+        append1(&s, sized(peer_entry(&k, Direction::Down, 11), 100)).await,
+        AppendOutcome::Appended { seq: 11 }
+    );
+    assert_eq!(
+        entries(&s, &k, Direction::Down, 7, 10)
+            .await
+            .iter()
+            .map(|(q, _)| *q)
+            .collect::<Vec<_>>(),
+        vec![8, 9, 10, 11]
+    );
+    // The log holds four entries of 100 bytes: 1,600 bytes of room.
+    let over = AppendOutcome::OverBudget {
+        budget: Budget::Delegation,
+    };
+    assert_eq!(
+        append1(&s, sized(peer_entry(&k, Direction::Up, 1), 1_601)).await,
+        over
+    );
+    assert_eq!(
+        append1(&s, sized(peer_entry(&k, Direction::Up, 1), 1_600)).await,
+        AppendOutcome::Appended { seq: 1 }
+    );
+}
+
 #[tokio::test]
 async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
     let r = Retention {

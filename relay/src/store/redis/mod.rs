@@ -26,9 +26,13 @@
 //! `open`, `append`, `read` and the expiry of one delegation are each one Lua
 //! script over that delegation's keys (`open` on a single server also over
 //! the index keys, below; `EVALSHA`, loaded with
-//! `SCRIPT LOAD` on `NOSCRIPT`). The scripts never format numbers in Lua (its
-//! `tostring` switches to exponent notation above 1e14): every sequence or
-//! time they store arrives as a decimal string from Rust. When a terminal is
+//! `SCRIPT LOAD` on `NOSCRIPT`). The scripts never format numbers with Lua's
+//! `tostring` (it switches to exponent notation above 1e14): times arrive as
+//! decimal strings from Rust, and the sequences of a run (its first one
+//! from Rust, the others one by one after it) are written with
+//! `string.format('%d')` or passed to `redis.call` as numbers, which Redis
+//! formats with `%.17g`: both exact for every integer a double holds (up to
+//! 2^53, where a log's tail, one more per append, never gets). When a terminal is
 //! set, the script also sets `PEXPIRE finished_ttl_ms` on the delegation's
 //! keys, so Redis itself drops finished delegations.
 //!
@@ -849,6 +853,39 @@ fn append_groups(reqs: &[AppendRequest]) -> Vec<Vec<usize>> {
     groups
 }
 
+/// A group's entries (indexes into `reqs`) cut into the runs the `append`
+/// script takes: consecutive entries of one log with consecutive
+/// sequences, the same sender connection, time, wake channel and charge,
+/// and a terminal only on a run's last entry. The script appends a run
+/// whose checks all pass at once, so the common batch (one connection's
+/// frames in order) is one run.
+fn append_runs(group: &[usize], reqs: &[AppendRequest], charges: &[Charge]) -> Vec<Vec<usize>> {
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    let mut prev: Option<usize> = None;
+    for &i in group {
+        let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
+            continue;
+        };
+        let joins = prev
+            .and_then(|p| Some((reqs.get(p)?, charges.get(p)?)))
+            .is_some_and(|(before, before_charge)| {
+                before.terminal.is_none()
+                    && before.dir == req.dir
+                    && before.seq.checked_add(1) == Some(req.seq)
+                    && before.origin == req.origin
+                    && before.now_ms == req.now_ms
+                    && before.wake == req.wake
+                    && (*before_charge == Charge::Refused) == (*charge == Charge::Refused)
+            });
+        match runs.last_mut() {
+            Some(run) if joins => run.push(i),
+            _ => runs.push(vec![i]),
+        }
+        prev = Some(i);
+    }
+    runs
+}
+
 /// A delay in whole milliseconds, as the cluster client's retry settings take it.
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -989,18 +1026,24 @@ impl EventStore for RedisStore {
                 .arg(self.retention.max_peer_bytes)
                 .arg(first.key.to_string())
                 .arg(if index_keys.is_some() { "1" } else { "0" });
-            // A group's entries mostly come from one connection: its
-            // instance is formatted once.
+            // The group's entries go in runs (`append_runs`): one header of
+            // nine arguments, then each entry's frame. A group's entries
+            // mostly come from one connection: its instance is formatted
+            // once.
             let mut origin_hex: Option<(InstanceId, String)> = None;
-            for &i in group {
-                let (Some(req), Some(charge)) = (reqs.get(i), charges.get(i)) else {
+            for run in append_runs(group, &reqs, &charges) {
+                let (Some(req), Some(last)) = (
+                    run.first().and_then(|&i| reqs.get(i)),
+                    run.last().and_then(|&i| reqs.get(i)),
+                ) else {
                     continue;
                 };
-                cmd.arg(match req.dir {
-                    Direction::Down => "d",
-                    Direction::Up => "u",
-                })
-                .arg(req.seq);
+                cmd.arg(run.len())
+                    .arg(match req.dir {
+                        Direction::Down => "d",
+                        Direction::Up => "u",
+                    })
+                    .arg(req.seq);
                 let sender = match &req.origin {
                     Origin::Relay => {
                         cmd.arg("r");
@@ -1019,8 +1062,7 @@ impl EventStore for RedisStore {
                         Some(peer)
                     }
                 };
-                cmd.arg(req.terminal.map_or("", Outcome::name))
-                    .arg(req.frame.as_ref())
+                cmd.arg(last.terminal.map_or("", Outcome::name))
                     .arg(req.now_ms)
                     .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
                     .arg(sender.map_or("", |p| p.as_str()));
@@ -1030,7 +1072,14 @@ impl EventStore for RedisStore {
                         .map_or(0, |at| at + 1);
                     cmd.arg(index);
                 } else {
-                    cmd.arg(if *charge == Charge::Refused { "0" } else { "1" });
+                    let refused =
+                        run.first().and_then(|&i| charges.get(i)) == Some(&Charge::Refused);
+                    cmd.arg(if refused { "0" } else { "1" });
+                }
+                for &i in &run {
+                    if let Some(req) = reqs.get(i) {
+                        cmd.arg(req.frame.as_ref());
+                    }
                 }
             }
             pipe.add_command(cmd);
@@ -1059,7 +1108,7 @@ impl EventStore for RedisStore {
         let mut finished = Vec::new();
         let mut give_back = Vec::new();
         for ((req, charge), at) in reqs.iter().zip(charges).zip(place) {
-            let Some((group, (code, value))) = at.and_then(|(g, j)| {
+            let Some((group, entry)) = at.and_then(|(g, j)| {
                 let group = split.get(g)?;
                 Some((group, group.entries.get(j)?))
             }) else {
@@ -1069,7 +1118,7 @@ impl EventStore for RedisStore {
                 outcomes.push(AppendOutcome::Unavailable);
                 continue;
             };
-            let (outcome, fin, trimmed) = parse_append(req, code, value, group)?;
+            let (outcome, fin, trimmed) = parse_append(req, entry, group)?;
             if charge == Charge::Charged {
                 match outcome {
                     AppendOutcome::Appended { .. } if trimmed > 0 => {
@@ -1351,5 +1400,97 @@ mod durability_tests {
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(w[0].contains("allkeys-lru") && w[0].contains("noeviction"));
         assert!(w[1].contains("appendonly no") && w[1].contains("appendonly yes"));
+    }
+}
+
+#[cfg(test)]
+mod run_tests {
+    use super::{Charge, append_runs};
+    use crate::store::{AppendRequest, Origin};
+    use bytes::Bytes;
+    use oab_wire::{DelegationKey, Direction, InstanceId, Outcome, PeerId, RequestId};
+
+    fn peer(name: &str) -> PeerId {
+        PeerId::new(name).unwrap_or_else(|_| unreachable!())
+    }
+
+    fn entry(seq: u64, origin: &Origin) -> AppendRequest {
+        AppendRequest {
+            key: DelegationKey::new(
+                peer("acme/caller"),
+                RequestId::new("r-1").unwrap_or_else(|_| unreachable!()),
+            ),
+            dir: Direction::Up,
+            seq,
+            terminal: None,
+            origin: origin.clone(),
+            frame: Bytes::from_static(b"frame"),
+            now_ms: 7,
+            wake: None,
+        }
+    }
+
+    #[test]
+    fn one_connections_frames_in_order_are_one_run_and_anything_else_starts_a_new_one() {
+        let callee = Origin::Peer {
+            peer: peer("acme/callee"),
+            instance: InstanceId::random(),
+        };
+        let other_instance = Origin::Peer {
+            peer: peer("acme/callee"),
+            instance: InstanceId::random(),
+        };
+        let mut reqs: Vec<AppendRequest> = (1..=4).map(|s| entry(s, &callee)).collect();
+        // A terminal ends its run.
+        reqs[3].terminal = Some(Outcome::Completed);
+        reqs.push(entry(5, &callee));
+        // A gap, the other log, another connection, the relay, another
+        // clock reading, a wake channel, a refused charge: each a run.
+        reqs.push(entry(7, &callee));
+        let mut down = entry(8, &callee);
+        down.dir = Direction::Down;
+        reqs.push(down);
+        reqs.push(entry(9, &other_instance));
+        reqs.push(entry(10, &Origin::Relay));
+        let mut later = entry(11, &Origin::Relay);
+        later.now_ms = 8;
+        reqs.push(later);
+        let mut woken = entry(12, &Origin::Relay);
+        woken.now_ms = 8;
+        woken.wake = Some(peer("acme/caller"));
+        reqs.push(woken);
+        let mut refused = entry(13, &callee);
+        refused.now_ms = 8;
+        reqs.push(refused);
+        let mut charged = entry(14, &callee);
+        charged.now_ms = 8;
+        reqs.push(charged);
+        let mut charges = vec![Charge::Exempt; reqs.len()];
+        charges[11] = Charge::Refused;
+        let group: Vec<usize> = (0..reqs.len()).collect();
+        assert_eq!(
+            append_runs(&group, &reqs, &charges),
+            vec![
+                vec![0, 1, 2, 3],
+                vec![4],
+                vec![5],
+                vec![6],
+                vec![7],
+                vec![8],
+                vec![9],
+                vec![10],
+                vec![11],
+                vec![12],
+            ]
+        );
+        charges[11] = Charge::Charged;
+        assert_eq!(append_runs(&[11, 12], &reqs, &charges), vec![vec![11, 12]]);
+        // Refused and charged entries never share a run, and a run holds
+        // only the group's entries, in the group's order.
+        assert_eq!(append_runs(&[1, 2], &reqs, &charges), vec![vec![1, 2]]);
+        assert_eq!(
+            append_runs(&[2, 1], &reqs, &charges),
+            vec![vec![2], vec![1]]
+        );
     }
 }

@@ -173,26 +173,36 @@ pub(super) struct Finished {
 /// index entry needs). A delegation the store does not know gives every
 /// entry the code `U`.
 pub(super) struct GroupReply {
-    pub(super) entries: Vec<(Value, Value)>,
+    pub(super) entries: Vec<EntryReply>,
     deadline: Value,
     callee: Value,
 }
 
-/// Splits an `append` script reply (`{'U'}`, or a code and a value per
-/// entry followed by the deadline and the callee) for a call of `entries`
-/// entries.
+/// One entry's part of an `append` reply.
+pub(super) enum EntryReply {
+    /// A code and a value, as the script gave them.
+    Pair(Value, Value),
+    /// Appended, nothing trimmed because of it, no terminal: an entry of a
+    /// run the script appended whole, before the run's last (`R, count`).
+    Appended,
+}
+
+/// Splits an `append` script reply (`{'U'}`, or per entry a code and a
+/// value, where `R, count` stands for that many entries appended with
+/// nothing trimmed, followed by the deadline and the callee) for a call of
+/// `entries` entries.
 pub(super) fn split_append(v: Value, entries: usize) -> Result<GroupReply, StoreError> {
     let mut items = reply_array(v, "append")?;
     if items.len() == 1 && items.first().and_then(str_of) == Some("U") {
         return Ok(GroupReply {
             entries: (0..entries)
-                .map(|_| (Value::SimpleString("U".into()), Value::Nil))
+                .map(|_| EntryReply::Pair(Value::SimpleString("U".into()), Value::Nil))
                 .collect(),
             deadline: Value::Nil,
             callee: Value::Nil,
         });
     }
-    if items.len() != 2 * entries + 2 {
+    if items.len() < 2 || items.len() % 2 != 0 {
         return Err(corrupt(format!(
             "append: a reply of {} items for {entries} entries",
             items.len()
@@ -203,7 +213,21 @@ pub(super) fn split_append(v: Value, entries: usize) -> Result<GroupReply, Store
     let mut it = items.into_iter();
     let mut pairs = Vec::with_capacity(entries);
     while let (Some(code), Some(value)) = (it.next(), it.next()) {
-        pairs.push((code, value));
+        if str_of(&code) == Some("R") {
+            let run = u64_of(&value)
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n <= entries.saturating_sub(pairs.len()))
+                .ok_or_else(|| corrupt(format!("append: a run of {value:?} entries")))?;
+            pairs.extend((0..run).map(|_| EntryReply::Appended));
+        } else {
+            pairs.push(EntryReply::Pair(code, value));
+        }
+    }
+    if pairs.len() != entries {
+        return Err(corrupt(format!(
+            "append: a reply for {} entries for {entries} entries",
+            pairs.len()
+        )));
     }
     Ok(GroupReply {
         entries: pairs,
@@ -216,10 +240,13 @@ pub(super) fn split_append(v: Value, entries: usize) -> Result<GroupReply, Store
 /// the terminal, and the bytes its log's trim dropped because of it.
 pub(super) fn parse_append(
     req: &AppendRequest,
-    code: &Value,
-    value: &Value,
+    entry: &EntryReply,
     group: &GroupReply,
 ) -> Result<(AppendOutcome, Option<Finished>, u64), StoreError> {
+    let (code, value) = match entry {
+        EntryReply::Appended => return Ok((AppendOutcome::Appended { seq: req.seq }, None, 0)),
+        EntryReply::Pair(code, value) => (code, value),
+    };
     let code = str_of(code);
     let num = || -> Result<u64, StoreError> {
         u64_of(value).ok_or_else(|| corrupt(format!("append reply {code:?} lacks a number")))

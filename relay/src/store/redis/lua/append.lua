@@ -54,10 +54,20 @@ local held = tonumber(m[9] or '0') + tonumber(m[10] or '0')
 local cur = m[5] or ''
 local acc = m[6] or ''
 local party = {d = ARGV[3], u = m[8]}
+-- The entries come in runs: nine header arguments (count, dir, first seq,
+-- origin, the terminal of the run's last entry, now, wake channel, sender,
+-- budget), then the run's frames; a run's sequences are consecutive and
+-- only its last entry may carry a terminal.
+local runs = {}
 local left = {d = 0, u = 0}
-for i = 8, #ARGV, 9 do
-  local dir = ARGV[i]
-  left[dir] = left[dir] + 1
+do
+  local b = 8
+  while b <= #ARGV do
+    local count = tonumber(ARGV[b])
+    runs[#runs + 1] = b
+    left[ARGV[b + 1]] = left[ARGV[b + 1]] + count
+    b = b + 9 + count
+  end
 end
 local added = {d = 0, u = 0}
 local len = {}
@@ -69,135 +79,220 @@ local term_ms = nil
 local term_at = nil
 local out = {}
 local n = 0
-for b = 7, #ARGV - 1, 9 do
-  local dir, seqs, origin, term, frame = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
-  now_ms = ARGV[b + 6]
-  local seq = tonumber(seqs)
-  local t = tail[dir]
-  local code, value = nil, ''
-  if origin == 'r' then
-    if seq ~= t + 1 then
-      code, value = 'C', tails[dir]
-    elseif term ~= '' and cur ~= '' then
-      code, value = 'T', cur
+-- The first entry appended to a log in this call: its length, and the
+-- sizes of the entries the batch's appends may trim (oldest first).
+local function touch(dir, seq)
+  local l
+  -- A log holds at most one entry per sequence up to its tail, so when
+  -- the tail and this batch's entries fit under maxlen nothing is trimmed
+  -- and the tail bounds the length: no XLEN needed.
+  local capped = seq - 1 + left[dir] > maxlen
+  if capped then l = redis.call('XLEN', log[dir]) else l = seq - 1 end
+  queue[dir] = {}
+  head[dir] = 1
+  qlen[dir] = 0
+  if capped or listing[dir] then
+    -- From its first batch at the cap on, every entry of the log gets its
+    -- size listed: the list holds the sizes of the newest entries, the
+    -- older ones (appended before) are read from the log.
+    local count = 0
+    if listing[dir] then
+      count = redis.call('LLEN', sizes[dir])
     else
-      tail[dir], tails[dir] = seq, seqs
-      moved[dir] = true
+      -- Nothing of an earlier list, or of an earlier delegation under
+      -- this key, may count.
+      redis.call('DEL', sizes[dir])
+      listing[dir] = true
+      has_list[dir] = true
     end
-  elseif ARGV[b + 8] ~= party[dir] then
-    code = 'P'
-  elseif seq <= t then
-    if seq <= sent[dir] then code, value = 'D', sents[dir] else code, value = 'T', cur end
-  elseif seq > t + 1 then
-    code, value = 'H', tails[dir]
-  elseif cur ~= '' then
-    code, value = 'T', cur
-  elseif held + #frame > maxbytes then
-    code, value = 'B', 'd'
-  elseif not fused and ARGV[b + 9] ~= '1' then
-    code, value = 'B', 'p'
-  elseif fused and over_peer(ARGV[b + 9], #frame) then
-    code, value = 'B', 'p'
-  else
-    if dir == 'u' and acc == '' then acc = origin end
-    tail[dir], tails[dir] = seq, seqs
-    sent[dir], sents[dir] = seq, seqs
-    moved[dir] = true
+    if count > l then
+      -- Longer than the log: not this log's; read the log instead.
+      redis.call('DEL', sizes[dir])
+      count = 0
+    end
+    listed[dir] = count
+    unlisted[dir] = l - count
+    pushed[dir] = {}
   end
-  if code == nil then
+  local over = math.min(l, l + left[dir] - maxlen)
+  if over > 0 then
+    local q, k = queue[dir], 0
+    local from_log = over
+    if listed[dir] then from_log = math.min(over, unlisted[dir]) end
+    if from_log > 0 then
+      for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', from_log)) do
+        k = k + 1
+        q[k] = #e[2][2]
+      end
+    end
+    if over > from_log then
+      for _, z in ipairs(redis.call('LRANGE', sizes[dir], 0, over - from_log - 1)) do
+        k = k + 1
+        q[k] = tonumber(z)
+      end
+    end
+    qlen[dir] = k
+  end
+  len[dir] = l
+end
+-- Appends frames ARGV[at .. at + count - 1] to a log at sequences first,
+-- first + 1, ...: each adds its size to the log's held bytes and takes off
+-- what the log's maxlen trims because of it, and with a peer budget
+-- (fused), is charged to it and gives the trimmed bytes back, entry by
+-- entry as `over_peer` and `give_back` would. Returns the bytes trimmed.
+local function put(dir, first, at, count, wake, budget)
+  if not len[dir] then touch(dir, first) end
+  local key, q, h, qn, l = log[dir], queue[dir], head[dir], qlen[dir], len[dir]
+  local p = pushed[dir]
+  local size_sum, trimmed = 0, 0
+  for k = 0, count - 1 do
+    local frame = ARGV[at + k]
     local size = #frame
-    local l = len[dir]
-    if not l then
-      -- A log holds at most one entry per sequence up to its tail, so
-      -- when the tail and this batch's entries fit under maxlen nothing
-      -- is trimmed and the tail bounds the length: no XLEN needed.
-      local capped = seq - 1 + left[dir] > maxlen
-      if capped then l = redis.call('XLEN', log[dir]) else l = seq - 1 end
-      queue[dir] = {}
-      head[dir] = 1
-      qlen[dir] = 0
-      if capped or listing[dir] then
-        -- From its first batch at the cap on, every entry of the log gets
-        -- its size listed: the list holds the sizes of the newest entries,
-        -- the older ones (appended before) are read from the log.
-        local count = 0
-        if listing[dir] then
-          count = redis.call('LLEN', sizes[dir])
+    size_sum = size_sum + size
+    qn = qn + 1
+    q[qn] = size
+    l = l + 1
+    local cut = 0
+    while l > maxlen do
+      cut = cut + (q[h] or 0)
+      q[h] = nil
+      h = h + 1
+      l = l - 1
+    end
+    redis.call('XADD', key, first + k, 'f', frame)
+    if p then p[#p + 1] = size end
+    if wake ~= '' then redis.call('PUBLISH', wake, 'W' .. frame) end
+    if budget then
+      budget.total = budget.total + size
+      budget.member = budget.member + size
+      if cut > 0 then
+        local back = math.min(cut, budget.member)
+        budget.member = budget.member - back
+        budget.total = budget.total - back
+      end
+    end
+    trimmed = trimmed + cut
+  end
+  head[dir], qlen[dir], len[dir] = h, qn, l
+  held = held + size_sum - trimmed
+  added[dir] = added[dir] + size_sum - trimmed
+  return trimmed
+end
+for _, b in ipairs(runs) do
+  local count, dir, first, origin, run_term = tonumber(ARGV[b]), ARGV[b + 1], tonumber(ARGV[b + 2]),
+    ARGV[b + 3], ARGV[b + 4]
+  local now, wake, sender, charge = ARGV[b + 5], ARGV[b + 6], ARGV[b + 7], ARGV[b + 8]
+  local at = b + 9
+  now_ms = now
+  -- A run that every check would let through entry by entry is appended
+  -- whole: the sequence and the party are checked once, and the budgets
+  -- against the run's size (an upper bound of what each entry sees).
+  local whole = false
+  local t = tail[dir]
+  if first == t + 1 and (run_term == '' or cur == '') then
+    if origin == 'r' then
+      whole = true
+    elseif sender == party[dir] and cur == '' then
+      local size = 0
+      for k = at, at + count - 1 do size = size + #ARGV[k] end
+      if held + size <= maxbytes then
+        if not fused then
+          whole = charge == '1'
+        elseif charge == '0' then
+          whole = true
         else
-          -- Nothing of an earlier list, or of an earlier delegation under
-          -- this key, may count.
-          redis.call('DEL', sizes[dir])
-          listing[dir] = true
-          has_list[dir] = true
+          local budget = budget_of(tonumber(charge))
+          whole = budget.total + size <= maxpeer
         end
-        if count > l then
-          -- Longer than the log: not this log's; read the log instead.
-          redis.call('DEL', sizes[dir])
-          count = 0
-        end
-        listed[dir] = count
-        unlisted[dir] = l - count
-        pushed[dir] = {}
-      end
-      local over = math.min(l, l + left[dir] - maxlen)
-      if over > 0 then
-        local q, k = queue[dir], 0
-        local from_log = over
-        if listed[dir] then from_log = math.min(over, unlisted[dir]) end
-        if from_log > 0 then
-          for _, e in ipairs(redis.call('XRANGE', log[dir], '-', '+', 'COUNT', from_log)) do
-            k = k + 1
-            q[k] = #e[2][2]
-          end
-        end
-        if over > from_log then
-          for _, z in ipairs(redis.call('LRANGE', sizes[dir], 0, over - from_log - 1)) do
-            k = k + 1
-            q[k] = tonumber(z)
-          end
-        end
-        qlen[dir] = k
       end
     end
-    local q = queue[dir]
-    qlen[dir] = qlen[dir] + 1
-    q[qlen[dir]] = size
-    local trimmed = 0
-    if l + 1 > maxlen then
-      local h = head[dir]
-      for _ = 1, l + 1 - maxlen do
-        trimmed = trimmed + (q[h] or 0)
-        q[h] = nil
-        h = h + 1
-      end
-      head[dir] = h
-      len[dir] = maxlen
-    else
-      len[dir] = l + 1
+  end
+  if whole then
+    local budget = nil
+    if fused and origin ~= 'r' and charge ~= '0' then budget = budget_of(tonumber(charge)) end
+    local trimmed = put(dir, first, at, count, wake, budget)
+    if origin ~= 'r' then
+      if dir == 'u' and acc == '' then acc = origin end
+      sent[dir] = first + count - 1
+      sents[dir] = string.format('%d', sent[dir])
     end
-    redis.call('XADD', log[dir], seqs, 'f', frame)
-    if pushed[dir] then
-      local p = pushed[dir]
-      p[#p + 1] = size
+    tail[dir] = first + count - 1
+    tails[dir] = string.format('%d', tail[dir])
+    moved[dir] = true
+    if count > 1 then
+      -- The run's entries before its last: appended, nothing trimmed.
+      out[n + 1] = 'R'
+      out[n + 2] = count - 1
+      n = n + 2
     end
-    held = held + size - trimmed
-    if fused then give_back(ARGV[b + 9], trimmed) end
-    added[dir] = added[dir] + size - trimmed
-    if ARGV[b + 7] ~= '' then redis.call('PUBLISH', ARGV[b + 7], 'W' .. frame) end
-    if cur == '' and term ~= '' then
-      cur = term
-      term_ms = ARGV[b + 6]
+    local code = 'A'
+    if run_term ~= '' then
+      cur = run_term
+      term_ms = now
       code = 'F'
       term_at = n + 1
-    else
-      code = 'A'
     end
-    value = trimmed
+    out[n + 1] = code
+    out[n + 2] = trimmed
+    n = n + 2
+    left[dir] = left[dir] - count
+  else
+    for k = 0, count - 1 do
+      local seq = first + k
+      local seqs = string.format('%d', seq)
+      local frame = ARGV[at + k]
+      local term = ''
+      if k == count - 1 then term = run_term end
+      t = tail[dir]
+      local code, value = nil, ''
+      if origin == 'r' then
+        if seq ~= t + 1 then
+          code, value = 'C', tails[dir]
+        elseif term ~= '' and cur ~= '' then
+          code, value = 'T', cur
+        else
+          tail[dir], tails[dir] = seq, seqs
+          moved[dir] = true
+        end
+      elseif sender ~= party[dir] then
+        code = 'P'
+      elseif seq <= t then
+        if seq <= sent[dir] then code, value = 'D', sents[dir] else code, value = 'T', cur end
+      elseif seq > t + 1 then
+        code, value = 'H', tails[dir]
+      elseif cur ~= '' then
+        code, value = 'T', cur
+      elseif held + #frame > maxbytes then
+        code, value = 'B', 'd'
+      elseif not fused and charge ~= '1' then
+        code, value = 'B', 'p'
+      elseif fused and over_peer(charge, #frame) then
+        code, value = 'B', 'p'
+      else
+        if dir == 'u' and acc == '' then acc = origin end
+        tail[dir], tails[dir] = seq, seqs
+        sent[dir], sents[dir] = seq, seqs
+        moved[dir] = true
+      end
+      if code == nil then
+        local trimmed = put(dir, seq, at + k, 1, wake, nil)
+        if fused and origin ~= 'r' then give_back(charge, trimmed) end
+        if cur == '' and term ~= '' then
+          cur = term
+          term_ms = now
+          code = 'F'
+          term_at = n + 1
+        else
+          code = 'A'
+        end
+        value = trimmed
+      end
+      left[dir] = left[dir] - 1
+      out[n + 1] = code
+      out[n + 2] = value
+      n = n + 2
+    end
   end
-  left[dir] = left[dir] - 1
-  out[n + 1] = code
-  out[n + 2] = value
-  n = n + 2
 end
 local fields = {}
 if moved.d then
