@@ -460,10 +460,12 @@ enum OpenStep {
         refusal: Refusal,
         stored: Option<Result<Option<bool>, crate::store::StoreError>>,
     },
-    /// Opened in the store (`res`), with the frame stored.
+    /// Opened in the store (`res`), with the frame stored; `woke`: whether
+    /// the store published it on the callee's wake channel.
     Stored {
         frame: Bytes,
         started: Instant,
+        woke: bool,
         res: Result<OpenOutcome, crate::store::StoreError>,
     },
 }
@@ -1371,11 +1373,13 @@ impl<S: EventStore> Session<S> {
                     let hub = self.hub.clone();
                     Box::pin(async move {
                         let frame = req.frame.clone();
+                        let woke = req.wake.is_some();
                         let started = Instant::now();
                         let res = hub.store.open(req).await;
                         OpenStep::Stored {
                             frame,
                             started,
+                            woke,
                             res,
                         }
                     })
@@ -1481,12 +1485,16 @@ impl<S: EventStore> Session<S> {
             OpenStep::Stored {
                 frame,
                 started,
+                woke,
                 res,
             } => {
                 hub.observe_store("open", started, &res);
                 match res {
                     Ok(OpenOutcome::Created(meta)) => {
-                        hub.created(&meta, &self.me, frame);
+                        hub.created(&meta, &self.me, frame.clone());
+                        if !woke {
+                            hub.wake_if_gone(&meta.callee, frame);
+                        }
                         hub.metrics
                             .ack_latency
                             .observe(started.elapsed().as_secs_f64());

@@ -286,6 +286,88 @@ async fn session_moves_between_instances(url: &str) {
     assert_eq!(open, key("m1"));
 }
 
+/// An `Open` reaches the instance of the callee's session while that
+/// session is being replaced by a newer one on another instance: Redis
+/// holds its writes (`CLIENT PAUSE ... WRITE`) while the caller's open is
+/// checked and the new session's claim is made, so the open is stored for
+/// the old session and the claim lands after. Whichever of the two the
+/// store runs first, the callee's new session gets the `Open` (by the wake
+/// published when the old session is found gone after the store call, or by
+/// the nudge the old one sends as it ends), not only on its next
+/// connection.
+async fn open_while_the_callee_moves(url: &str, read_old_at_once: bool) {
+    let env = TestEnv::new("");
+    let fleet = start_fleet(&env, url, 2).await;
+    let instance = InstanceId::random();
+    let mut old = fleet[0].client_as(&env.callee, instance).await;
+    let mut a = fleet[0].client_as(&env.caller, InstanceId::random()).await;
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(500)
+        .arg("WRITE")
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    a.send(&open_frame("moving", b"{}")).await.unwrap();
+    // The old session is closed as replaced (it may have had the `Open`).
+    // Read at once, its close completes and it ends as soon as it can.
+    let closed = async move {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), old.recv())
+                .await
+                .expect("the old session is closed")
+            {
+                Ok(_) => continue,
+                Err(ClientError::Closed { code, .. }) => return code,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    };
+    // Otherwise it is read only once the open was acknowledged: until then
+    // its close waits for a reply (up to a second), and it lingers.
+    let mut closed = Some(closed);
+    let early = if read_old_at_once {
+        closed.take().map(tokio::spawn)
+    } else {
+        None
+    };
+    let target = fleet[1].target();
+    let callee = env.callee.clone();
+    let moving = tokio::spawn(async move {
+        RawClient::connect(&target, &callee, instance)
+            .await
+            .unwrap()
+    });
+    await_ack(&mut a, "moving", Direction::Down, 1).await;
+    let mut new = moving.await.unwrap();
+    let code = match (early, closed) {
+        (Some(task), _) => task.await.unwrap(),
+        (None, Some(closed)) => closed.await,
+        (None, None) => unreachable!(),
+    };
+    assert_eq!(code, CloseCode::Replaced.as_u16());
+    let open = recv_until(&mut new, |f| match f {
+        Frame::Open(o) => Some(o.key.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(open, key("moving"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_while_the_callee_moves_reaches_its_new_session() {
+    let redis = RedisServer::start(Persistence::None).unwrap();
+    Box::pin(open_while_the_callee_moves(&redis.url(), false)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_while_the_callee_moves_and_its_old_session_ends_at_once_reaches_the_new_one() {
+    let redis = RedisServer::start(Persistence::None).unwrap();
+    Box::pin(open_while_the_callee_moves(&redis.url(), true)).await;
+}
+
 /// A sweeper leader that shuts down cleanly hands the lease over at once,
 /// not after the lease (a minute here) lapses.
 async fn sweeper_instance_drained(url: &str) {

@@ -39,9 +39,65 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// The peer to wake for a new delegation's `Open`: the callee, unless it
-    /// is held here.
+    /// is held here by a session that is not closing (one replaced by a
+    /// newer session elsewhere closes, and may take a second to go).
     pub fn open_wake(&self, callee: &PeerId) -> Option<PeerId> {
-        (self.fleet.enabled && !self.is_online(callee)).then(|| callee.clone())
+        (self.fleet.enabled && !self.holds_open_session(callee)).then(|| callee.clone())
+    }
+
+    /// Publishes a created delegation's `Open` on the callee's wake channel
+    /// when the store did not (the callee was held here when the open was
+    /// checked) and the callee's session here is gone or closing now: it
+    /// went during the store's round trip, possibly to a newer session on
+    /// another instance, which would otherwise not hear of the delegation
+    /// until its next connection. The entry is durable already; a wake-up
+    /// that reaches this instance too is dropped by sequence.
+    pub fn wake_if_gone(self: &Arc<Self>, callee: &PeerId, open_frame: Bytes) {
+        if !self.fleet.enabled || self.holds_open_session(callee) {
+            return;
+        }
+        debug!(peer = %callee, "the callee's session here went during the open: waking it elsewhere");
+        let hub = self.clone();
+        let mut message = Vec::with_capacity(open_frame.len() + 1);
+        message.push(b'W');
+        message.extend_from_slice(&open_frame);
+        let callee = callee.clone();
+        self.tasks.spawn(async move {
+            if let Err(e) = hub.store.publish(vec![(callee.clone(), Bytes::from(message))]).await {
+                warn!(error = %e, peer = %callee, "could not wake the callee of a new delegation; it gets it on its next connection");
+            }
+        });
+    }
+
+    /// Subscribes `callee`'s session here to a delegation's down log from its
+    /// start, if the delegation is open, `callee` is its callee and nobody
+    /// here reads that log yet (as [`Hub::reopened`] does for the callee).
+    async fn deliver_down_log(self: &Arc<Self>, callee: &PeerId, key: &DelegationKey) {
+        let live = match self.view(key).await {
+            Ok(Some(live)) => live,
+            Ok(None) => return,
+            Err(e) => {
+                warn!(error = %e, %key, "store unavailable: the callee gets this delegation when it resumes");
+                return;
+            }
+        };
+        let unread = {
+            let l = live.lock();
+            l.callee == *callee && l.subs[0].is_none() && l.terminal.is_none()
+        };
+        let session = self.sessions.lock().get(callee).cloned();
+        if let (true, Some(session)) = (unread, session) {
+            debug!(peer = %callee, %key, "a delegation the callee's ended session elsewhere read: delivered here");
+            let _ = self.subscribe(&live, key, Direction::Down, &session, 0);
+        }
+    }
+
+    /// Whether `peer` holds a session here that is not closing.
+    fn holds_open_session(&self, peer: &PeerId) -> bool {
+        self.sessions
+            .lock()
+            .get(peer)
+            .is_some_and(|s| !s.outbox.is_closed())
     }
 
     /// Handles a message from `peer`'s wake channel (see
@@ -76,8 +132,18 @@ impl<S: EventStore> Hub<S> {
                 };
                 self.metrics.wakes.with_label_values(&["nudge"]).inc();
                 let live = self.views.lock().get(&key).cloned();
-                if let Some(live) = live {
-                    self.catch_up(&live, &key, dir, tail, None);
+                match live {
+                    Some(live) => self.catch_up(&live, &key, dir, tail, None),
+                    // A delegation not loaded here whose down log went to
+                    // the callee's session on another instance, which ended
+                    // (replaced by the session here, say, after the `Open`
+                    // reached it): the session here gets it from the start.
+                    None if dir == Direction::Down && self.holds_open_session(&peer) => {
+                        let hub = self.clone();
+                        self.tasks
+                            .spawn(async move { hub.deliver_down_log(&peer, &key).await });
+                    }
+                    None => {}
                 }
             }
             b'T' => {

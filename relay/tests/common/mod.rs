@@ -411,7 +411,12 @@ impl RelayProcess {
             .args(["--store", &self.store])
             .args(["--set", "lifecycle.sweep_interval_ms=20"])
             .args(self.sets.iter().flat_map(|s| ["--set", s.as_str()]))
-            .env("OAB_LOG", "warn")
+            // `OAB_TEST_RELAY_LOG=oab_relay=debug` shows what the relay
+            // processes of a failing test did (their log goes to stderr).
+            .env(
+                "OAB_LOG",
+                std::env::var("OAB_TEST_RELAY_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
