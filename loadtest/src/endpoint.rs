@@ -22,8 +22,8 @@ use bytes::Bytes;
 use futures_util::{FutureExt as _, Sink, SinkExt as _, Stream, StreamExt as _};
 use hdrhistogram::Histogram;
 use oab_wire::{
-    Ack, Data, DelegationKey, Digest, Direction, Frame, Limits, Open, Outcome, decode_message,
-    encode,
+    Ack, Data, DelegationKey, Digest, Direction, ErrorCode, Frame, Limits, Open, Outcome,
+    decode_message, encode,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -281,6 +281,38 @@ pub struct SenderOutcome {
     pub window_waits: u64,
 }
 
+/// Where the sender is to send from again: a `sequence_gap` refusal at
+/// `seq` means the relay did not append anything after `seq` (on a Redis
+/// Cluster a batch can overtake an earlier one between the budget's round
+/// trip and the append's), and a connector resends from `seq + 1`; so does
+/// the benchmark's sender, once per refusal point.
+#[derive(Default)]
+struct Rewind {
+    /// The latest point asked for, and the last one the sender took.
+    at: Mutex<(u64, u64)>,
+    changed: tokio::sync::Notify,
+}
+
+impl Rewind {
+    fn ask(&self, from: u64) {
+        let mut at = self.at.lock();
+        if from > at.0 {
+            at.0 = from;
+            drop(at);
+            self.changed.notify_one();
+        }
+    }
+
+    /// A point not taken yet.
+    fn take(&self) -> Option<u64> {
+        let mut at = self.at.lock();
+        (at.0 > at.1).then(|| {
+            at.1 = at.0;
+            at.0
+        })
+    }
+}
+
 /// Sends `spec.template` frames as fast as the window allows: a frame goes
 /// out while fewer than `window` frames are beyond the highest sequence that
 /// is both acknowledged (by the relay, or the direct callee) and, when
@@ -302,10 +334,12 @@ pub async fn pipelined_sender<W: Ws>(
     let acked = Arc::new(Progress::new(spec.first_seq - 1));
     let errors = Errors::default();
     let stop_reader = CancellationToken::new();
+    let rewind = Arc::new(Rewind::default());
     let reader = tokio::spawn(ack_reader(
         stream,
         acked.clone(),
         errors.clone(),
+        rewind.clone(),
         stop_reader.clone(),
         limits,
     ));
@@ -315,7 +349,13 @@ pub async fn pipelined_sender<W: Ws>(
     let mut unflushed = 0u64;
     let mut window_waits = 0u64;
     let mut failed = false;
+    let mut highest = spec.first_seq - 1;
     loop {
+        if let Some(from) = rewind.take()
+            && from < next
+        {
+            next = from;
+        }
         if next > last_allowed || reader.is_finished() {
             break;
         }
@@ -329,6 +369,7 @@ pub async fn pipelined_sender<W: Ws>(
                 failed = true;
                 break;
             }
+            highest = highest.max(next);
             next += 1;
             unflushed += 1;
             if unflushed >= FLUSH_EVERY {
@@ -364,6 +405,7 @@ pub async fn pipelined_sender<W: Ws>(
         tokio::select! {
             () = acked.changed.notified() => {}
             () = receiver_moved => {}
+            () = rewind.changed.notified() => {}
             () = tokio::time::sleep_until(spec.deadline) => {}
         }
     }
@@ -371,7 +413,7 @@ pub async fn pipelined_sender<W: Ws>(
         failed = true;
     }
     let stopped = Instant::now();
-    let last_seq = next - 1;
+    let last_seq = highest;
     last_sent.send_replace(last_seq);
     if failed {
         errors.push("the sender's connection failed".into());
@@ -407,6 +449,7 @@ async fn ack_reader<S>(
     mut stream: S,
     acked: Arc<Progress>,
     errors: Errors,
+    rewind: Arc<Rewind>,
     stop: CancellationToken,
     limits: Limits,
 ) -> S
@@ -420,7 +463,15 @@ where
         };
         match read_one(msg, &limits) {
             Read::Frame(Frame::Ack(a)) if a.direction == Direction::Down => acked.advance(a.seq),
-            Read::Frame(f @ (Frame::Error(_) | Frame::Gap(_))) => errors.push(describe(&f)),
+            Read::Frame(f @ (Frame::Error(_) | Frame::Gap(_))) => {
+                if let Frame::Error(e) = &f
+                    && e.code == ErrorCode::SequenceGap.as_u16()
+                    && e.direction == Direction::Down
+                {
+                    rewind.ask(e.seq.saturating_add(1));
+                }
+                errors.push(describe(&f));
+            }
             Read::Frame(_) | Read::Skip => {}
             Read::Closed(why) => {
                 errors.push(format!("sender connection: {why}"));
@@ -792,4 +843,26 @@ pub async fn echoer<W: Ws>(
             errors,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rewind;
+
+    #[test]
+    fn a_refusal_point_is_resent_from_once_and_only_a_later_one_again() {
+        let r = Rewind::default();
+        assert_eq!(r.take(), None);
+        r.ask(100);
+        // The same point refused again (every frame of the batches in
+        // flight behind it is): no second rewind.
+        r.ask(100);
+        r.ask(90);
+        assert_eq!(r.take(), Some(100));
+        assert_eq!(r.take(), None);
+        r.ask(100);
+        assert_eq!(r.take(), None);
+        r.ask(250);
+        assert_eq!(r.take(), Some(250));
+    }
 }
