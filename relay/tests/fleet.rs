@@ -313,18 +313,7 @@ async fn open_while_the_callee_moves(url: &str, read_old_at_once: bool) {
     a.send(&open_frame("moving", b"{}")).await.unwrap();
     // The old session is closed as replaced (it may have had the `Open`).
     // Read at once, its close completes and it ends as soon as it can.
-    let closed = async move {
-        loop {
-            match tokio::time::timeout(Duration::from_secs(20), old.recv())
-                .await
-                .expect("the old session is closed")
-            {
-                Ok(_) => continue,
-                Err(ClientError::Closed { code, .. }) => return code,
-                Err(e) => panic!("{e}"),
-            }
-        }
-    };
+    let closed = async move { close_code(&mut old).await };
     // Otherwise it is read only once the open was acknowledged: until then
     // its close waits for a reply (up to a second), and it lingers.
     let mut closed = Some(closed);
