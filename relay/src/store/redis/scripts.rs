@@ -262,7 +262,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "94eff1fdf467d7c357e7a11d5464128ba6c4a98c",
+                "88d1de6e191e1c7a9a5205e822e4e346d037aaae",
             ),
             (
                 "charge",

@@ -16,22 +16,17 @@ local function budget_of(k)
   end
   return budget
 end
-local function over_peer(index, size)
-  local k = tonumber(index)
-  if k == 0 then return false end
-  local budget = budget_of(k)
-  if budget.total + size > maxpeer then return true end
-  budget.total = budget.total + size
-  budget.member = budget.member + size
-  return false
+-- The peer budget a peer's entries are charged to (on a single server, by
+-- their budget index; none for the relay's, and none in a cluster, where
+-- `charge` charged them before), read on first use.
+local function charged_to(origin, charge)
+  if not fused or origin == 'r' or charge == '0' then return nil end
+  return budget_of(tonumber(charge))
 end
-local function give_back(index, trimmed)
-  local k = tonumber(index)
-  if k == 0 or trimmed <= 0 then return end
-  local budget = budget_of(k)
-  local back = math.min(trimmed, budget.member)
-  budget.member = budget.member - back
-  budget.total = budget.total - back
+-- Whether `size` more bytes would pass that budget.
+local function over_budget(origin, charge, size)
+  local budget = charged_to(origin, charge)
+  return budget ~= nil and budget.total + size > maxpeer
 end
 local log = {d = KEYS[2], u = KEYS[3]}
 -- The sizes of a log's newest entries, once the log has reached its cap:
@@ -138,8 +133,9 @@ end
 -- Appends frames ARGV[at .. at + count - 1] to a log at sequences first,
 -- first + 1, ...: each adds its size to the log's held bytes and takes off
 -- what the log's maxlen trims because of it, and with a peer budget
--- (fused), is charged to it and gives the trimmed bytes back, entry by
--- entry as `over_peer` and `give_back` would. Returns the bytes trimmed.
+-- (fused), is charged to it and gives it the trimmed bytes back (at most
+-- what it holds of this delegation), entry by entry. Returns the bytes
+-- trimmed.
 local function put(dir, first, at, count, wake, budget)
   if not len[dir] then touch(dir, first) end
   local key, q, h, qn, l = log[dir], queue[dir], head[dir], qlen[dir], len[dir]
@@ -198,19 +194,14 @@ for _, b in ipairs(runs) do
       if held + size <= maxbytes then
         if not fused then
           whole = charge == '1'
-        elseif charge == '0' then
-          whole = true
         else
-          local budget = budget_of(tonumber(charge))
-          whole = budget.total + size <= maxpeer
+          whole = not over_budget(origin, charge, size)
         end
       end
     end
   end
   if whole then
-    local budget = nil
-    if fused and origin ~= 'r' and charge ~= '0' then budget = budget_of(tonumber(charge)) end
-    local trimmed = put(dir, first, at, count, wake, budget)
+    local trimmed = put(dir, first, at, count, wake, charged_to(origin, charge))
     if origin ~= 'r' then
       if dir == 'u' and acc == '' then acc = origin end
       sent[dir] = first + count - 1
@@ -266,7 +257,7 @@ for _, b in ipairs(runs) do
         code, value = 'B', 'd'
       elseif not fused and charge ~= '1' then
         code, value = 'B', 'p'
-      elseif fused and over_peer(charge, #frame) then
+      elseif over_budget(origin, charge, #frame) then
         code, value = 'B', 'p'
       else
         if dir == 'u' and acc == '' then acc = origin end
@@ -275,8 +266,7 @@ for _, b in ipairs(runs) do
         moved[dir] = true
       end
       if code == nil then
-        local trimmed = put(dir, seq, at + k, 1, wake, nil)
-        if fused and origin ~= 'r' then give_back(charge, trimmed) end
+        local trimmed = put(dir, seq, at + k, 1, wake, charged_to(origin, charge))
         if cur == '' and term ~= '' then
           cur = term
           term_ms = now
