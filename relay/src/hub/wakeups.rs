@@ -69,29 +69,6 @@ impl<S: EventStore> Hub<S> {
         });
     }
 
-    /// Subscribes `callee`'s session here to a delegation's down log from its
-    /// start, if the delegation is open, `callee` is its callee and nobody
-    /// here reads that log yet (as [`Hub::reopened`] does for the callee).
-    async fn deliver_down_log(self: &Arc<Self>, callee: &PeerId, key: &DelegationKey) {
-        let live = match self.view(key).await {
-            Ok(Some(live)) => live,
-            Ok(None) => return,
-            Err(e) => {
-                warn!(error = %e, %key, "store unavailable: the callee gets this delegation when it resumes");
-                return;
-            }
-        };
-        let unread = {
-            let l = live.lock();
-            l.callee == *callee && l.subs[0].is_none() && l.terminal.is_none()
-        };
-        let session = self.sessions.lock().get(callee).cloned();
-        if let (true, Some(session)) = (unread, session) {
-            debug!(peer = %callee, %key, "a delegation the callee's ended session elsewhere read: delivered here");
-            let _ = self.subscribe(&live, key, Direction::Down, &session, 0);
-        }
-    }
-
     /// Whether `peer` holds a session here that is not closing.
     fn holds_open_session(&self, peer: &PeerId) -> bool {
         self.sessions
@@ -141,7 +118,7 @@ impl<S: EventStore> Hub<S> {
                     None if dir == Direction::Down && self.holds_open_session(&peer) => {
                         let hub = self.clone();
                         self.tasks
-                            .spawn(async move { hub.deliver_down_log(&peer, &key).await });
+                            .spawn(async move { hub.subscribe_callee(&key, None, tail).await });
                     }
                     None => {}
                 }
@@ -213,8 +190,9 @@ impl<S: EventStore> Hub<S> {
     }
 
     /// Subscribes the callee's local session to a delegation's down log from
-    /// the start, unless it is subscribed already; delivers `open` if given,
-    /// else catches up to `tail` from the store.
+    /// the start, unless it is subscribed already or the delegation has its
+    /// terminal; delivers `open` if given, else catches up to `tail` from
+    /// the store.
     async fn subscribe_callee(
         self: &Arc<Self>,
         key: &DelegationKey,
@@ -244,6 +222,9 @@ impl<S: EventStore> Hub<S> {
         let mut l = live.lock();
         if l.evicted {
             return false;
+        }
+        if l.terminal.is_some() {
+            return true;
         }
         if l.subs[0].is_none() {
             let session = self.sessions.lock().get(&l.callee).cloned();
