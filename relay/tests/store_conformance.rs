@@ -2002,6 +2002,79 @@ async fn redis_a_log_longer_than_the_cap_is_cut_to_it_with_its_bytes() {
     );
 }
 
+/// The append script writes each entry's stream id as a string it builds
+/// itself (the decimal of the sequence's tens, formatted once per ten,
+/// and a digit; past 10^15 formatted whole): every id is its sequence,
+/// across each decimal carry, inside one run and from run to run.
+#[tokio::test]
+async fn redis_stream_ids_are_the_sequences_across_every_carry() {
+    let (server, s) = redis_store(budgets(10_000, 1 << 30, 1 << 30)).await;
+    let mut raw = raw(&server).await;
+    let k = key("acme/caller", "carries");
+    created(&s, open_req(&k, CALLEE, u64::MAX / 2, 100)).await;
+    let meta = format!("oab:d:{{{k}}}:meta");
+    let log = format!("oab:d:{{{k}}}:down");
+    let mut expected: Vec<u64> = vec![1];
+    // Runs from tails chosen next to carries: 9 -> 10, 99 -> 100,
+    // 999 -> 1000, and the last ids formatted by tens before 10^15 and
+    // whole from it on.
+    for (tail, count) in [
+        (1_u64, 12_u64),
+        (97, 5),
+        (998, 3),
+        (999_999_999_999_990, 12),
+    ] {
+        // Move the log's tail (the relay only ever appends at tail + 1).
+        let _: () = redis::cmd("HSET")
+            .arg(&meta)
+            .arg("dt")
+            .arg(tail)
+            .arg("ds")
+            .arg(tail)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let seqs: Vec<u64> = (tail + 1..=tail + count).collect();
+        let out = s
+            .append(
+                // One clock reading: the batch is one run.
+                seqs.iter()
+                    .map(|&q| AppendRequest {
+                        now_ms: 5_000,
+                        ..peer_entry(&k, Direction::Down, q)
+                    })
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        let appended: Vec<AppendOutcome> = seqs
+            .iter()
+            .map(|&seq| AppendOutcome::Appended { seq })
+            .collect();
+        assert_eq!(out, appended, "run after tail {tail}");
+        expected.extend(&seqs);
+    }
+    let range: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&log)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let ids: Vec<String> = range.ids.into_iter().map(|e| e.id).collect();
+    let want: Vec<String> = expected.iter().map(|q| format!("{q}-0")).collect();
+    assert_eq!(ids, want);
+    // Read back by sequence, the frames are those appended at each.
+    let near = entries(&s, &k, Direction::Down, 97, 5).await;
+    assert_eq!(
+        near.iter().map(|(q, _)| *q).collect::<Vec<_>>(),
+        vec![98, 99, 100, 101, 102]
+    );
+    for (seq, f) in &near {
+        assert_eq!(*f, frame(&k, Direction::Down, *seq, "peer"), "seq {seq}");
+    }
+}
+
 #[tokio::test]
 async fn redis_size_lists_follow_the_logs_and_go_away_with_them() {
     let r = Retention {
