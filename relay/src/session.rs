@@ -424,7 +424,7 @@ where
         pending: Vec::new(),
         appends: AppendsInFlight::default(),
         overlap_acks: OverlapAcks::default(),
-        acks: Vec::new(),
+        acks: PendingAcks::default(),
         batch_at: (Instant::now(), oab_wire::identity::now_ms()),
         batch_limited: false,
         cached_view: None,
@@ -627,6 +627,43 @@ impl<T> AppendsInFlight<T> {
     }
 }
 
+/// The acks a session is about to send: one per log, its highest
+/// sequence (acks are cumulative), in the order the logs were first
+/// acked. Indexed by log, so an answer that acks the logs of hundreds of
+/// delegations records each in constant time (a scan of the list per ack
+/// was quadratic in them).
+#[derive(Default)]
+struct PendingAcks {
+    list: Vec<(DelegationKey, Direction, u64)>,
+    at: std::collections::HashMap<(DelegationKey, Direction), usize>,
+}
+
+impl PendingAcks {
+    fn record(&mut self, key: DelegationKey, dir: Direction, seq: u64) {
+        match self.at.entry((key, dir)) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                if let Some(a) = self.list.get_mut(*e.get()) {
+                    a.2 = a.2.max(seq);
+                }
+            }
+            std::collections::hash_map::Entry::Vacant(e) => {
+                self.list.push((e.key().0.clone(), dir, seq));
+                e.insert(self.list.len() - 1);
+            }
+        }
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, (DelegationKey, Direction, u64)> {
+        self.list.iter()
+    }
+
+    /// The acks, in order; none are left.
+    fn take(&mut self) -> Vec<(DelegationKey, Direction, u64)> {
+        self.at.clear();
+        std::mem::take(&mut self.list)
+    }
+}
+
 /// The acks of answered batches that later batches still in flight
 /// overlapped, per log: the highest sequence acknowledged and the number of
 /// the last batch that acknowledged it.
@@ -697,7 +734,7 @@ struct Session<S> {
     appends: AppendsInFlight<Vec<Pending>>,
     /// Acks that batches still in flight overlapped.
     overlap_acks: OverlapAcks,
-    acks: Vec<(DelegationKey, Direction, u64)>,
+    acks: PendingAcks,
     /// When the current batch was read (monotonic, and ms since the epoch).
     batch_at: (Instant, u64),
     /// The current batch is over the peer's frame rate.
@@ -1290,7 +1327,7 @@ impl<S: EventStore> Session<S> {
         // Batches in flight behind this one may have overtaken it.
         let oldest = self.appends.oldest_behind();
         if oldest.is_some() {
-            for (key, dir, seq) in &self.acks {
+            for (key, dir, seq) in self.acks.iter() {
                 self.overlap_acks.record(key, *dir, *seq, number);
             }
         }
@@ -1312,19 +1349,11 @@ impl<S: EventStore> Session<S> {
 
     /// Remembers the highest ack per log; acks are cumulative.
     fn record_ack(&mut self, key: DelegationKey, dir: Direction, seq: u64) {
-        if let Some(a) = self
-            .acks
-            .iter_mut()
-            .find(|(k, d, _)| *d == dir && *k == key)
-        {
-            a.2 = a.2.max(seq);
-        } else {
-            self.acks.push((key, dir, seq));
-        }
+        self.acks.record(key, dir, seq);
     }
 
     fn send_acks(&mut self) {
-        for (key, direction, seq) in std::mem::take(&mut self.acks) {
+        for (key, direction, seq) in self.acks.take() {
             self.push(&Frame::Ack(Ack {
                 key,
                 direction,
@@ -1856,6 +1885,40 @@ mod tests {
         acks.record(&key, Direction::Up, 80, 7);
         acks.forget_before(None);
         assert!(acks.logs.is_empty());
+    }
+
+    #[test]
+    fn pending_acks_keep_one_highest_ack_per_log_in_first_acked_order() {
+        let key = |rid: &str| {
+            DelegationKey::new(
+                PeerId::new("acme/caller").unwrap(),
+                oab_wire::RequestId::new(rid).unwrap(),
+            )
+        };
+        let mut acks = PendingAcks::default();
+        // The logs of many delegations, each acked several times, out of
+        // order, both directions.
+        for round in [3_u64, 1, 5, 2] {
+            for i in 0..300 {
+                acks.record(key(&format!("r{i}")), Direction::Up, round + i);
+                if i % 2 == 0 {
+                    acks.record(key(&format!("r{i}")), Direction::Down, round);
+                }
+            }
+        }
+        let mut want = Vec::new();
+        for i in 0..300_u64 {
+            want.push((key(&format!("r{i}")), Direction::Up, 5 + i));
+            if i % 2 == 0 {
+                want.push((key(&format!("r{i}")), Direction::Down, 5));
+            }
+        }
+        assert_eq!(acks.iter().cloned().collect::<Vec<_>>(), want);
+        assert_eq!(acks.take(), want);
+        // Taken: the next acks start a new list.
+        assert!(acks.take().is_empty());
+        acks.record(key("r7"), Direction::Up, 2);
+        assert_eq!(acks.take(), vec![(key("r7"), Direction::Up, 2)]);
     }
 
     #[test]
