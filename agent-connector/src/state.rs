@@ -42,13 +42,21 @@
 //! (one larger record gets a frame of its own); a record larger than
 //! [`MAX_SAVED_BYTES`] is refused.
 //!
+//! **Room ahead.** When a frame grows the journal file, the writer also
+//! writes [`JOURNAL_PREALLOC_BYTES`] of zeros after it, in the same sync; the
+//! next frames overwrite those zeros, so their `fdatasync` writes data
+//! blocks only, not the inode and block map an append needs. On open, zeros
+//! after the last frame are that room, kept; an earlier version reads them
+//! as a torn tail and cuts them, which loses nothing.
+//!
 //! **Crash safety.** A frame reaches the journal by one positional write
 //! followed by `fdatasync`; a save is acknowledged only after both. A crash
 //! (kill -9, or power loss within what `fdatasync` promises) can tear only
 //! the frame being written, which nobody was told is durable. On open, the
 //! journal is read frame by frame; the first frame that is incomplete or
-//! whose hash does not match is the torn tail: it is dropped and the file
-//! truncated there (a warning says how many bytes). One exception: when the
+//! whose hash does not match is the torn tail (unless all that follows is
+//! zeros, the room ahead): it is dropped and the file truncated there (a
+//! warning says how many bytes). One exception: when the
 //! bad frame is followed by a valid frame, the damage is not a torn tail but
 //! corruption of acknowledged records, and [`FileState::open`] fails with
 //! [`StateError::Corrupt`] naming the offset instead of silently dropping
@@ -161,6 +169,14 @@ pub const MAX_QUEUED_BYTES: usize = 16 << 20;
 pub const COMPACT_MIN_BYTES: u64 = 4 << 20;
 /// ... and only when it is this many times the live set.
 pub const COMPACT_RATIO: u64 = 4;
+/// The journal is kept up to this many bytes of written zeros ahead of
+/// its last frame: a frame then overwrites blocks the file already has, so
+/// its `fdatasync` writes the data alone. An append that grows the file
+/// also has the inode and the block map written (measured on ext4 here:
+/// 760-1,080 µs per 2 KB record synced against 136-169 µs, and 82-96
+/// against 28-39 µs of CPU). 64 KiB: a few dozen delegations' records per
+/// extension, and the most a folder holds beyond its records.
+pub const JOURNAL_PREALLOC_BYTES: u64 = 64 << 10;
 /// A writer with nothing queued for this long compacts the journal once
 /// if it holds more than an eighth of the live set in records since the
 /// last compaction, so an idle connector's folder is its live set, not the
@@ -365,7 +381,11 @@ struct Loc {
 /// a sync.
 struct Files {
     journal: Arc<File>,
+    /// Where the journal's frames end (the next frame's offset).
     journal_len: u64,
+    /// The journal file's size: from `journal_len` to here it holds
+    /// zeros written ahead of the frames ([`JOURNAL_PREALLOC_BYTES`]).
+    journal_cap: u64,
     snapshot: Option<Arc<File>>,
     index: HashMap<DelegationKey, Loc>,
     /// Bytes of the live records, entry headers included.
@@ -577,7 +597,8 @@ impl FileState {
         self.shared().syncs.load(Ordering::Relaxed)
     }
 
-    /// The journal's size in bytes.
+    /// Where the journal's frames end, in bytes (the file may hold up to
+    /// [`JOURNAL_PREALLOC_BYTES`] of zeros after it).
     pub fn journal_bytes(&self) -> u64 {
         self.shared().files.lock().journal_len
     }
@@ -810,9 +831,14 @@ impl Shared {
     /// Appends one frame holding `batch`, syncs it, updates the index and
     /// answers every waiter.
     fn write(&self, batch: Vec<Request>, frame: &mut Vec<u8>) {
-        let (journal, at, failed) = {
+        let (journal, at, cap, failed) = {
             let f = self.files.lock();
-            (f.journal.clone(), f.journal_len, f.failed.clone())
+            (
+                f.journal.clone(),
+                f.journal_len,
+                f.journal_cap,
+                f.failed.clone(),
+            )
         };
         if let Some(failed) = failed {
             respond(batch, &Err(failed));
@@ -839,16 +865,38 @@ impl Shared {
             frame.extend_from_slice(json);
         }
         seal(frame);
+        let end = at + frame.len() as u64;
         if let Err(e) = write_all_at(&journal, frame, at) {
             let failure = Failure::of(&e, "writing the journal");
             // Cut what may have reached the file so the next frame follows
             // the last good one; if even that fails, stop writing.
-            if let Err(e) = journal.set_len(at) {
-                self.files.lock().failed = Some(Failure::of(&e, "cutting the journal back"));
+            let mut f = self.files.lock();
+            match journal.set_len(at) {
+                Ok(()) => f.journal_cap = at,
+                Err(e) => f.failed = Some(Failure::of(&e, "cutting the journal back")),
             }
+            drop(f);
             respond(batch, &Err(failure));
             return;
         }
+        // A frame that grew the file: zeros ahead of it, in the same sync,
+        // so the next frames only overwrite. Without them (no room) the
+        // frames append as they would anyway.
+        let cap = if end > cap {
+            let ahead = end + JOURNAL_PREALLOC_BYTES;
+            match write_zeros_at(&journal, end, ahead) {
+                Ok(()) => ahead,
+                Err(e) => {
+                    tracing::debug!(path = %self.journal_path.display(), error = %e, "no zeros written ahead of the state journal");
+                    // Zeros left after the frames are harmless (read as
+                    // room ahead), and no frame is written past `end`.
+                    let _cut = journal.set_len(end);
+                    end
+                }
+            }
+        } else {
+            cap
+        };
         if let Err(e) = journal.sync_data() {
             let failure = Failure::of(&e, "syncing the journal");
             tracing::error!(path = %self.journal_path.display(), error = %e, "the state journal could not be synced; saves fail until a restart");
@@ -865,7 +913,8 @@ impl Shared {
                     Op::Compact => {}
                 }
             }
-            f.journal_len = at + frame.len() as u64;
+            f.journal_len = end;
+            f.journal_cap = cap;
         }
         self.syncs.fetch_add(1, Ordering::Relaxed);
         respond(batch, &Ok(()));
@@ -944,6 +993,7 @@ impl Shared {
             let cut = journal.set_len(MAGIC_LEN);
             if cut.is_ok() {
                 f.journal_len = MAGIC_LEN;
+                f.journal_cap = MAGIC_LEN;
             }
             cut
         };
@@ -1137,6 +1187,7 @@ fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
     let mut files = Files {
         journal: Arc::new(journal),
         journal_len: MAGIC_LEN,
+        journal_cap: MAGIC_LEN,
         snapshot: None,
         index: HashMap::new(),
         live_bytes: 0,
@@ -1188,7 +1239,14 @@ fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
             });
         }
         let end = replay(&bytes, 8, false, &journal_path, &mut files)?;
-        if end < bytes.len() {
+        // Zeros after the frames are room written ahead of them
+        // ([`JOURNAL_PREALLOC_BYTES`]), kept; anything else is a torn tail.
+        let written = bytes
+            .iter()
+            .rposition(|b| *b != 0)
+            .map_or(0, |last| last + 1);
+        files.journal_cap = bytes.len() as u64;
+        if end < written {
             if valid_frame_follows(&bytes, end) {
                 return Err(StateError::Corrupt {
                     path: journal_path.display().to_string(),
@@ -1200,7 +1258,7 @@ fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
             tracing::warn!(
                 path = %journal_path.display(),
                 offset = end,
-                bytes = bytes.len() - end,
+                bytes = written - end,
                 "dropping the torn tail of the state journal (a write a crash interrupted)"
             );
             files
@@ -1208,6 +1266,7 @@ fn start(dir: &Path) -> Result<Arc<Handle>, StateError> {
                 .set_len(end as u64)
                 .map_err(io(&journal_path))?;
             files.journal.sync_data().map_err(io(&journal_path))?;
+            files.journal_cap = end as u64;
         }
         files.journal_len = end as u64;
     }
@@ -1299,6 +1358,7 @@ fn migrate(dir: &Path, journal_path: &Path, files: &mut Files) -> Result<(), Sta
     }
     files.journal.sync_data().map_err(io(journal_path))?;
     files.journal_len = at;
+    files.journal_cap = files.journal_cap.max(at);
     tracing::info!(dir = %dir.display(), files = legacy.len(), "took the state files of an earlier version into the journal");
     for path in &legacy {
         remove_if_exists(path)?;
@@ -1363,6 +1423,18 @@ fn write_all_at(file: &File, buf: &[u8], at: u64) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::write_all_at(file, buf, at)
 }
 
+/// Writes zeros over `from..to` of `file`.
+fn write_zeros_at(file: &File, from: u64, to: u64) -> std::io::Result<()> {
+    const ZEROS: [u8; 8192] = [0; 8192];
+    let mut at = from;
+    while at < to {
+        let n = usize::try_from(to - at).map_or(ZEROS.len(), |left| left.min(ZEROS.len()));
+        write_all_at(file, &ZEROS[..n], at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
 #[cfg(unix)]
 fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_exact_at(file, buf, at)
@@ -1399,7 +1471,6 @@ mod tests {
     use super::*;
     use crate::profile::tests::{NOW, peer, sample_request};
     use oab_wire::RequestId;
-    use std::io::Write as _;
 
     fn saved(id: &str, cursor: u64) -> SavedDelegation {
         let mut request = sample_request(NOW);
@@ -1501,11 +1572,13 @@ mod tests {
             state.save(s).await.unwrap();
         }
         let before = sorted(&state);
+        let good = state.journal_bytes();
         drop(state);
-        let good = journal_len(dir.path());
 
-        // Three crashes mid-write: half a frame, zeroes where a frame was
-        // being written, and a whole frame whose payload is damaged.
+        // Crashes mid-write: half a frame, a whole frame whose payload is
+        // damaged, each after the zeros written ahead (as an append past
+        // them leaves it) and over them at the end of the frames (as a
+        // write into that room leaves it).
         let json = serde_json::to_vec(&saved("req-3", 3)).unwrap();
         let mut frame = vec![0; FRAME_HEADER];
         frame.push(TAG_SAVE);
@@ -1515,18 +1588,37 @@ mod tests {
         let mut damaged = frame.clone();
         let last = damaged.len() - 2;
         damaged[last] ^= 0x55;
-        for tail in [&frame[..frame.len() / 2], &[0u8; 300][..], &damaged[..]] {
-            let mut f = OpenOptions::new()
-                .append(true)
-                .open(dir.path().join(JOURNAL_FILE))
-                .unwrap();
-            f.write_all(tail).unwrap();
-            drop(f);
-            let state = FileState::open(dir.path()).unwrap();
-            assert_eq!(sorted(&state), before);
-            assert_eq!(journal_len(dir.path()), good, "the tail is cut");
-            drop(state);
+        for tail in [&frame[..frame.len() / 2], &damaged[..]] {
+            for inside in [false, true] {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(dir.path().join(JOURNAL_FILE))
+                    .unwrap();
+                let room = good + JOURNAL_PREALLOC_BYTES;
+                f.set_len(room).unwrap();
+                let at = if inside { good } else { room };
+                write_all_at(&f, tail, at).unwrap();
+                drop(f);
+                let state = FileState::open(dir.path()).unwrap();
+                assert_eq!(sorted(&state), before);
+                assert_eq!(state.journal_bytes(), good);
+                assert_eq!(journal_len(dir.path()), good, "the tail is cut");
+                drop(state);
+            }
         }
+        // Zeros after the frames (no frame was begun) are not a torn tail:
+        // kept, and written over by the next frame.
+        let f = OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(JOURNAL_FILE))
+            .unwrap();
+        write_all_at(&f, &[0u8; 300], good).unwrap();
+        drop(f);
+        let state = FileState::open(dir.path()).unwrap();
+        assert_eq!(sorted(&state), before);
+        assert_eq!(state.journal_bytes(), good);
+        assert_eq!(journal_len(dir.path()), good + 300, "zeros are kept");
+        drop(state);
 
         // And the journal goes on after the cut.
         let state = FileState::open(dir.path()).unwrap();
@@ -1534,6 +1626,54 @@ mod tests {
         drop(state);
         let state = FileState::open(dir.path()).unwrap();
         assert_eq!(state.count().unwrap(), 3);
+    }
+
+    /// Frames are written over zeros written ahead of them: the file grows
+    /// by a frame and [`JOURNAL_PREALLOC_BYTES`] when a frame passes its
+    /// end, and not for the frames that fit before it; a reopen keeps the
+    /// zeros and writes the next frame over them.
+    #[tokio::test]
+    async fn the_journal_keeps_zeros_ahead_of_its_frames() {
+        let dir = tempfile::tempdir().unwrap();
+        let ahead = |dir: &Path, end: u64| {
+            let bytes = std::fs::read(dir.join(JOURNAL_FILE)).unwrap();
+            let from = usize::try_from(end).unwrap();
+            bytes.len() - from - bytes[from..].iter().take_while(|b| **b == 0).count()
+        };
+        let state = FileState::open(dir.path()).unwrap();
+        state.save(&saved("req-0", 0)).await.unwrap();
+        let first = state.journal_bytes();
+        let cap = first + JOURNAL_PREALLOC_BYTES;
+        assert_eq!(journal_len(dir.path()), cap);
+        assert_eq!(ahead(dir.path(), first), 0, "zeros after the frames");
+        // Frames that fit before the end leave the file's size alone.
+        let mut n = 1;
+        while state.journal_bytes() + 2_000 < cap {
+            state.save(&saved(&format!("req-{n}"), 0)).await.unwrap();
+            n += 1;
+            assert_eq!(journal_len(dir.path()), cap);
+        }
+        let end = state.journal_bytes();
+        assert!(end > first);
+        drop(state);
+        // A reopen reads every record and keeps the zeros.
+        let state = FileState::open(dir.path()).unwrap();
+        assert_eq!(state.count().unwrap(), n);
+        assert_eq!(state.journal_bytes(), end);
+        assert_eq!(journal_len(dir.path()), cap);
+        // The frames go on at their end; the one that passes the file's end
+        // grows it with new zeros ahead.
+        while state.journal_bytes() <= cap {
+            state.save(&saved(&format!("req-{n}"), 0)).await.unwrap();
+            n += 1;
+        }
+        let end = state.journal_bytes();
+        assert_eq!(journal_len(dir.path()), end + JOURNAL_PREALLOC_BYTES);
+        assert_eq!(ahead(dir.path(), end), 0);
+        drop(state);
+        let state = FileState::open(dir.path()).unwrap();
+        assert_eq!(state.count().unwrap(), n);
+        assert_eq!(state.journal_bytes(), end);
     }
 
     #[tokio::test]
