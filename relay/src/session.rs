@@ -627,6 +627,9 @@ impl<T> AppendsInFlight<T> {
     }
 }
 
+/// Logs whose room [`PendingAcks`] keeps between answers.
+const PENDING_ACKS_KEPT_ROOM: usize = 64;
+
 /// The acks a session is about to send: one per log, its highest
 /// sequence (acks are cumulative), in the order the logs were first
 /// acked. Indexed by log, so an answer that acks the logs of hundreds of
@@ -666,9 +669,15 @@ impl PendingAcks {
         self.list.iter()
     }
 
-    /// The acks, in order; none are left.
+    /// The acks, in order; none are left. The index keeps its room only
+    /// while it is small: a session that once answered a batch of many
+    /// delegations does not hold that much memory while idle.
     fn take(&mut self) -> Vec<(DelegationKey, Direction, u64)> {
-        self.at.clear();
+        if self.at.capacity() > PENDING_ACKS_KEPT_ROOM {
+            self.at = std::collections::HashMap::new();
+        } else {
+            self.at.clear();
+        }
         std::mem::take(&mut self.list)
     }
 }
@@ -1926,7 +1935,9 @@ mod tests {
         }
         assert_eq!(acks.iter().cloned().collect::<Vec<_>>(), want);
         assert_eq!(acks.take(), want);
-        // Taken: the next acks start a new list.
+        // Taken: the next acks start a new list, and the index of 450 logs
+        // is not kept.
+        assert!(acks.at.capacity() <= PENDING_ACKS_KEPT_ROOM);
         assert!(acks.take().is_empty());
         acks.record(key("r7"), Direction::Up, 2);
         assert_eq!(acks.take(), vec![(key("r7"), Direction::Up, 2)]);
