@@ -165,7 +165,7 @@ impl Refusal {
                 "sequence skips ahead of the log; resend from seq+1 of this error"
             }
             Refusal::TooManyDelegations => "too many open delegations; retry later",
-            Refusal::PayloadTooLarge => "payload over the route's limit",
+            Refusal::PayloadTooLarge => "payload over the limit of its route (or max_payload)",
             Refusal::OverBudget {
                 budget: Budget::Delegation,
             } => "the delegation's stored bytes would pass the relay's budget",
@@ -262,7 +262,7 @@ mod tests {
             (
                 R::PayloadTooLarge,
                 C::PayloadTooLarge,
-                "payload over the route's limit",
+                "payload over the limit of its route (or max_payload)",
             ),
             (
                 R::OverBudget {

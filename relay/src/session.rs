@@ -990,16 +990,19 @@ impl<S: EventStore> Session<S> {
             Some(Err(_)) => Ok(false),
             Some(Ok(Message::Binary(bytes))) => {
                 m.hot.bytes_in.inc_by(bytes.len() as u64);
-                match decode_message(bytes.clone(), limits) {
-                    Ok(frame) => {
-                        if let Some(c) = m.hot.frame_in(frame.frame_type()) {
-                            c.inc();
-                        }
-                        batch.push((bytes, frame));
-                        Ok(true)
+                let frame = match decode_message(bytes.clone(), limits) {
+                    Ok(frame) => frame,
+                    Err(e @ oab_wire::FrameError::PayloadTooLarge { .. }) => {
+                        attributable(&bytes, limits)
+                            .ok_or_else(|| End::Closed(e.close_code(), e.to_string()))?
                     }
-                    Err(e) => Err(End::Closed(e.close_code(), e.to_string())),
+                    Err(e) => return Err(End::Closed(e.close_code(), e.to_string())),
+                };
+                if let Some(c) = m.hot.frame_in(frame.frame_type()) {
+                    c.inc();
                 }
+                batch.push((bytes, frame));
+                Ok(true)
             }
             Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => Ok(true),
             Some(Ok(Message::Text(_))) => Err(End::Closed(
@@ -1769,6 +1772,23 @@ async fn close_with_control<IO>(
         }
     }
     close_ws(&mut ws, code, reason).await;
+}
+
+/// A log frame whose payload is over `max_payload` but whose message fit
+/// the WebSocket cap (so at most `max_header` bytes over): decoded anyway,
+/// so the payload check of its delegation's route refuses it with an
+/// `Error payload_too_large` naming it, and the session stays open. Any
+/// other oversized frame cannot be attributed to a delegation and closes the
+/// session (`4501`).
+fn attributable(bytes: &Bytes, limits: &Limits) -> Option<Frame> {
+    let relaxed = Limits {
+        max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
+        ..*limits
+    };
+    match decode_message(bytes.clone(), &relaxed).ok()? {
+        f @ (Frame::Open(_) | Frame::Data(_) | Frame::Cancel(_)) => Some(f),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -73,6 +73,88 @@ async fn text_messages_close_with_protocol_violation() {
     relay.stop().await;
 }
 
+/// A log frame over `max_payload` whose message still fits the WebSocket
+/// cap is that delegation's error: an `Error payload_too_large` naming its
+/// key, direction and sequence; nothing is stored, the same sequence is then taken with a payload that
+/// fits, and the session (and its peer's) stays up. An oversized `Open` is
+/// refused the same way. Only what cannot be attributed closes (above).
+#[tokio::test]
+async fn an_oversized_log_frame_is_refused_for_its_delegation_and_the_session_stays() {
+    let env = TestEnv::new("[limits]\nmax_payload = 4096\n");
+    let relay = TestRelay::start(&env, memory()).await;
+    let limit = env.config.limits.max_payload as usize;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    a.send(&open_frame("big", b"{}")).await.unwrap();
+    await_ack(&mut a, "big", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    let too_large = Bytes::from(vec![b'x'; limit + 1]);
+    b.send(&data("big", Direction::Up, 1, None, payload(1)))
+        .await
+        .unwrap();
+    b.send(&data("big", Direction::Up, 2, None, too_large.clone()))
+        .await
+        .unwrap();
+    // Frame 1 is acked and frame 2 refused (in either order).
+    let (mut acked, mut refused) = (0, None);
+    while acked < 1 || refused.is_none() {
+        match recv(&mut b).await {
+            Frame::Ack(x) if x.direction == Direction::Up => acked = acked.max(x.seq),
+            Frame::Error(e) => refused = Some(e),
+            _ => {}
+        }
+    }
+    assert_eq!(acked, 1, "only the frame that fits is acked");
+    let e = refused.unwrap();
+    assert_eq!(e.code, ErrorCode::PayloadTooLarge.as_u16(), "{e:?}");
+    assert_eq!(
+        (e.key.clone(), e.direction, e.seq),
+        (Some(key("big")), Direction::Up, 2)
+    );
+    // The log goes on from that sequence with a frame that fits.
+    b.send(&data(
+        "big",
+        Direction::Up,
+        2,
+        Some(Outcome::Completed),
+        payload(2),
+    ))
+    .await
+    .unwrap();
+    await_ack(&mut b, "big", Direction::Up, 2).await;
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        if let Frame::Data(d) = recv(&mut a).await {
+            got.push((d.seq, d.payload.len()));
+        }
+    }
+    assert_eq!(got, vec![(1, payload(1).len()), (2, payload(2).len())]);
+    // An oversized open: refused, nothing created, the session stays.
+    let mut open = open_frame("big-open", b"{}");
+    if let Frame::Open(o) = &mut open {
+        o.payload = too_large.clone();
+        o.digest = oab_wire::Digest::of(&too_large);
+    }
+    a.send(&open).await.unwrap();
+    let e = recv_until(&mut a, |f| match f {
+        Frame::Error(e) => Some(e.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(e.code, ErrorCode::PayloadTooLarge.as_u16(), "{e:?}");
+    assert_eq!(e.key, Some(key("big-open")));
+    for c in [&mut a, &mut b] {
+        c.send(&Frame::Ping(Ping { token: 9 })).await.unwrap();
+        let pong = recv_until(c, |f| match f {
+            Frame::Pong(p) => Some(p.token),
+            _ => None,
+        })
+        .await;
+        assert_eq!(pong, 9, "the session is still up");
+    }
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn oversized_and_malformed_frames_close_with_their_codes() {
     let env = TestEnv::new("[limits]\nmax_payload = 4096\n");

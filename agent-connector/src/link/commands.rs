@@ -5,7 +5,10 @@
 //! Never awaits: a command is applied at once and its frames leave with the
 //! next pump. Never sends a frame after the delegation's terminal.
 
-use oab_wire::{Cancel, Data, Frame, GapReason, encode};
+use bytes::Bytes;
+use oab_wire::codec::peek_prefix;
+use oab_wire::{Cancel, Data, Frame, FrameError, GapReason, Limits, encode};
+use tracing::warn;
 
 use super::delegation::{Delegation, settle};
 use super::stats::Side;
@@ -14,7 +17,52 @@ use super::{Command, EventError, Link, LinkError, OpenDelegation, SendKind, Snap
 /// `list_peers` calls waiting for one answer, at most.
 const MAX_PEER_WAITERS: usize = 1_024;
 
+/// Whether the relay takes `frame` (an encoded frame) under `limits`:
+/// [`LinkError::TooLarge`] names the part over its limit.
+pub(super) fn within_limits(limits: &Limits, frame: &Bytes) -> Result<(), LinkError> {
+    let too_large = |part, size: usize, limit: usize| LinkError::TooLarge {
+        part,
+        size: u64::try_from(size).unwrap_or(u64::MAX),
+        limit: u64::try_from(limit).unwrap_or(u64::MAX),
+    };
+    match peek_prefix(frame, limits) {
+        Ok(_) => Ok(()),
+        Err(FrameError::PayloadTooLarge { len, max }) => Err(too_large("payload", len, max)),
+        Err(FrameError::HeaderTooLarge { len, max }) => Err(too_large("header", len, max)),
+        Err(e) => Err(LinkError::Frame(e.to_string())),
+    }
+}
+
 impl Link {
+    fn within_limits(&self, frame: &Bytes) -> Result<(), LinkError> {
+        within_limits(&self.limits, frame)
+    }
+
+    /// Remembers that `key`'s open was refused, for a subscriber that comes
+    /// later (bounded by [`super::REFUSALS_KEPT`], oldest forgotten).
+    pub(super) fn remember_refusal(&mut self, key: &oab_wire::DelegationKey, e: &LinkError) {
+        let (code, message) = match e {
+            LinkError::Refused { code, message } => (code.clone(), message.clone()),
+            other => (
+                other.code().unwrap_or("refused").to_string(),
+                other.to_string(),
+            ),
+        };
+        if self.refused.len() >= super::REFUSALS_KEPT {
+            self.refused.pop_front();
+        }
+        self.refused
+            .push_back((key.clone(), EventError::Refused { code, message }));
+    }
+
+    /// The refusal of `key`'s open, if it is still remembered.
+    fn refusal_of(&self, key: &oab_wire::DelegationKey) -> Option<&EventError> {
+        self.refused
+            .iter()
+            .rev()
+            .find_map(|(k, e)| (k == key).then_some(e))
+    }
+
     pub(super) fn apply_command(&mut self, cmd: Command) {
         match cmd {
             Command::Open {
@@ -36,6 +84,12 @@ impl Link {
                         return;
                     }
                 };
+                if let Err(e) = self.within_limits(&bytes) {
+                    warn!(%key, error = %e, "open not sent: over the relay's limits");
+                    self.remember_refusal(&key, &e);
+                    let _ = reply.send(Err(e));
+                    return;
+                }
                 let mut d = Delegation::new(true, target);
                 d.cursor = cursor;
                 d.resume_after_open = existing;
@@ -97,8 +151,16 @@ impl Link {
                         payload,
                     }),
                 };
-                match encode(&frame) {
+                match encode(&frame)
+                    .map_err(|e| LinkError::Frame(e.to_string()))
+                    .and_then(|bytes| {
+                        within_limits(&self.limits, &bytes)?;
+                        Ok(bytes)
+                    }) {
                     Ok(bytes) => {
+                        if let SendKind::Terminal(_) = kind {
+                            d.send_log.terminal_seq = Some(seq);
+                        }
                         d.send_log.next += 1;
                         d.send_log.unacked.push_back((seq, bytes));
                         self.buffered += 1;
@@ -111,18 +173,22 @@ impl Link {
                         }
                     }
                     Err(e) => {
+                        warn!(%key, seq, error = %e, "frame not sent");
                         if let Some(a) = acked {
-                            let _ = a.send(Err(LinkError::Frame(e.to_string())));
+                            let _ = a.send(Err(e));
                         }
                     }
                 }
             }
             Command::Subscribe { key, after, tx } => {
                 let Some(d) = self.delegations.get_mut(&key) else {
-                    let _ = tx.try_send(Err(EventError::Gap {
+                    // A refused open leaves no delegation: its refusal is
+                    // the answer, not an unknown one.
+                    let refusal = self.refusal_of(&key).cloned();
+                    let _ = tx.try_send(Err(refusal.unwrap_or(EventError::Gap {
                         after,
                         reason: GapReason::Unknown,
-                    }));
+                    })));
                     return;
                 };
                 let first = d.events.front().map_or(d.cursor + 1, |e| e.seq);

@@ -181,11 +181,13 @@ impl Link {
             "sec-websocket-protocol",
             HeaderValue::from_static(oab_wire::SUBPROTOCOL),
         );
-        let limits = Limits::default();
+        // The write buffer's cap must hold the largest frame any relay may
+        // take (the limits arrive with the Welcome, after the upgrade): a
+        // frame over the session's limits never reaches the socket (`pump`).
         let cfg = WebSocketConfig::default()
             .read_buffer_size(16 * 1024)
             .write_buffer_size(32 * 1024)
-            .max_write_buffer_size(4 * limits.max_frame())
+            .max_write_buffer_size(32 * 1024 + 2 * ceiling().max_frame())
             .max_message_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2))
             .max_frame_size(Some(oab_wire::limits::MAX_PAYLOAD_CEILING as usize * 2));
         let (mut ws, _) = tokio_tungstenite::client_async_with_config(req, io, Some(cfg))
@@ -230,6 +232,7 @@ impl Link {
             max_header: welcome.max_header,
             max_payload: welcome.max_payload,
         };
+        self.stats.set_max_payload(welcome.max_payload);
         if let Some(old) = self.epoch.replace(welcome.epoch)
             && old != welcome.epoch
         {
@@ -318,7 +321,7 @@ impl Link {
                                 Exit::Fatal(format!("closed by relay: {code} {reason}"))
                             };
                         }
-                        Some(Ok(Message::Binary(b))) => match decode_message(b, &self.limits_in()) {
+                        Some(Ok(Message::Binary(b))) => match decode_message(b, &ceiling()) {
                             Ok(frame) => self.dispatch(frame, &mut out),
                             Err(e) => return Exit::Reconnect(format!("undecodable frame from relay: {e}")),
                         },
@@ -364,13 +367,15 @@ impl Link {
             std::sync::atomic::Ordering::Relaxed,
         );
     }
+}
 
-    /// Frames from the relay may carry a larger payload than we would send.
-    fn limits_in(&self) -> Limits {
-        Limits {
-            max_header: u16::MAX,
-            max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
-        }
+/// The protocol's ceilings: frames from the relay are read within them (the
+/// relay may send a larger payload than it takes), and before the first
+/// `Welcome` nothing smaller is known of what it takes.
+pub(super) fn ceiling() -> Limits {
+    Limits {
+        max_header: u16::MAX,
+        max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
     }
 }
 
@@ -380,14 +385,7 @@ async fn recv_handshake(ws: &mut Ws) -> Result<Frame, Exit> {
             None => return Err(Exit::Reconnect("relay closed during the handshake".into())),
             Some(Err(e)) => return Err(Exit::Reconnect(e.to_string())),
             Some(Ok(Message::Binary(b))) => {
-                return decode_message(
-                    b,
-                    &Limits {
-                        max_header: u16::MAX,
-                        max_payload: oab_wire::limits::MAX_PAYLOAD_CEILING,
-                    },
-                )
-                .map_err(|e| Exit::Reconnect(e.to_string()));
+                return decode_message(b, &ceiling()).map_err(|e| Exit::Reconnect(e.to_string()));
             }
             Some(Ok(Message::Close(c))) => {
                 let (code, reason) = c

@@ -36,6 +36,9 @@ pub(super) struct Delegation {
     /// the retry deadline fires.
     pub(super) resume_retry: bool,
     pub(super) terminal: Option<Outcome>,
+    /// Its end was counted (`oab_connector_delegations_finished_total`):
+    /// a terminal taken back and set again is not counted twice.
+    pub(super) end_counted: bool,
     pub(super) events: VecDeque<UpEvent>,
     pub(super) subscribers: Vec<(mpsc::Sender<Result<UpEvent, EventError>>, u64)>,
     pub(super) open_reply: Option<oneshot::Sender<Result<(), LinkError>>>,
@@ -54,6 +57,7 @@ impl Delegation {
             resuming: false,
             resume_retry: false,
             terminal: None,
+            end_counted: false,
             events: VecDeque::new(),
             subscribers: Vec::new(),
             open_reply: None,
@@ -112,7 +116,9 @@ impl Delegation {
 pub(super) fn settle(stats: &LinkStats, d: &mut Delegation, outcome: Outcome) {
     if d.terminal.is_none() {
         d.terminal = Some(outcome);
-        stats.ended(Side::of(d.is_caller), Some(outcome));
+        if !std::mem::replace(&mut d.end_counted, true) {
+            stats.ended(Side::of(d.is_caller), Some(outcome));
+        }
     }
 }
 

@@ -311,6 +311,15 @@ impl Link {
                     self.record_finished(&key);
                 }
             }
+            Some(ErrorCode::PayloadTooLarge) if e.direction == d.send_dir() => {
+                // The relay cannot store that frame (over the route's limit
+                // or a byte budget): that frame fails, the log goes on.
+                let refused = LinkError::Refused {
+                    code: name,
+                    message: e.message,
+                };
+                self.unsendable(&key, e.seq, refused);
+            }
             _ => {
                 let refused = LinkError::Refused {
                     code: name.clone(),
@@ -329,10 +338,13 @@ impl Link {
                 if e.direction == d.send_dir() && e.seq <= 1 && d.is_caller {
                     // The open itself was refused: nothing of this delegation exists.
                     self.buffered = self.buffered.saturating_sub(d.send_log.unacked.len());
-                    if d.terminal.is_none() {
+                    if !d.end_counted {
                         self.stats.ended(Side::Caller, None);
                     }
                     self.delegations.remove(&key);
+                    self.ready_to_send.remove(&key);
+                    self.retry_logs.remove(&key);
+                    self.remember_refusal(&key, &refused);
                 }
             }
         }

@@ -134,6 +134,10 @@ impl std::fmt::Debug for LinkSettings {
     }
 }
 
+/// Refused opens remembered for late subscribers (see `Link::refused`):
+/// a subscriber comes right after the open, so a short memory is enough.
+const REFUSALS_KEPT: usize = 1_024;
+
 /// Default of [`LinkSettings::max_finished`]: a finished delegation is kept
 /// for a late `events`/`wait`/`get` and an idempotent re-send; the A2A
 /// facade keeps its own copy of a finished task, so a thousand is plenty.
@@ -300,6 +304,19 @@ pub enum LinkError {
     /// A frame could not be encoded (a field over its limit).
     #[error("frame: {0}")]
     Frame(String),
+    /// The frame would be over the relay's size limits (learnt from its
+    /// `Welcome`): it is never sent, and the delegation and the link go on.
+    #[error(
+        "the {part} of {size} bytes is over the relay's limit of {limit} bytes (payload_too_large)"
+    )]
+    TooLarge {
+        /// `payload` or `header`.
+        part: &'static str,
+        /// The frame's size of that part.
+        size: u64,
+        /// The relay's limit.
+        limit: u64,
+    },
     /// This request id is already in use with another payload.
     #[error("request id {0} already used in this connector")]
     Duplicate(String),
@@ -420,7 +437,27 @@ pub struct OpenDelegation {
     pub received: u64,
 }
 
+impl LinkError {
+    /// The wire error code name this error stands for, where there is one
+    /// (`payload_too_large` for a frame over the relay's limits).
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            LinkError::TooLarge { .. } => Some(oab_wire::ErrorCode::PayloadTooLarge.name()),
+            LinkError::Refused { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
 impl LinkHandle {
+    /// The largest payload the relay takes, as its last `Welcome` said (the
+    /// protocol's ceiling, 16 MiB, before the first one). A frame with a
+    /// larger payload is refused with [`LinkError::TooLarge`] and never
+    /// sent; callers check it early to refuse before they save anything.
+    pub fn max_payload(&self) -> usize {
+        self.stats.max_payload()
+    }
+
     /// Trusts the relay's certificate as `trust` says from the next
     /// connection on; the session up now keeps its TLS session. Nothing
     /// changes when the trust cannot be set up (a CA file without a
@@ -563,7 +600,7 @@ pub fn spawn(
         peer_waiters: Vec::new(),
         epoch: None,
         max_in_flight: 1024,
-        limits: Limits::default(),
+        limits: connection::ceiling(),
         drain_hint: None,
         control_frames: Vec::new(),
         descriptor: None,
@@ -574,6 +611,7 @@ pub fn spawn(
         ready_to_send: std::collections::HashSet::new(),
         finished: VecDeque::new(),
         finished_bytes: 0,
+        refused: VecDeque::new(),
     };
     let span = tracing::info_span!("link", peer = %handle.peer, instance = %handle.instance);
     let task = tokio::spawn(tracing::Instrument::instrument(link.run(shutdown), span));
@@ -600,7 +638,14 @@ struct Link {
     peer_waiters: Vec<oneshot::Sender<Vec<PeerEntry>>>,
     epoch: Option<u64>,
     max_in_flight: u32,
+    /// What the relay takes, from its last `Welcome` (the protocol's
+    /// ceilings before the first one): a frame over them is never sent.
     limits: Limits,
+    /// Delegations whose open was refused (by the relay, or here as too
+    /// large), newest last, so a subscriber that comes after the refusal
+    /// still learns it rather than reading an unknown delegation. At most
+    /// [`REFUSALS_KEPT`]; the oldest is forgotten first.
+    refused: VecDeque<(DelegationKey, EventError)>,
     drain_hint: Option<Duration>,
     /// Unsequenced frames to send once connected (peer queries, publish).
     control_frames: Vec<Bytes>,

@@ -130,9 +130,27 @@ pub struct LinkStats {
     pub(super) last_rx_ms: AtomicU64,
     /// The current session's facts.
     pub(super) facts: Mutex<SessionFacts>,
+    /// The relay's payload limit from its last `Welcome` (0: no `Welcome`
+    /// yet, read as the protocol's ceiling).
+    max_payload: AtomicU64,
 }
 
 impl LinkStats {
+    /// The relay's payload limit as the last `Welcome` gave it, or the
+    /// protocol's ceiling before the first one.
+    pub(super) fn max_payload(&self) -> usize {
+        match self.max_payload.load(Ordering::Relaxed) {
+            0 => oab_wire::limits::MAX_PAYLOAD_CEILING as usize,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        }
+    }
+
+    /// A `Welcome` set the relay's payload limit.
+    pub(super) fn set_max_payload(&self, max_payload: u32) {
+        self.max_payload
+            .store(u64::from(max_payload), Ordering::Relaxed);
+    }
+
     /// A delegation was taken on (opened as caller, or received as callee).
     pub(super) fn opened(&self, side: Side) {
         self.opened[side.index()].fetch_add(1, Ordering::Relaxed);

@@ -13,8 +13,12 @@ use bytes::Bytes;
 use oab_wire::{DelegationKey, Direction};
 use tokio::sync::oneshot;
 
+use tracing::warn;
+
+use super::commands::within_limits;
 use super::resume::queue_resume;
-use super::{Link, LinkError};
+use super::stats::Side;
+use super::{EventError, Link, LinkError};
 
 /// Pause before resending what the relay refused with a retryable code
 /// (`store_unavailable`, `rate_limited`, `too_many_delegations`). A deadline
@@ -36,6 +40,10 @@ pub(super) struct SendLog {
     /// (it holds up to this sequence): they cannot be sent again, so
     /// nothing more is sent on it.
     pub(super) lost: Option<u64>,
+    /// The sequence of our own terminal in this log, once queued (a callee's
+    /// result): if that frame cannot be sent, the terminal is taken back so
+    /// a smaller one can replace it.
+    pub(super) terminal_seq: Option<u64>,
 }
 
 impl Link {
@@ -76,10 +84,14 @@ impl Link {
     }
 
     /// Moves unsent frames into `out`, within each log's in-flight window.
-    /// Logs waiting for the retry deadline stay put; the others go on.
+    /// Logs waiting for the retry deadline stay put; the others go on. A
+    /// frame over the session's limits (queued before this relay's
+    /// `Welcome` said them, or under a larger limit of an earlier session)
+    /// is never sent: its log is cut there ([`Link::unsendable`]).
     pub(super) fn pump(&mut self, out: &mut Vec<Bytes>) {
         out.append(&mut self.control_frames);
         let window = u64::from(self.max_in_flight);
+        let mut unsendable = Vec::new();
         // Only logs with something new to send (or a window that opened).
         for key in self.ready_to_send.drain() {
             if self.retry_logs.contains(&key) {
@@ -99,9 +111,76 @@ impl Link {
                     // Window full: the next ack makes this log ready again.
                     break;
                 }
+                if let Err(e) = within_limits(&self.limits, bytes) {
+                    unsendable.push((key.clone(), *seq, e));
+                    break;
+                }
                 out.push(bytes.clone());
                 d.send_log.sent = *seq;
             }
+        }
+        for (key, seq, e) in unsendable {
+            self.unsendable(&key, seq, e);
+        }
+    }
+
+    /// The frame at `seq` of our log of `key` cannot be stored by the relay
+    /// (over its limits, or refused `payload_too_large`): it is dropped with
+    /// every later unacknowledged frame of the log, their waiters get `e`,
+    /// and the log goes on from `seq` with whatever is sent next. Only
+    /// frames the relay never acknowledged are dropped, so it holds none of
+    /// them. A caller's open (seq 1) leaves no delegation: the refusal goes
+    /// to its subscribers and is remembered for later ones. A callee's own
+    /// terminal among the dropped frames is taken back, so a smaller one
+    /// (a failed result saying why) can be sent instead. The link and every
+    /// other delegation go on.
+    pub(super) fn unsendable(&mut self, key: &DelegationKey, seq: u64, e: LinkError) {
+        let Some(d) = self.delegations.get_mut(key) else {
+            return;
+        };
+        if seq <= d.send_log.acked || seq >= d.send_log.next {
+            return;
+        }
+        warn!(%key, seq, error = %e, "frame dropped: the relay cannot take it; the delegation goes on without it");
+        let before = d.send_log.unacked.len();
+        d.send_log.unacked.retain(|(s, _)| *s < seq);
+        self.buffered = self
+            .buffered
+            .saturating_sub(before - d.send_log.unacked.len());
+        d.send_log.next = seq;
+        d.send_log.sent = d.send_log.sent.min(seq - 1);
+        let (failed, waiting): (Vec<_>, Vec<_>) = d
+            .send_log
+            .ack_waiters
+            .drain(..)
+            .partition(|(s, _)| *s >= seq);
+        d.send_log.ack_waiters = waiting;
+        for (_, w) in failed {
+            let _ = w.send(Err(e.clone()));
+        }
+        if d.send_log.terminal_seq.is_some_and(|t| t >= seq) {
+            d.send_log.terminal_seq = None;
+            d.terminal = None;
+        }
+        if d.is_caller && seq == 1 {
+            if let Some(r) = d.open_reply.take() {
+                let _ = r.send(Err(e.clone()));
+            }
+            let refusal = EventError::Refused {
+                code: e
+                    .code()
+                    .unwrap_or(oab_wire::ErrorCode::PayloadTooLarge.name())
+                    .to_string(),
+                message: e.to_string(),
+            };
+            d.notify_subscribers(&Err(refusal));
+            if !d.end_counted {
+                self.stats.ended(Side::Caller, None);
+            }
+            self.delegations.remove(key);
+            self.ready_to_send.remove(key);
+            self.retry_logs.remove(key);
+            self.remember_refusal(key, &e);
         }
     }
 
