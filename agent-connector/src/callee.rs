@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use oab_wire::identity::{Identity, now_ms};
-use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerId};
+use oab_wire::{DelegationKey, Digest, ErrorCode, Open, Outcome, PeerId};
 use serde_json::Value;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -155,11 +155,22 @@ impl EventSink {
         payload: UpPayload,
         acked: Option<oneshot::Sender<Result<u64, LinkError>>>,
     ) -> Result<(), LinkError> {
+        let payload = payload.to_bytes();
+        // Refused here, so the executor learns it: the link refuses it too,
+        // and a frame over the relay's limits never leaves.
+        let limit = self.link.max_payload();
+        if payload.len() > limit {
+            return Err(LinkError::TooLarge {
+                part: "payload",
+                size: u64::try_from(payload.len()).unwrap_or(u64::MAX),
+                limit: u64::try_from(limit).unwrap_or(u64::MAX),
+            });
+        }
         self.link
             .command(Command::Send {
                 key: self.key.clone(),
                 kind: SendKind::Data,
-                payload: payload.to_bytes(),
+                payload,
                 acked,
             })
             .await
@@ -784,24 +795,21 @@ impl CalleeRuntime {
         }
     }
 
-    /// Signs the result and appends it as the terminal.
+    /// Signs the result and appends it as the terminal. A result the relay
+    /// cannot take (over its payload limit, or refused `payload_too_large`
+    /// by a route limit or a byte budget) is replaced once by a `failed`
+    /// result without output or artifacts that says why, so the caller
+    /// still gets one signed terminal and the link goes on.
     async fn finish(&self, key: &DelegationKey, mut result: DelegationResult) {
-        result.finished_ms = now_ms();
-        result.bind(&self.identity);
+        let mut answer = self.send_result(key, &mut result).await;
+        if let Some(Err(e)) = &answer
+            && e.code() == Some(ErrorCode::PayloadTooLarge.name())
+        {
+            warn!(%key, error = %e, "the result is too large for the relay; a failed result says so instead");
+            result = too_large_result(result, e);
+            answer = self.send_result(key, &mut result).await;
+        }
         let outcome = result.outcome;
-        let envelope = sign_result(&self.identity, &result);
-        let env_json: Value = serde_json::from_slice(&envelope.to_json()).unwrap_or(Value::Null);
-        let payload: Bytes = UpPayload::Result { envelope: env_json }.to_bytes();
-        let (tx, rx) = oneshot::channel();
-        let sent = self
-            .link
-            .command(Command::Send {
-                key: key.clone(),
-                kind: SendKind::Terminal(outcome),
-                payload,
-                acked: Some(tx),
-            })
-            .await;
         let event = AuditEvent::terminal(outcome);
         let record = self
             .audit(key, event)
@@ -810,17 +818,64 @@ impl CalleeRuntime {
             .with_request_digest(result.request_digest)
             .with_result_digest(result.result_digest)
             .with_capabilities(result.effective_capabilities.clone());
-        if sent.is_ok() {
-            match rx.await {
-                Ok(Ok(_)) => self.audit.record(&record),
-                Ok(Err(LinkError::AlreadyTerminal(winner))) => {
-                    info!(%key, ?winner, ours = ?outcome, "another terminal won");
-                    self.audit
-                        .record(&record.with_code(format!("lost_to_{}", winner.name())));
-                }
-                Ok(Err(e)) => warn!(%key, error = %e, "terminal not acknowledged"),
-                Err(_) => {}
+        match answer {
+            Some(Ok(_)) => self.audit.record(&record),
+            Some(Err(LinkError::AlreadyTerminal(winner))) => {
+                info!(%key, ?winner, ours = ?outcome, "another terminal won");
+                self.audit
+                    .record(&record.with_code(format!("lost_to_{}", winner.name())));
             }
+            Some(Err(e)) => warn!(%key, error = %e, "terminal not acknowledged"),
+            None => {}
         }
     }
+
+    /// Signs `result` (setting its end time and digest) and appends it as
+    /// the terminal; the relay's answer, or `None` when the link stopped
+    /// first.
+    async fn send_result(
+        &self,
+        key: &DelegationKey,
+        result: &mut DelegationResult,
+    ) -> Option<Result<u64, LinkError>> {
+        result.finished_ms = now_ms();
+        result.bind(&self.identity);
+        let envelope = sign_result(&self.identity, result);
+        let env_json: Value = serde_json::from_slice(&envelope.to_json()).unwrap_or(Value::Null);
+        let payload: Bytes = UpPayload::Result { envelope: env_json }.to_bytes();
+        let (tx, rx) = oneshot::channel();
+        self.link
+            .command(Command::Send {
+                key: key.clone(),
+                kind: SendKind::Terminal(result.outcome),
+                payload,
+                acked: Some(tx),
+            })
+            .await
+            .ok()?;
+        rx.await.ok()
+    }
+}
+
+/// The result sent instead of one the relay cannot take: without output
+/// or artifacts, its error naming the size and the limit; a `completed`
+/// result becomes `failed` (the caller does not get what was produced),
+/// any other outcome stays.
+fn too_large_result(mut result: DelegationResult, e: &LinkError) -> DelegationResult {
+    let was = result.outcome;
+    if was == Outcome::Completed {
+        result.outcome = Outcome::Failed;
+    }
+    result.output = None;
+    result.artifacts = Vec::new();
+    let before = result
+        .error
+        .take()
+        .map(|m| format!("{m}; "))
+        .unwrap_or_default();
+    result.error = Some(format!(
+        "{before}limit exceeded: the {} result is too large for the relay ({e})",
+        was.name()
+    ));
+    result
 }

@@ -422,12 +422,19 @@ struct FinishGuard {
     key: DelegationKey,
     /// The end was yielded.
     armed: bool,
+    /// The end was a refusal: the relay holds nothing of the delegation (or
+    /// it could not be sent at all), so its state record is removed too and
+    /// a restart does not send it again.
+    refused: bool,
 }
 
 impl Drop for FinishGuard {
     fn drop(&mut self) {
         if self.armed {
             finish_record(&self.records, self.state.as_ref(), &self.key);
+            if let (true, Some(state)) = (self.refused, &self.state) {
+                state.remove_later(&self.key);
+            }
         }
     }
 }
@@ -763,6 +770,17 @@ impl Caller {
         let envelope_text = String::from_utf8(envelope.to_json()).unwrap_or_default();
         let payload = Bytes::from(envelope_text.clone());
         let request_digest = envelope.payload_digest();
+        // Refused before anything is saved or sent: the relay would not
+        // take it (the link refuses it too, and never sends it).
+        let limit = self.link.max_payload();
+        if payload.len() > limit {
+            return Err(LinkError::TooLarge {
+                part: "payload",
+                size: u64::try_from(payload.len()).unwrap_or(u64::MAX),
+                limit: u64::try_from(limit).unwrap_or(u64::MAX),
+            }
+            .into());
+        }
         let open = Open {
             key: key.clone(),
             target: peer.clone(),
@@ -863,6 +881,7 @@ impl Caller {
             state: self.state.clone(),
             key: handle.key.clone(),
             armed: false,
+            refused: false,
         };
         let stream = futures_util::stream::unfold(
             (rx, false, guard),
@@ -883,6 +902,7 @@ impl Caller {
                         ..
                     }) | Err(EventError::Refused { .. } | EventError::Gap { .. })
                 );
+                guard.refused = matches!(&item, Err(EventError::Refused { .. }));
                 let end = guard.armed || item.is_err();
                 Some((item, (rx, end, guard)))
             },

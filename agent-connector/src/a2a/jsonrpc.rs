@@ -16,6 +16,8 @@ use serde_json::{Map, Value, json};
 use super::PROTOCOL_VERSION;
 #[cfg(feature = "a2a")]
 use crate::caller::CallerError;
+#[cfg(feature = "a2a")]
+use crate::link::LinkError;
 
 /// The message an [`A2aError::Internal`] is answered with: its detail
 /// (store, link or file errors, which may name hosts and paths) is logged,
@@ -233,6 +235,12 @@ impl A2aError {
             | CallerError::IdempotencyMismatch(_) => A2aError::Refused {
                 code: e.code().to_string(),
                 message: e.to_string(),
+            },
+            CallerError::Link(ref l @ LinkError::TooLarge { .. }) => A2aError::Refused {
+                code: l.code().unwrap_or("payload_too_large").to_string(),
+                message: format!(
+                    "the request is too large to delegate: {l}; send large content by reference (a URL part)"
+                ),
             },
             other => A2aError::Internal(format!("{other:#}")),
         }

@@ -270,6 +270,13 @@ impl Flight {
             Err(e) => {
                 let code = match &e {
                     CallerError::Authority(_) | CallerError::Profile(_) => codes::POLICY_DENIED,
+                    // The signed request is over the relay's payload limit
+                    // (a prompt under max_prompt_bytes can still be, when
+                    // that cap is set above the relay's): the request's
+                    // fault, as an oversized prompt is.
+                    CallerError::Link(crate::link::LinkError::TooLarge { .. }) => {
+                        codes::INVALID_PARAMS
+                    }
                     _ => codes::TARGET_DISCONNECTED,
                 };
                 self.refuse(RpcError::new(code, e.to_string())).await;

@@ -58,8 +58,28 @@ use tracing::Instrument as _;
 use super::defaults::DelegationDefaults;
 use super::model::{fresh_id, normalise_message};
 use super::tasks::{NewTask, TaskBounds, TaskTable};
+use crate::a2a::jsonrpc::A2aError;
 use crate::caller::{Caller, CallerError};
 use tracker::track_delegation;
+
+/// The largest request body the facade reads: twice the largest payload a
+/// relay may take (a request's text travels inside its signed envelope),
+/// plus 64 KiB. A larger body is refused `payload_too_large` (HTTP 413)
+/// before it is read whole; a smaller one that still makes a request over
+/// the relay's limit is refused the same way once its envelope is built.
+pub(super) const MAX_REQUEST_BYTES: usize =
+    2 * oab_wire::limits::MAX_PAYLOAD_CEILING as usize + 64 * 1024;
+
+/// The refusal of a request body over [`MAX_REQUEST_BYTES`] (or one that
+/// could not be read whole).
+pub(super) fn body_refusal(e: &axum::extract::rejection::BytesRejection) -> A2aError {
+    A2aError::Refused {
+        code: oab_wire::ErrorCode::PayloadTooLarge.name().to_string(),
+        message: format!(
+            "the request body could not be read within the facade's limit of {MAX_REQUEST_BYTES} bytes ({e}); send large content by reference (a URL part)"
+        ),
+    }
+}
 
 mod cancel_task;
 mod card;
@@ -307,6 +327,7 @@ impl Facade {
             .route("/peers/{namespace}/{name}", post(rpc::rpc))
             .route("/peers/{namespace}/{name}/", post(rpc::rpc))
             .route("/peers/{namespace}/{name}/{*route}", any(rest::rest))
+            .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
             .layer(axum::middleware::from_fn_with_state(
                 ctx.clone(),
                 guard::guard,

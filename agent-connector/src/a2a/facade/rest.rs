@@ -328,8 +328,19 @@ pub(super) async fn rest(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            let profile = profile::requested(&headers);
+            return error_response(
+                &super::body_refusal(&e),
+                Some(StatusCode::PAYLOAD_TOO_LARGE),
+                profile,
+            );
+        }
+    };
     let asks_a2a_json = headers
         .get_all(header::ACCEPT)
         .iter()

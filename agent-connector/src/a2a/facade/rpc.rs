@@ -141,9 +141,16 @@ pub(super) async fn rpc(
     Path((namespace, name)): Path<(String, String)>,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     let profile = profile::requested(&headers);
+    let body = match body {
+        Ok(b) => b,
+        // A JSON-RPC error, with HTTP 200 as every other.
+        Err(e) => {
+            return json_response(&super::body_refusal(&e).to_response(&Value::Null), profile);
+        }
+    };
     if let Err(e) = check_media_type(&headers, "JSON-RPC") {
         let mut resp = json_response(&e.to_response(&Value::Null), profile);
         *resp.status_mut() = StatusCode::UNSUPPORTED_MEDIA_TYPE;
