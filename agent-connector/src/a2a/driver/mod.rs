@@ -294,6 +294,9 @@ enum TurnEnd {
     Dropped,
     /// The exchange failed.
     Failed(String),
+    /// The agent's output passed the delegation's output budget
+    /// (`Session::over_budget` says by how much): the turn ends at once.
+    OverBudget,
 }
 
 /// What the driver knows about the server's task.
@@ -312,6 +315,13 @@ struct Session {
     cancel_sent: bool,
     /// The grace ran out before the server confirmed the cancel.
     cancel_unconfirmed: bool,
+    /// The delegation's output budget in bytes (`budgets.output_bytes`).
+    output_budget: u64,
+    /// Bytes of artifacts taken so far (their A2A JSON), against
+    /// `output_budget`.
+    output_bytes: u64,
+    /// Set once an artifact would pass the budget: why the task stops.
+    over_budget: Option<String>,
 }
 
 /// A status as it was sent up, to recognise it in a resumed stream's
@@ -458,11 +468,17 @@ impl DriverInner {
                 return Execution::stopped(StopReason::Error(format!("local A2A server: {e}")));
             }
         };
-        let mut s = Session::default();
+        let mut s = Session {
+            output_budget: run.authority.budgets.output_bytes,
+            ..Session::default()
+        };
         let mut outgoing = Some(Self::first_message(&run));
         let mut resumes = 0u32;
         loop {
             let end = self.turn(&card, &mut s, outgoing.take(), &run).await;
+            if let Some(reason) = s.over_budget.take() {
+                return self.over_budget(&card, s, &run, end, reason).await;
+            }
             match end {
                 TurnEnd::Terminal(state, message) => {
                     return self.execution(&run, s, state, message);
@@ -481,6 +497,11 @@ impl DriverInner {
                 TurnEnd::Failed(reason) => {
                     let mut e = self.execution(&run, s, TaskState::Failed, None);
                     e.stop = StopReason::Error(reason);
+                    return e;
+                }
+                TurnEnd::OverBudget => {
+                    let mut e = self.execution(&run, s, TaskState::Failed, None);
+                    e.stop = StopReason::Error("the output budget ran out".into());
                     return e;
                 }
                 TurnEnd::Dropped => {
@@ -526,6 +547,37 @@ impl DriverInner {
                     }
                 }
             }
+        }
+    }
+
+    /// The agent's output passed the budget: its task is cancelled (unless
+    /// it already ended) and the delegation fails with `LimitExceeded`,
+    /// without output or artifacts. What was sent up before stays sent;
+    /// the rest is never read further, so memory stays within the budget
+    /// plus one event.
+    async fn over_budget(
+        &self,
+        card: &ResolvedCard,
+        mut s: Session,
+        run: &TaskRun,
+        end: TurnEnd,
+        reason: String,
+    ) -> Execution {
+        warn!(
+            %reason,
+            "the local agent's output is over the output budget; cancelling its task"
+        );
+        if !matches!(end, TurnEnd::Terminal(..) | TurnEnd::Message(_)) && s.task_id.is_some() {
+            let _ = self.cancel_now(card, &mut s, run).await;
+        }
+        // No output in the result: none is counted (a result's usage never
+        // claims more than the budget the caller signed).
+        Execution {
+            stop: StopReason::LimitExceeded(reason),
+            output: None,
+            artifacts: Vec::new(),
+            side_effects: Vec::new(),
+            usage: Usage::default(),
         }
     }
 
@@ -730,10 +782,12 @@ impl DriverInner {
             if let Some(art) = artifact_from_a2a(&a)
                 && !s.sent.contains(&art.artifact_id)
             {
+                if !take_artifact(s, &art, false) {
+                    return;
+                }
                 s.sent.insert(art.artifact_id.clone());
-                merge(&mut s.artifacts, &art, false);
                 if let Err(e) = sink.artifact(art, false, true).await {
-                    debug!(error = %e, "artifact not sent up");
+                    warn!(error = %e, "artifact not sent up");
                 }
             }
         }
@@ -991,6 +1045,9 @@ impl DriverInner {
                 s.context_id = Some(c.to_string());
             }
             self.absorb_artifacts(s, task, sink).await;
+            if s.over_budget.is_some() {
+                return Some(TurnEnd::OverBudget);
+            }
             return self.on_status(s, task.get("status"), sink, resumed).await;
         }
         if let Some(u) = r.get("statusUpdate") {
@@ -1011,10 +1068,12 @@ impl DriverInner {
             };
             let append = u.get("append").and_then(Value::as_bool).unwrap_or(false);
             let last = u.get("lastChunk").and_then(Value::as_bool).unwrap_or(false);
+            if !take_artifact(s, &art, append) {
+                return Some(TurnEnd::OverBudget);
+            }
             s.sent.insert(art.artifact_id.clone());
-            merge(&mut s.artifacts, &art, append);
             if let Err(e) = sink.artifact(art, append, last).await {
-                debug!(error = %e, "artifact not sent up");
+                warn!(error = %e, "artifact not sent up");
             }
             return None;
         }
@@ -1179,6 +1238,25 @@ impl DriverInner {
             },
         }
     }
+}
+
+/// Counts `art` against the output budget and merges it into the result's
+/// artifacts; `false` (and `over_budget` set, nothing merged) when it would
+/// pass the budget.
+fn take_artifact(s: &mut Session, art: &Artifact, append: bool) -> bool {
+    let size = serde_json::to_vec(&super::model::artifact_to_a2a(art))
+        .map_or(0, |b| u64::try_from(b.len()).unwrap_or(u64::MAX));
+    let total = s.output_bytes.saturating_add(size);
+    if total > s.output_budget {
+        s.over_budget = Some(format!(
+            "output of at least {total} bytes is over the budget of {} bytes",
+            s.output_budget
+        ));
+        return false;
+    }
+    s.output_bytes = total;
+    merge(&mut s.artifacts, art, append);
+    true
 }
 
 /// Merges an artifact (or chunk) into the result's artifacts: an appended
