@@ -5,8 +5,11 @@
 //!
 //! The only code that touches the socket. The session loop's `select!` arms
 //! only collect frames in `out`; they are written after the arm ran (the
-//! best-effort close on shutdown is the one write inside an arm). After the
-//! handshake, never interprets a frame itself: frames go to `dispatch`.
+//! best-effort close on shutdown, bounded by `CLOSE_WAIT`, is the one write
+//! inside an arm). Every write is raced against shutdown and must make
+//! progress within the heartbeat deadline: a peer or middlebox that stops
+//! reading ends the session like a silent one. After the handshake, never
+//! interprets a frame itself: frames go to `dispatch`.
 
 use std::time::Duration;
 
@@ -28,6 +31,9 @@ use super::{EventError, Link, LinkError, LinkState};
 
 /// What to check when the relay's certificate is refused.
 const CERTIFICATE_HINT: &str = "check connector.relay_ca (the PEM of the CA that signed the relay's certificate) or relay_pin_sha256; the relay's certificate must be an end-entity certificate (CA:FALSE) naming the relay's host in subjectAltName";
+
+/// How long the close frame sent at shutdown may take to leave.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 type Ws = WebSocketStream<
     tokio_util::either::Either<tokio_rustls::client::TlsStream<TcpStream>, TcpStream>,
@@ -278,12 +284,12 @@ impl Link {
                 self.ready_to_send.insert(key.clone());
             }
         }
-        self.pump(&mut out);
-        if let Err(e) = self.write_all(&mut ws, &mut out).await {
-            return Exit::Reconnect(e);
-        }
         let heartbeat = self.heartbeat;
         let dead = heartbeat * self.settings.dead_after_heartbeats.max(2);
+        self.pump(&mut out);
+        if let Err(e) = self.write_all(&mut ws, &mut out, dead, shutdown).await {
+            return e;
+        }
         let mut ping = tokio::time::interval(heartbeat);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_rx = tokio::time::Instant::now();
@@ -292,7 +298,9 @@ impl Link {
             let room = self.buffered < self.settings.max_buffered_frames;
             tokio::select! {
                 () = shutdown.cancelled() => {
-                    let _ = ws.close(None).await;
+                    // Best effort, bounded: a relay that stopped reading
+                    // does not hold the shutdown.
+                    let _ = tokio::time::timeout(CLOSE_WAIT, ws.close(None)).await;
                     return Exit::Shutdown;
                 }
                 cmd = self.commands.recv(), if room => {
@@ -343,16 +351,29 @@ impl Link {
                     }
                 }
             }
-            if let Err(e) = self.write_all(&mut ws, &mut out).await {
-                return Exit::Reconnect(e);
+            if let Err(e) = self.write_all(&mut ws, &mut out, dead, shutdown).await {
+                return e;
             }
         }
     }
 
-    /// Writes `out` and counts the frames.
-    async fn write_all(&self, ws: &mut Ws, out: &mut Vec<Bytes>) -> Result<(), String> {
+    /// Writes `out` and counts the frames. Each frame (and the flush) must
+    /// be taken by the socket within `dead`, the heartbeat deadline: a
+    /// relay or middlebox that stops reading (its TCP window stays shut)
+    /// is a dead link like a silent one, and the link reconnects instead of
+    /// blocking in the write. Shutdown ends a write that is stuck.
+    async fn write_all(
+        &self,
+        ws: &mut Ws,
+        out: &mut Vec<Bytes>,
+        dead: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Exit> {
         let n = u64::try_from(out.len()).unwrap_or(u64::MAX);
-        write_all(ws, out).await?;
+        tokio::select! {
+            r = write_all(ws, out, dead) => r.map_err(Exit::Reconnect)?,
+            () = shutdown.cancelled() => return Err(Exit::Shutdown),
+        }
         self.stats
             .frames_out
             .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
@@ -403,14 +424,25 @@ async fn recv_handshake(ws: &mut Ws) -> Result<Frame, Exit> {
     }
 }
 
-async fn write_all(ws: &mut Ws, out: &mut Vec<Bytes>) -> Result<(), String> {
+/// Feeds every frame of `out` and flushes, each step within `deadline`.
+async fn write_all(ws: &mut Ws, out: &mut Vec<Bytes>, deadline: Duration) -> Result<(), String> {
     if out.is_empty() {
         return Ok(());
     }
+    let stalled = || {
+        format!(
+            "the relay took nothing written to it for {} ms (the heartbeat deadline); the link is dead",
+            deadline.as_millis()
+        )
+    };
     for b in out.drain(..) {
-        ws.feed(Message::Binary(b))
+        tokio::time::timeout(deadline, ws.feed(Message::Binary(b)))
             .await
+            .map_err(|_| stalled())?
             .map_err(|e| e.to_string())?;
     }
-    ws.flush().await.map_err(|e| e.to_string())
+    tokio::time::timeout(deadline, ws.flush())
+        .await
+        .map_err(|_| stalled())?
+        .map_err(|e| e.to_string())
 }
