@@ -22,8 +22,25 @@ use crate::outbox::{Outbox, Pushed};
 use crate::refusal::Refusal;
 use crate::store::{EventStore, ReadOutcome};
 
-/// Entries read from the store per replay step.
+/// Most entries read from the store per replay step.
 const REPLAY_BATCH: usize = 256;
+
+/// Bytes a replay step aims to read: each step reads as many entries as the
+/// previous step's average entry size fits in this (one at least, at most
+/// [`REPLAY_BATCH`]), and the first step reads one. A replay whose receiver
+/// does not read therefore holds at most about this much (plus one entry)
+/// beyond what its session's queue holds (`session_queue_bytes`), whatever
+/// the size of the log's entries; small entries still go 256 per read.
+const REPLAY_STEP_BYTES: usize = 1024 * 1024;
+
+/// Entries to read next, from the bytes and count of the last step.
+fn next_replay_count(read_bytes: usize, read_entries: usize) -> usize {
+    if read_entries == 0 {
+        return 1;
+    }
+    let average = (read_bytes / read_entries).max(1);
+    (REPLAY_STEP_BYTES / average).clamp(1, REPLAY_BATCH)
+}
 
 /// What [`Hub::subscribe`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,9 +237,10 @@ impl<S: EventStore> Hub<S> {
         mut cursor: u64,
     ) {
         let start = cursor;
+        let mut count = 1;
         loop {
             let started = Instant::now();
-            let read = self.store.read(&key, dir, cursor, REPLAY_BATCH).await;
+            let read = self.store.read(&key, dir, cursor, count).await;
             self.observe_store("read", started, &read);
             let (entries, tail) = match read {
                 Err(e) => {
@@ -271,7 +289,11 @@ impl<S: EventStore> Hub<S> {
                     self.drop_subscription(&key, dir, generation);
                     return;
                 }
-                Ok(ReadOutcome::Entries { entries, tail, .. }) => (entries, tail),
+                Ok(ReadOutcome::Entries { entries, tail, .. }) => {
+                    let bytes = entries.iter().map(|(_, f)| f.len()).sum();
+                    count = next_replay_count(bytes, entries.len());
+                    (entries, tail)
+                }
             };
             let Ok(Some(live)) = self.view(&key).await else {
                 return;
@@ -396,6 +418,19 @@ mod tests {
     };
     use super::*;
     use oab_testkit::redis::{Persistence, RedisServer};
+
+    /// A replay reads one entry first, then as many as the last step's
+    /// average entry fits in `REPLAY_STEP_BYTES`: large entries one by one,
+    /// small ones by the full batch.
+    #[test]
+    fn a_replay_step_is_sized_by_the_bytes_of_the_last_one() {
+        assert_eq!(next_replay_count(0, 0), 1);
+        assert_eq!(next_replay_count(1024 * 1024, 1), 1);
+        assert_eq!(next_replay_count(16 * 1024 * 1024, 1), 1);
+        assert_eq!(next_replay_count(4 * 64 * 1024, 4), 16);
+        assert_eq!(next_replay_count(100, 1), REPLAY_BATCH);
+        assert_eq!(next_replay_count(256 * 1000, 256), REPLAY_BATCH);
+    }
 
     /// A `Resume` whose lookup raced the sweep: the evicted view refuses the
     /// subscription, and the one looked up again delivers the log.
