@@ -381,3 +381,100 @@ async fn push_notifications_resume_from_their_cursor_after_a_killed_connector_re
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// The metric `name`'s value on the admin page `page` (0 when absent).
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The caller's connector process is killed (SIGKILL) while a delegation
+/// whose agent produces 200 MB (far over the output budget) is in flight,
+/// and started again: it is in session at its first attempt and stays
+/// there (no reconnect loop), and the task ends `failed` with the reason
+/// the callee gave. The relay is a process on Redis, the agent the
+/// official SDK behind connector B's driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_killed_with_an_oversized_output_in_flight_comes_back_in_session_at_once() {
+    use oab_testkit::redis::{Persistence, RedisServer};
+    let env = Env::new("");
+    let redis = RedisServer::start(Persistence::Aof).unwrap();
+    let relay = RelayProcess::start(&env, &redis.url()).await;
+    let (_agent, agent_port) = sample_agent().await;
+    let driver = oab_connector::a2a::A2aDriver::new(oab_connector::a2a::DriverOptions::new(
+        format!("http://127.0.0.1:{agent_port}"),
+    ))
+    .unwrap();
+    let b = connector(&env, &env.callee, relay.addr, Some(Arc::new(driver)));
+    b.connected().await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let free = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let (facade_port, admin_port) = (free(), free());
+    let config = caller_config(&env, dir.path(), relay.addr, facade_port);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!("\n[admin]\nlisten = \"127.0.0.1:{admin_port}\"\n"));
+    std::fs::write(&config, text).unwrap();
+    let mut a = start_caller(&config);
+    let rpc = Rpc::new(format!(
+        "http://127.0.0.1:{facade_port}/peers/{}/",
+        env.callee.peer
+    ));
+    facade_up(&rpc).await;
+    let profile = with_profile(&[]);
+    let sent = rpc
+        .call(
+            "SendMessage",
+            json!({
+                "message": message("big-200000000-1048576-killed", "a lot"),
+                "configuration": { "returnImmediately": true },
+            }),
+            &profile,
+        )
+        .await;
+    let id = sent["result"]["task"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a task: {sent}"))
+        .to_string();
+    a.kill().await.unwrap();
+
+    let _a = start_caller(&config);
+    facade_up(&rpc).await;
+    let until = tokio::time::Instant::now() + STEP;
+    let task = loop {
+        let r = rpc.call("GetTask", json!({ "id": id }), &profile).await;
+        let state = r["result"]["status"]["state"].as_str().unwrap_or("");
+        if state == "TASK_STATE_FAILED" {
+            break r["result"].clone();
+        }
+        assert!(
+            !matches!(
+                state,
+                "TASK_STATE_COMPLETED" | "TASK_STATE_CANCELED" | "TASK_STATE_REJECTED"
+            ),
+            "ended otherwise: {r}"
+        );
+        assert!(tokio::time::Instant::now() < until, "never ended: {r}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let said = task["status"]["message"].to_string();
+    assert!(said.contains("over the budget"), "{said}");
+    // In session from the first attempt, and still there.
+    let page = reqwest::get(format!("http://127.0.0.1:{admin_port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric(&page, "oab_connector_sessions_total"), 1.0, "{page}");
+    assert_eq!(
+        metric(&page, "oab_connector_reconnects_total"),
+        0.0,
+        "{page}"
+    );
+    b.shutdown().await;
+}

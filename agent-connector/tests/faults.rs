@@ -672,3 +672,130 @@ async fn concurrent_delegates_with_one_request_id_are_one_durable_delegation() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// Streams `n` artifacts of `size` bytes; waits for the gate after the
+/// first `gate_after`.
+struct Artifacts {
+    n: usize,
+    size: usize,
+    gate_after: usize,
+    gate: Arc<tokio::sync::Notify>,
+}
+
+impl oab_connector::callee::TaskExecutor for Artifacts {
+    fn execute(
+        &self,
+        run: oab_connector::callee::TaskRun,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = oab_connector::callee::Execution> + Send>>
+    {
+        let (n, size, after, gate) = (self.n, self.size, self.gate_after, self.gate.clone());
+        Box::pin(async move {
+            for i in 0..n {
+                if i == after {
+                    gate.notified().await;
+                }
+                let artifact = oab_connector::profile::Artifact {
+                    artifact_id: format!("a{i}"),
+                    name: format!("part {i}"),
+                    media_type: "text/plain".into(),
+                    text: Some("z".repeat(size)),
+                    data: None,
+                    url: None,
+                };
+                run.sink.artifact(artifact, false, true).await.unwrap();
+            }
+            oab_connector::callee::Execution::stopped(oab_connector::callee::StopReason::EndTurn)
+        })
+    }
+}
+
+/// The callee's link freezes (the proxy stops reading and writing both
+/// ways, sockets kept open, so the kernel answers with a zero window) while
+/// the callee is writing 50 MiB of artifacts: its write does not block the
+/// link forever. It notices the dead link (the heartbeat deadline bounds
+/// every write), reconnects and resends, and every artifact reaches the
+/// caller in order. Then, frozen again mid-write, a shutdown ends the
+/// connector at once instead of waiting for a write that never finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_frozen_mid_write_is_noticed_and_shutdown_is_not_held_by_it() {
+    let env = env_fast();
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let pb = Proxy::start(relay.addr).await.unwrap();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let exec = Arc::new(Artifacts {
+        n: 100,
+        size: 512 * 1024,
+        gate_after: 5,
+        gate: gate.clone(),
+    });
+    let b = connector(&env, &env.callee, pb.addr(), Some(exec));
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let freeze = || {
+        let h = pb.handle();
+        for c in h.connections() {
+            h.set_connection_fault(c.id, Fault::Stall);
+        }
+    };
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("fifty megabytes"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h, 0).await.unwrap();
+    let mut artifacts = 0;
+    let mut last = 0;
+    let t = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(60), events.next())
+            .await
+            .expect("the delegation goes on")
+            .unwrap()
+            .unwrap();
+        assert_eq!(ev.seq, last + 1, "in order, no duplicate");
+        last = ev.seq;
+        match ev.kind {
+            EventKind::Artifact { .. } => {
+                artifacts += 1;
+                if artifacts == 5 {
+                    // Frozen, then the rest is written into it.
+                    freeze();
+                    gate.notify_one();
+                }
+            }
+            EventKind::Terminal(t) => break t,
+            _ => {}
+        }
+    };
+    assert_eq!(t.outcome, Outcome::Completed);
+    assert_eq!(artifacts, 100);
+    assert!(
+        b.link().stats().reconnects() >= 1,
+        "the callee left the frozen link"
+    );
+    // Frozen again while a second delegation writes: shutdown ends it.
+    let h2 = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("again"))
+        .await
+        .unwrap();
+    let mut events = a.caller().events(&h2, 0).await.unwrap();
+    let mut artifacts = 0;
+    while artifacts < 5 {
+        let ev = tokio::time::timeout(Duration::from_secs(60), events.next())
+            .await
+            .expect("the second delegation goes on")
+            .unwrap()
+            .unwrap();
+        if matches!(ev.kind, EventKind::Artifact { .. }) {
+            artifacts += 1;
+        }
+    }
+    freeze();
+    gate.notify_one();
+    tokio::time::timeout(Duration::from_secs(10), b.shutdown())
+        .await
+        .expect("a shutdown is not held by a frozen write");
+    a.shutdown().await;
+    relay.stop().await;
+}

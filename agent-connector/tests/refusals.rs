@@ -350,3 +350,41 @@ async fn one_request_id_runs_once_and_a_different_body_is_a_mismatch() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// A refusal that comes before anyone subscribes is still the answer: the
+/// relay refuses an open (no route from the callee to the caller), the link
+/// drops the delegation, and a subscriber that comes only then reads the
+/// refusal with the relay's code, never "events are gone (unknown)". This
+/// is the race a facade task lost when its tracker subscribed after the
+/// refusal had arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_read_after_it_arrived_is_the_refusal() {
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let a = connector(&env, &env.caller, relay.addr, None);
+    let b = connector(&env, &env.callee, relay.addr, None);
+    b.connected().await.unwrap();
+    a.connected().await.unwrap();
+    for i in 0..20 {
+        let h = b
+            .caller()
+            .delegate(&peer(CALLER), spec(&format!("no route {i}")))
+            .await
+            .unwrap();
+        // The refusal has arrived once the link no longer holds it.
+        let until = tokio::time::Instant::now() + Duration::from_secs(20);
+        while b.caller().get(&h).await.is_ok() {
+            assert!(tokio::time::Instant::now() < until, "never refused");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        match b.caller().wait(&h, Duration::from_secs(20)).await {
+            Err(CallerError::Events(oab_connector::link::EventError::Refused { code, .. })) => {
+                assert_eq!(code, "route_denied");
+            }
+            other => panic!("delegation {i}: expected the refusal, got {other:?}"),
+        }
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}

@@ -28,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 pub const CALLER: &str = "acme/caller";
 pub const CALLEE: &str = "acme/callee";
+/// The peer id of [`Env::with_second_caller`]'s second caller.
+pub const SECOND_CALLER: &str = "acme/caller-two";
 
 pub fn peer(s: &str) -> PeerId {
     PeerId::new(s).unwrap()
@@ -45,6 +47,9 @@ pub fn key_of(id: &Identity) -> PeerKey {
 pub struct Env {
     pub caller: Identity,
     pub callee: Identity,
+    /// A second caller with its own route to the callee
+    /// ([`Env::with_second_caller`]).
+    pub caller2: Option<Identity>,
     pub cert_der: Vec<u8>,
     /// The relay certificate (PEM), for a relay process.
     pub cert_pem: String,
@@ -58,18 +63,31 @@ pub struct Env {
 
 impl Env {
     pub fn new(extra: &str) -> Env {
+        Self::build(extra, false)
+    }
+
+    /// An environment with [`SECOND_CALLER`] too, routed to the callee.
+    pub fn with_second_caller(extra: &str) -> Env {
+        Self::build(extra, true)
+    }
+
+    fn build(extra: &str, second_caller: bool) -> Env {
         oab_relay::tls::install_crypto_provider();
         let ss = oab_relay::tls::self_signed(&["localhost"]).unwrap();
         let k = KeyId::new("k1").unwrap();
         let caller = Identity::generate(peer(CALLER), k.clone());
-        let callee = Identity::generate(peer(CALLEE), k);
+        let callee = Identity::generate(peer(CALLEE), k.clone());
+        let caller2 = second_caller.then(|| Identity::generate(peer(SECOND_CALLER), k));
         let mut text = String::from(
             "[relay]\nid = \"localhost\"\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:1\"\n\
              tls_cert = \"unused\"\ntls_key = \"unused\"\n",
         );
         text.push_str(extra);
         text.push('\n');
-        for id in [&caller, &callee] {
+        for id in [Some(&caller), Some(&callee), caller2.as_ref()]
+            .into_iter()
+            .flatten()
+        {
             text.push_str(&format!(
                 "[[peers]]\nid = \"{}\"\nkeys = [{{ key_id = \"k1\", public_key = \"{}\" }}]\n",
                 id.peer,
@@ -79,6 +97,11 @@ impl Env {
         text.push_str(&format!(
             "[[routes]]\nfrom = \"{CALLER}\"\nto = \"{CALLEE}\"\nceiling = [\"read:*\", \"write:*\"]\n"
         ));
+        if caller2.is_some() {
+            text.push_str(&format!(
+                "[[routes]]\nfrom = \"{SECOND_CALLER}\"\nto = \"{CALLEE}\"\nceiling = [\"read:*\"]\n"
+            ));
+        }
         let config = Config::from_toml_with_overrides(&text, "test", &[]).unwrap();
         let certs = vec![rustls::pki_types::CertificateDer::from(ss.cert_der.clone())];
         let key: rustls::pki_types::PrivateKeyDer<'static> =
@@ -87,6 +110,7 @@ impl Env {
         Env {
             caller,
             callee,
+            caller2,
             cert_der: ss.cert_der,
             cert_pem: ss.cert_pem,
             key_pem: ss.key_pem,
@@ -97,10 +121,15 @@ impl Env {
     }
 
     pub fn trust(&self) -> HashMap<PeerId, Vec<PeerKey>> {
-        [&self.caller, &self.callee]
-            .into_iter()
-            .map(|i| (i.peer.clone(), vec![key_of(i)]))
-            .collect()
+        [
+            Some(&self.caller),
+            Some(&self.callee),
+            self.caller2.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|i| (i.peer.clone(), vec![key_of(i)]))
+        .collect()
     }
 }
 

@@ -37,6 +37,10 @@ What it does is chosen by the prefix of the message id:
   artifact ``bench``), then completed. ``<t>`` is ``time.time_ns()`` when the
   event was made, so a client on the same machine can compute the latency;
   the same value is in the event's metadata (``benchSentNs``);
+- ``big-<N>-<C>-``: working, then an artifact ``big`` of N bytes of text
+  in chunks of C bytes (the first chunk new, the others appended, the last
+  one ``lastChunk``), then completed; canceled between two chunks when
+  asked (an output larger than the delegation's budget);
 - anything else: completed, echoing the text.
 """
 
@@ -175,6 +179,21 @@ class SampleExecutor(AgentExecutor):
                 [Part(text="chunk-2")], artifact_id="out", name="out", append=True, last_chunk=True
             )
             await updater.complete(updater.new_agent_message([Part(text="streamed")]))
+        elif mid.startswith("big-"):
+            total, chunk = (int(x) for x in mid.split("-")[1:3])
+            await updater.start_work()
+            sent = 0
+            while sent < total:
+                n = min(chunk, total - sent)
+                await updater.add_artifact(
+                    [Part(text="x" * n)],
+                    artifact_id="big",
+                    name="big",
+                    append=sent > 0,
+                    last_chunk=sent + n >= total,
+                )
+                sent += n
+            await updater.complete()
         elif mid.startswith("bench-stream-"):
             await bench_stream(updater, int(mid.split("-")[2]))
         elif mid.startswith("gated-"):
