@@ -830,6 +830,49 @@ async fn a_result_over_256_kib_is_cut_to_the_cap_with_the_cps_marker() {
     w.stop().await;
 }
 
+/// A worker whose result message is over `max_frame_bytes` (2 MB and
+/// 20 MB of text) loses its own connection, as on openab-cp: its delegation
+/// ends `target_disconnected` at the primary, and host B's link to the
+/// relay, and another worker's delegation, go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_result_over_the_frame_limit_closes_only_that_worker() {
+    let w = World::start().await;
+    let mut primary = w.primary().await;
+    for (i, size) in [2_000_000usize, 20_000_000].into_iter().enumerate() {
+        let mut worker = w.worker(&format!("i-big-{i}"), 4).await;
+        let id = format!("d-huge-{i}");
+        let ack = primary.delegate(&id, "reviewer", "say far too much").await;
+        assert!(ack.get("result").is_some(), "{ack}");
+        let fwd = worker.request("cp/delegate").await;
+        // The endpoint may cut the connection before the message is sent.
+        let big = json!({ "jsonrpc": "2.0", "id": 99, "method": "cp/delegate_result",
+            "params": { "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                        "status": "completed", "result": "x".repeat(size) } });
+        let _ = worker.ws.send(Message::text(big.to_string())).await;
+        assert!(
+            worker.read().await.is_none(),
+            "{size} bytes: the worker's connection is closed"
+        );
+        let r = primary.result_for(&id).await;
+        assert_eq!(r["status"], "target_disconnected", "{size} bytes: {r}");
+    }
+    // Host B still serves: a new worker completes a delegation.
+    let mut worker = w.worker("i-after", 4).await;
+    let ack = primary.delegate("d-after", "reviewer", "small").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": "fine" }),
+        )
+        .await;
+    let r = primary.result_for("d-after").await;
+    assert_eq!(r["status"], "completed", "{r}");
+    w.stop().await;
+}
+
 /// The relay is a real `oab-relay` process on the real redis-server,
 /// `kill -9`ed while the worker holds two tasks and started again on the
 /// same address: one task ends while the relay is down, the other after it
