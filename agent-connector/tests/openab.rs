@@ -562,6 +562,22 @@ async fn refusals_carry_the_cps_error_codes() {
     let r = helper.delegate("d-h", "reviewer", "x").await;
     assert_eq!(error_code(&r), -32003, "{r}");
 
+    // Prompts past the CP's cap (256 KiB) within the frame limit (1 MiB):
+    // invalid params, nothing sent; the primary's connection stays up. (A
+    // message over the frame limit closes the sender's own connection, as
+    // on openab-cp.)
+    for size in [256 * 1024 + 1, 900_000] {
+        let r = primary
+            .delegate(&format!("d-long-{size}"), "reviewer", &"p".repeat(size))
+            .await;
+        assert_eq!(error_code(&r), -32602, "{size} bytes: {r:.200}");
+        assert!(
+            r["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("max_prompt_bytes")),
+            "{r:.200}"
+        );
+    }
     // Saturated: the only worker holds its one session; duplicate ids.
     let mut worker = w.worker("i-w1", 1).await;
     let first = primary.delegate("d-s1", "reviewer", "first").await;
