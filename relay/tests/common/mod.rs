@@ -58,7 +58,8 @@ impl TestEnv {
         let cert_path = dir.path().join("cert.pem");
         let key_path = dir.path().join("key.pem");
         std::fs::write(&cert_path, &ss.cert_pem).unwrap();
-        std::fs::write(&key_path, &ss.key_pem).unwrap();
+        // Mode 0600: the relay refuses a key file other users can read.
+        oab_relay::tls::write_file(&key_path, &ss.key_pem, true).unwrap();
         let mut text = format!(
             "[relay]\nid = \"localhost\"\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:1\"\n\
              tls_cert = \"{}\"\ntls_key = \"{}\"\n",
@@ -471,6 +472,22 @@ impl RelayProcess {
 
     pub fn is_running(&self) -> bool {
         self.child.is_some()
+    }
+
+    /// The process's resident memory in bytes (Linux: `VmRSS` of
+    /// `/proc/<pid>/status`), if it runs.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
     }
 
     /// Sends SIGHUP (reload the configuration file).
