@@ -206,6 +206,7 @@ async fn main() -> anyhow::Result<()> {
                 max_concurrent: 4,
                 max_concurrent_per_peer: 4,
                 max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
+                replay_window_ms: oab_connector::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
             }),
             audit: None,
             state: None,

@@ -300,6 +300,10 @@ pub struct CalleeOptions {
     /// `saturated` (see [`crate::nonce`]). Default
     /// [`NonceCache::DEFAULT_PER_CALLER`].
     pub max_live_requests_per_peer: usize,
+    /// The replay window, ms: a request issued longer ago is refused
+    /// `stale_request` whatever its deadline, and no request is remembered
+    /// longer. Default [`NonceCache::DEFAULT_MAX_AGE_MS`] (10 minutes).
+    pub replay_window_ms: u64,
 }
 
 impl std::fmt::Debug for CalleeOptions {
@@ -311,6 +315,7 @@ impl std::fmt::Debug for CalleeOptions {
                 "max_live_requests_per_peer",
                 &self.max_live_requests_per_peer,
             )
+            .field("replay_window_ms", &self.replay_window_ms)
             .finish_non_exhaustive()
     }
 }
@@ -420,9 +425,14 @@ impl CalleeRuntime {
             .map_or(NonceCache::DEFAULT_PER_CALLER, |o| {
                 o.max_live_requests_per_peer.max(1)
             });
+        let window = options
+            .as_ref()
+            .map_or(NonceCache::DEFAULT_MAX_AGE_MS, |o| {
+                o.replay_window_ms.max(1)
+            });
         let nonces = NonceCache::new(
             per_caller.saturating_mul(trust.load().len().max(1)),
-            NonceCache::DEFAULT_MAX_AGE_MS,
+            window,
             NonceCache::DEFAULT_MAX_SKEW_MS,
         )
         .with_per_caller(per_caller);

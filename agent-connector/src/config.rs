@@ -368,10 +368,15 @@ pub struct PolicySection {
     #[serde(default = "default_max_deadline_ms")]
     pub max_deadline_ms: u64,
     /// Requests remembered per calling peer against replays (each until it
-    /// can no longer be accepted); beyond it new ones are refused
-    /// `saturated`.
+    /// can no longer be accepted, at most `replay_window_ms`); beyond it
+    /// new ones are refused `saturated`.
     #[serde(default = "default_max_live_requests_per_peer")]
     pub max_live_requests_per_peer: usize,
+    /// The replay window, ms: a signed request issued longer ago is
+    /// refused `stale_request`, whatever its deadline (also one that waited
+    /// that long in the relay's log while this host was away).
+    #[serde(default = "default_replay_window_ms")]
+    pub replay_window_ms: u64,
 }
 
 impl PolicySection {
@@ -409,6 +414,9 @@ fn default_max_deadline_ms() -> u64 {
 fn default_max_live_requests_per_peer() -> usize {
     crate::nonce::NonceCache::DEFAULT_PER_CALLER
 }
+fn default_replay_window_ms() -> u64 {
+    crate::nonce::NonceCache::DEFAULT_MAX_AGE_MS
+}
 
 impl Default for PolicySection {
     fn default() -> Self {
@@ -419,6 +427,7 @@ impl Default for PolicySection {
             max_concurrent_per_peer: default_max_concurrent_per_peer(),
             max_deadline_ms: default_max_deadline_ms(),
             max_live_requests_per_peer: default_max_live_requests_per_peer(),
+            replay_window_ms: default_replay_window_ms(),
         }
     }
 }
@@ -596,6 +605,12 @@ impl ConnectorConfig {
         }
         if self.policy.max_concurrent_per_peer == 0 {
             errors.push("policy.max_concurrent_per_peer: must be greater than 0".into());
+        }
+        if self.policy.replay_window_ms == 0 {
+            errors.push(
+                "policy.replay_window_ms: must be greater than 0 (the default is 600000, ten minutes)"
+                    .into(),
+            );
         }
         if self.policy.max_live_requests_per_peer == 0 {
             errors.push("policy.max_live_requests_per_peer: must be greater than 0".into());

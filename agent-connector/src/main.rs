@@ -390,6 +390,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
         max_concurrent: p.max_concurrent,
         max_concurrent_per_peer: p.max_concurrent_per_peer,
         max_live_requests_per_peer: p.max_live_requests_per_peer,
+        replay_window_ms: p.replay_window_ms,
     });
     let connector = Connector::start(ConnectorOptions {
         link,

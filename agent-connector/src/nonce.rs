@@ -17,14 +17,17 @@
 //! | yes | yes | no | [`NonceError::IdempotencyMismatch`] |
 //! | yes | no | - | [`NonceError::NonceReused`] |
 //!
-//! **Bounded by age and count, per caller.** A request is acceptable only
-//! while it is fresh: `issued_ms` no older than `max_age_ms` and no further
-//! in the future than `max_skew_ms`, and its deadline not passed. An entry is
-//! kept exactly as long as its request could still be accepted
-//! (`min(deadline_ms, issued_ms + max_age_ms, cap)`, where `cap` is the
-//! effective deadline the callee granted: its own policy's
-//! `max_deadline_ms` bounds it, whatever deadline the caller asked for), so
-//! dropping it afterwards opens no replay window. Each caller has a share of
+//! **Bounded by a freshness window, then by count per caller.** A request
+//! is acceptable only while it is fresh: `issued_ms` (signed by the caller)
+//! no older than the replay window `max_age_ms` (default 10 minutes, the
+//! connector's `policy.replay_window_ms`) and no further in the future than
+//! `max_skew_ms`, and its deadline not passed. An entry is kept exactly as
+//! long as its request could still be accepted (`min(deadline_ms,
+//! issued_ms + max_age_ms, cap)`, where `cap` is the effective deadline the
+//! callee granted), so dropping it afterwards opens no replay window. The
+//! window, not the work's deadline, bounds how long an entry lives: a
+//! caller at a steady rate holds `rate × window` entries, whatever its
+//! deadlines (as AWS SigV4 bounds a signed request by its 5-minute window). Each caller has a share of
 //! `per_caller` live entries: a caller whose share is full is refused with
 //! [`NonceError::Saturated`] (fail closed, retryable) instead of evicting a
 //! live entry, which would reopen the window; other callers' shares are
@@ -36,10 +39,16 @@
 //! check and every footprint read), never at the delegation's terminal: the
 //! entry is what refuses a replay of the finished request.
 //!
-//! Configure `max_age_ms` at least as long as the longest deadline the callee
-//! accepts (its policy's `max_deadline_ms`): an `Open` that waited in the
-//! relay's log while the callee was offline is still delivered within its
-//! deadline and must not be refused as stale.
+//! The window is also how long an `Open` may wait in the relay's log while
+//! the callee is away: one that arrives later is refused `stale_request`
+//! (the caller reads a signed rejection saying so). Set the window to the
+//! longest time a callee may be away while callers wait for it; the cache
+//! then holds that much more. Entries keep keyed 64-bit fingerprints of the
+//! delegation key and request digest, not the ids themselves (at most
+//! about 130 bytes an entry in all). The cache lives in memory: a callee process that
+//! restarts accepts again, within the window, a request it had seen before;
+//! the relay never opens a delegation twice under one request id, so only
+//! a relay that rewrites the `Open`'s header could use that.
 //!
 //! Only verified, authorized and admitted requests go into the cache (the
 //! callee runtime checks it after it took the concurrency permits, see
@@ -169,10 +178,15 @@ pub enum NonceCheck {
     Redelivery,
 }
 
-#[derive(Debug, Clone)]
+/// What the cache keeps of a request: keyed fingerprints of its delegation
+/// key and of its bytes (SipHash under the cache's own random key, so a
+/// caller cannot aim at a collision), and its caller's slot: 24 bytes
+/// where the ids themselves took about 250.
+#[derive(Debug, Clone, Copy)]
 struct Entry {
-    key: DelegationKey,
-    digest: Digest,
+    key: u64,
+    digest: u64,
+    caller: u32,
 }
 
 /// The callee's bounded replay cache (see the module docs for the rules).
@@ -186,24 +200,35 @@ pub struct NonceCache {
     /// accepted (`purge`).
     entries: HashMap<Nonce, Entry>,
     by_expiry: BTreeSet<(u64, Nonce)>,
-    /// Live entries per caller; a caller's count is removed when it drops
-    /// to zero (`purge`).
-    per_peer: HashMap<PeerId, usize>,
+    /// Live entries per caller slot (see `callers`).
+    live: Vec<usize>,
+    /// Each caller's slot. A slot is kept for the process's life: callers
+    /// are configured peers (only verified requests reach the cache), so
+    /// there are few.
+    callers: HashMap<PeerId, u32>,
+    /// The fingerprints' key.
+    hasher: std::hash::RandomState,
 }
 
 impl NonceCache {
-    /// Default capacity. An entry costs roughly 250 bytes, so a full cache
-    /// is about 16 MiB; at that point new requests are refused (`saturated`).
-    pub const DEFAULT_CAPACITY: usize = 65_536;
-    /// Default share of one caller: 16,384 live requests (about 4 MiB). A
-    /// caller whose requests live up to one hour (the default
-    /// `max_deadline_ms`) may then start 4.5 delegations a second for an
-    /// hour; with ten-minute deadlines, 27 a second.
-    pub const DEFAULT_PER_CALLER: usize = 16_384;
-    /// Default replay window: 24 hours, at least the longest deadline a
-    /// default policy accepts, so a request that waited in the relay's log
-    /// is not refused as stale.
-    pub const DEFAULT_MAX_AGE_MS: u64 = 24 * 60 * 60 * 1000;
+    /// Default capacity of a cache made with [`NonceCache::default`]: one
+    /// caller's default share.
+    pub const DEFAULT_CAPACITY: usize = Self::DEFAULT_PER_CALLER;
+    /// Default share of one caller: 2,097,152 live requests. An entry costs
+    /// at most about 130 bytes (measured: 128 at a million entries, the
+    /// map, the expiry index and the tables' slack), so a full share is
+    /// about 260 MiB, reached only by a caller that sustains 3,495
+    /// delegations a second for the whole replay window (10 minutes): more
+    /// than one relay serves on two cores (about 3,200 a second). At 500 a
+    /// second the cache holds 300,000 entries, under 40 MiB.
+    pub const DEFAULT_PER_CALLER: usize = 2 * 1024 * 1024;
+    /// Default replay window: 10 minutes. A request issued longer ago is
+    /// refused `stale_request` whatever its deadline, so entries live at
+    /// most this long and the cache holds only what a window of traffic
+    /// leaves. An `Open` that waited longer than this in the relay's log
+    /// (its callee was away) is refused the same way: raise the window to
+    /// cover the longest time a callee may be away while callers wait.
+    pub const DEFAULT_MAX_AGE_MS: u64 = 10 * 60 * 1000;
     /// Default tolerance for a caller clock ahead of ours: one minute, the
     /// same order as the handshake's clock skew bound.
     pub const DEFAULT_MAX_SKEW_MS: u64 = 60_000;
@@ -219,7 +244,9 @@ impl NonceCache {
             max_skew_ms,
             entries: HashMap::new(),
             by_expiry: BTreeSet::new(),
-            per_peer: HashMap::new(),
+            live: Vec::new(),
+            callers: HashMap::new(),
+            hasher: std::hash::RandomState::new(),
         }
     }
 
@@ -232,7 +259,22 @@ impl NonceCache {
 
     /// Live entries of `caller`.
     pub fn len_for(&self, caller: &PeerId) -> usize {
-        self.per_peer.get(caller).copied().unwrap_or(0)
+        self.callers
+            .get(caller)
+            .and_then(|&i| self.live.get(i as usize))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The slot of `caller`, made on its first request.
+    fn slot(&mut self, caller: &PeerId) -> u32 {
+        if let Some(&i) = self.callers.get(caller) {
+            return i;
+        }
+        let i = u32::try_from(self.live.len()).unwrap_or(u32::MAX);
+        self.live.push(0);
+        self.callers.insert(caller.clone(), i);
+        i
     }
 
     /// Live entries.
@@ -253,12 +295,9 @@ impl NonceCache {
             }
             self.by_expiry.remove(&(expires_ms, nonce));
             if let Some(e) = self.entries.remove(&nonce)
-                && let Some(n) = self.per_peer.get_mut(&e.key.caller)
+                && let Some(n) = self.live.get_mut(e.caller as usize)
             {
                 *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.per_peer.remove(&e.key.caller);
-                }
             }
         }
     }
@@ -276,10 +315,13 @@ impl NonceCache {
         cap_ms: u64,
     ) -> Result<NonceCheck, NonceError> {
         self.purge(now_ms);
+        use std::hash::BuildHasher as _;
+        let key_fp = self.hasher.hash_one(key);
+        let digest_fp = self.hasher.hash_one(request_digest.0);
         if let Some(seen) = self.entries.get(&request.nonce) {
-            return if &seen.key != key {
+            return if seen.key != key_fp {
                 Err(NonceError::NonceReused)
-            } else if &seen.digest != request_digest {
+            } else if seen.digest != digest_fp {
                 Err(NonceError::IdempotencyMismatch)
             } else {
                 Ok(NonceCheck::Redelivery)
@@ -306,12 +348,16 @@ impl NonceCache {
                 capacity: self.capacity,
             });
         }
-        *self.per_peer.entry(key.caller.clone()).or_insert(0) += 1;
+        let caller = self.slot(&key.caller);
+        if let Some(n) = self.live.get_mut(caller as usize) {
+            *n += 1;
+        }
         self.entries.insert(
             request.nonce,
             Entry {
-                key: key.clone(),
-                digest: *request_digest,
+                key: key_fp,
+                digest: digest_fp,
+                caller,
             },
         );
         self.by_expiry.insert((expires_ms, request.nonce));
@@ -401,6 +447,9 @@ mod tests {
             (1_001, 10_000, Some("clock_skew")),
             (0, 0, Some("stale_request")),
             (0, -1, Some("stale_request")),
+            // Older than the window: refused whatever the deadline.
+            (-60_000, 3_600_000, Some("stale_request")),
+            (-59_999, 3_600_000, None),
         ];
         for &(issued, deadline, want) in cases {
             let mut cache = NonceCache::new(8, 60_000, 1_000);
@@ -507,5 +556,59 @@ mod tests {
         cache.purge(NOW + 60_000);
         assert!(cache.is_empty());
         assert_eq!(cache.len_for(&PeerId::new("acme/a").unwrap()), 0);
+    }
+
+    /// The window, not the deadline, bounds how long a request is kept: a
+    /// one-hour deadline is forgotten once its window passed.
+    #[test]
+    fn an_entry_lives_no_longer_than_the_window() {
+        let d = Digest::of(b"x");
+        let mut cache = NonceCache::new(8, 60_000, 1_000);
+        let mut req = sample_request(NOW);
+        req.deadline_ms = NOW + 3_600_000;
+        assert_eq!(
+            cache.check(&key("r"), &req, &d, NOW, u64::MAX),
+            Ok(NonceCheck::Fresh)
+        );
+        cache.purge(NOW + 59_999);
+        assert_eq!(cache.len(), 1);
+        cache.purge(NOW + 60_000);
+        assert!(cache.is_empty());
+        // Replayed after its window: stale, with nothing remembered.
+        let err = cache
+            .check(&key("r2"), &req, &d, NOW + 60_000, u64::MAX)
+            .unwrap_err();
+        assert_eq!(err.code(), "stale_request");
+    }
+
+    /// One caller at a steady 500 requests a second with one-hour
+    /// deadlines, for 700 simulated seconds, with the default window
+    /// and share: nothing is refused, and the cache holds one window of
+    /// traffic, not one deadline of it.
+    #[test]
+    fn a_steady_caller_is_never_refused_and_holds_one_window() {
+        let d = Digest::of(b"x");
+        let mut cache = NonceCache::default();
+        let window = NonceCache::DEFAULT_MAX_AGE_MS;
+        let rate_per_s = 500u64;
+        let mut peak = 0;
+        for i in 0..rate_per_s * 700 {
+            let now = NOW + i * 1_000 / rate_per_s;
+            let mut req = sample_request(now);
+            req.deadline_ms = now + 3_600_000;
+            let k = key(&format!("r{i}"));
+            assert_eq!(
+                cache.check(&k, &req, &d, now, u64::MAX),
+                Ok(NonceCheck::Fresh),
+                "request {i}"
+            );
+            peak = peak.max(cache.len());
+        }
+        let one_window = usize::try_from(rate_per_s * window / 1_000).unwrap();
+        assert!(
+            peak <= one_window + 1,
+            "{peak} entries held; one window is {one_window}"
+        );
+        assert!(peak >= one_window - 1, "{peak} entries held");
     }
 }

@@ -115,6 +115,7 @@ fn callee_connector_with_share(
             max_concurrent: 512,
             max_concurrent_per_peer: per_peer,
             max_live_requests_per_peer: live_requests,
+            replay_window_ms: oab_connector::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
         }),
         audit: None,
         state: None,

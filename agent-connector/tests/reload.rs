@@ -68,6 +68,7 @@ fn callee(
             max_concurrent: 16,
             max_concurrent_per_peer: 16,
             max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
+            replay_window_ms: oab_connector::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
         }),
         audit: None,
         state: None,

@@ -186,6 +186,7 @@ fn start(
             // of delegations a second as `saturated` after a few seconds;
             // this one holds a level of the default --max-delegations.
             max_live_requests_per_peer: BENCH_LIVE_REQUESTS_PER_PEER,
+            replay_window_ms: oab_connector::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
         }),
         None => None,
     };

@@ -109,6 +109,7 @@ fn start_from(
             max_concurrent: p.max_concurrent,
             max_concurrent_per_peer: p.max_concurrent_per_peer,
             max_live_requests_per_peer: p.max_live_requests_per_peer,
+            replay_window_ms: p.replay_window_ms,
         }),
         audit: None,
         state: None,

@@ -312,6 +312,7 @@ fn start(
             max_concurrent: 4,
             max_concurrent_per_peer: 4,
             max_live_requests_per_peer: crate::nonce::NonceCache::DEFAULT_PER_CALLER,
+            replay_window_ms: crate::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
         }),
         audit: None,
         state: None,

@@ -312,6 +312,7 @@ pub fn connector_state(
             max_concurrent: 512,
             max_concurrent_per_peer: 512,
             max_live_requests_per_peer: oab_connector::nonce::NonceCache::DEFAULT_PER_CALLER,
+            replay_window_ms: oab_connector::nonce::NonceCache::DEFAULT_MAX_AGE_MS,
         }),
         audit,
         state,
