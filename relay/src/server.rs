@@ -117,6 +117,9 @@ pub async fn run_reloadable<S: EventStore>(
         return Err(RunError::MissingTls);
     }
     let metrics = Metrics::new(&crate::config::Directory::new(&config).peers);
+    if let Err(e) = store.register_metrics(&metrics.registry) {
+        tracing::warn!(error = %e, "the store's metrics are not exported");
+    }
     let epoch = store.epoch().await?;
     let hub = Hub::new(store, config.clone(), metrics, epoch, shutdown.clone());
     hub.install(crate::reload::LiveConfig::first(config.clone(), tls));

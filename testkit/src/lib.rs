@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`redis`] | a real `redis-server` or three-master Redis Cluster as child processes, killed and restarted on demand |
 //! | [`raw_client`] | a minimal protocol client: TLS, upgrade, handshake, then raw frames |
+//! | [`reply_proxy`] | a TCP proxy that can hold the replies of the connections it forwards (a store connection that stops answering) |
 //!
 //! The relay and the connector take this crate as a dev-dependency only;
 //! `oab-loadtest`, itself a test tool, depends on it.
@@ -16,3 +17,4 @@
 pub mod raw_client;
 #[cfg(unix)]
 pub mod redis;
+pub mod reply_proxy;

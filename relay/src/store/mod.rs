@@ -442,4 +442,12 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
     fn kind(&self) -> &'static str {
         "other"
     }
+
+    /// Registers the backend's own metrics in the relay's registry (the
+    /// Redis store: `oab_store_connections_replaced_total`). Called once per
+    /// relay at start; the default has none.
+    fn register_metrics(&self, registry: &prometheus::Registry) -> prometheus::Result<()> {
+        let _ = registry;
+        Ok(())
+    }
 }

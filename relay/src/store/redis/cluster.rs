@@ -11,13 +11,14 @@
 //! Cluster" in the parent module's documentation.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use futures_util::future::join_all;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, Pipeline, RedisError, Script, Value};
 
+use super::RedisStore;
 use super::replies::{corrupt, is_noscript, unavailable};
-use super::{Conn, RedisStore};
 use crate::store::StoreError;
 
 /// A pipeline that returns per-command results (server errors included)
@@ -39,12 +40,14 @@ impl RedisStore {
         idempotent: bool,
         context: &str,
     ) -> Result<Value, StoreError> {
-        let mut conn = self.conn.clone();
-        let failed = |e: RedisError| self.failed(context, &e, first_key(cmd));
-        match cmd.query_async::<Value>(&mut conn).await {
+        let key = first_key(cmd);
+        let failed = |e: RedisError| self.failed(context, &e, key);
+        // Sent by the store's own task, which owns a copy (`connection`).
+        let cmd = Arc::new(cmd.clone());
+        match self.conn.command(key, cmd.clone()).await {
             Ok(v) => Ok(v),
             Err(e) if idempotent && retryable(&e) => {
-                cmd.query_async::<Value>(&mut conn).await.map_err(failed)
+                self.conn.command(key, cmd).await.map_err(failed)
             }
             Err(e) => Err(failed(e)),
         }
@@ -57,11 +60,11 @@ impl RedisStore {
     /// pipeline as it is, in one round trip.
     pub(super) async fn query_pipeline(
         &self,
-        pipe: &Pipeline,
+        pipe: Pipeline,
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Value>, StoreError> {
-        self.query_pipeline_each(pipe, idempotent, context)
+        self.query_pipeline_each(&Arc::new(pipe), idempotent, context)
             .await?
             .into_iter()
             .collect()
@@ -72,16 +75,19 @@ impl RedisStore {
     /// groups keep their replies. `Err` when the whole pipeline failed.
     async fn query_pipeline_each(
         &self,
-        pipe: &Pipeline,
+        pipe: &Arc<Pipeline>,
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Result<Value, StoreError>>, StoreError> {
-        let groups = match self.conn {
-            Conn::Single(_) => Vec::new(),
-            Conn::Cluster(_) => slot_groups(pipe),
+        let groups = if self.conn.is_cluster() {
+            slot_groups(pipe)
+        } else {
+            Vec::new()
         };
         if groups.len() <= 1 {
-            let values = self.send_pipeline(pipe, idempotent, context).await?;
+            let values = self
+                .send_pipeline(pipe.clone(), idempotent, context)
+                .await?;
             return Ok(values.into_iter().map(Ok).collect());
         }
         let cmds: Vec<&Cmd> = pipe.cmd_iter().collect();
@@ -94,11 +100,11 @@ impl RedisStore {
                     .ok_or_else(|| corrupt(format!("{context}: command index out of range")))?;
                 part.add_command((*cmd).clone());
             }
-            parts.push(part);
+            parts.push(Arc::new(part));
         }
         let replies = join_all(
             parts
-                .iter()
+                .into_iter()
                 .map(|part| self.send_pipeline(part, idempotent, context)),
         )
         .await;
@@ -153,17 +159,17 @@ impl RedisStore {
     /// slot); one value per command.
     async fn send_pipeline(
         &self,
-        pipe: &Pipeline,
+        pipe: Arc<Pipeline>,
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Value>, StoreError> {
-        let mut conn = self.conn.clone();
         let key = pipe.cmd_iter().next().and_then(first_key);
         let failed = |e: RedisError| self.failed(context, &e, key);
-        let values = match pipe.query_async::<Vec<Value>>(&mut conn).await {
+        let values = match self.conn.pipeline(key, pipe.clone()).await {
             Ok(v) => v,
-            Err(e) if idempotent && retryable(&e) => pipe
-                .query_async::<Vec<Value>>(&mut conn)
+            Err(e) if idempotent && retryable(&e) => self
+                .conn
+                .pipeline(key, pipe.clone())
                 .await
                 .map_err(failed)?,
             Err(e) => return Err(failed(e)),
@@ -207,6 +213,8 @@ impl RedisStore {
         idempotent: bool,
         context: &str,
     ) -> Result<Vec<Result<Value, StoreError>>, StoreError> {
+        // Shared with the tasks that send it (`connection`), not copied.
+        let pipe = Arc::new(pipe);
         let mut values = self.query_pipeline_each(&pipe, idempotent, context).await?;
         let missing: Vec<usize> = values
             .iter()
@@ -217,9 +225,8 @@ impl RedisStore {
         if missing.is_empty() {
             return Ok(values);
         }
-        let mut conn = self.conn.clone();
-        script
-            .load_async(&mut conn)
+        self.conn
+            .load_script(script)
             .await
             .map_err(|e| unavailable("SCRIPT LOAD", &e))?;
         let cmds: Vec<&Cmd> = pipe.cmd_iter().collect();
@@ -231,7 +238,7 @@ impl RedisStore {
             retry.add_command((*cmd).clone());
         }
         let again = self
-            .query_pipeline_each(&retry, idempotent, context)
+            .query_pipeline_each(&Arc::new(retry), idempotent, context)
             .await?;
         for (i, v) in missing.into_iter().zip(again) {
             if let Some(slot) = values.get_mut(i) {

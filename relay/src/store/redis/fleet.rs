@@ -98,7 +98,7 @@ impl FleetStore for RedisStore {
                 .arg("gen")
                 .arg("inc");
         }
-        let values = self.query_pipeline(&pipe, true, "presence").await?;
+        let values = self.query_pipeline(pipe, true, "presence").await?;
         Ok(values
             .iter()
             .map(|v| match v {
@@ -179,7 +179,7 @@ impl FleetStore for RedisStore {
                 .arg(wake_channel(peer))
                 .arg(payload.as_ref());
         }
-        self.query_pipeline(&pipe, false, "publish").await?;
+        self.query_pipeline(pipe, false, "publish").await?;
         Ok(())
     }
 }

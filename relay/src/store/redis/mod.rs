@@ -14,6 +14,7 @@
 //! | `scripts` | the Lua scripts (`lua/*.lua`), `EVALSHA` commands, `SCRIPT LOAD` at connect |
 //! | `replies` | reply parsing: meta hashes, script replies, fleet replies, the errors they become |
 //! | `cluster` | sending commands: retries, pipelines split per hash slot, `NOSCRIPT` reload |
+//! | `connection` | the connection: requests driven by a task of the store's own (no caller can hold it up), and the watchdog that replaces a connection that stopped answering |
 //! | `url` | URL parsing (`redis-cluster://` seeds) and credential redaction |
 //! | `fleet` | the [`FleetStore`](super::FleetStore) implementation: presence, liveness, leases, wake-ups |
 //!
@@ -114,6 +115,7 @@
 //! memory store does) and cleans the indexes.
 
 mod cluster;
+mod connection;
 mod fleet;
 mod keys;
 mod replies;
@@ -124,16 +126,17 @@ mod url;
 pub use self::url::{RedactedUrl, describe_store_url};
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use oab_wire::{DelegationKey, Direction, InstanceId, Outcome, PeerId};
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::{Pipeline, RedisError, Value};
 
 use self::cluster::pipeline;
+use self::connection::{Conn, Connection, Dial};
 use self::keys::{
     DEADLINES_KEY, DelegationKeys, EPOCH_KEY, FINISHED_KEY, deadline_member, descriptor_key,
     finished_member, lex_upper_bound, meta_field, parse_deadline_member, parse_finished_member,
@@ -154,6 +157,8 @@ use super::{
 /// The redis crate's default is 500 ms, which a batch of a few hundred
 /// appends behind an AOF rewrite or a busy shard can exceed; a dead server
 /// is detected by the connection itself, so this only bounds a stuck one.
+/// A connection on which a request got no answer for this long, and that
+/// answered nothing else meanwhile, is replaced (`connection`).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one connection attempt may take.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
@@ -171,6 +176,16 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// [`RECONNECT_MIN_DELAY`] to [`RECONNECT_MAX_DELAY`]; the whole command,
 /// retries included, is bounded by [`RESPONSE_TIMEOUT`].
 const CLUSTER_RETRIES: u32 = 5;
+/// Requests a single server's connection takes into its writer's queue
+/// without making the sender wait (the redis crate's default is 50). A
+/// request that finds that queue full waits its turn, and one that finds
+/// room is sent at once, so a request made later can overtake a waiting
+/// one: a session's append batches in flight would then reach Redis out of
+/// order (the later one refused as a hole, and resent). Only requests in
+/// flight are queued (each bounded by [`RESPONSE_TIMEOUT`], and gone with
+/// its connection when the watchdog replaces it), and the queue takes
+/// memory only for what it holds, so this is set far above any load.
+const WRITER_QUEUE: usize = 1 << 20;
 /// Members of `oab:finished` handled per round trip by `expire_finished`.
 const EXPIRE_CHUNK: usize = 512;
 /// A member of `oab:finished` as read (its bytes) and parsed: terminal ms,
@@ -180,60 +195,15 @@ type FinishedEntry = (Vec<u8>, Option<(u64, DelegationKey, PeerId)>);
 /// expiry overflows an i64 of milliseconds; 2^53 ms is about 285,000 years.
 const MAX_TTL_MS: u64 = 1 << 53;
 
-/// The connection to a single Redis or to a Redis Cluster. Both multiplex
-/// commands over their sockets and reconnect by themselves; cloning is cheap
-/// (the clones share the sockets).
-#[derive(Clone)]
-enum Conn {
-    /// One server.
-    Single(ConnectionManager),
-    /// A cluster: one connection per node, commands routed by key slot.
-    Cluster(ClusterConnection),
-}
-
-impl std::fmt::Debug for Conn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Conn::Single(_) => "Conn::Single",
-            Conn::Cluster(_) => "Conn::Cluster",
-        })
-    }
-}
-
-impl ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
-}
-
 /// The Redis store. Cheap to share (`Arc` it); all methods take `&self` and
 /// run over one multiplexed connection (one per node for a cluster) that
-/// reconnects by itself.
+/// reconnects by itself, and is replaced when it stops answering.
 #[derive(Debug)]
 pub struct RedisStore {
-    conn: Conn,
+    conn: Connection,
+    /// `oab_store_connections_replaced_total`: the connection's
+    /// replacements (see [`EventStore::register_metrics`]).
+    replaced: prometheus::IntCounter,
     /// What [`RedisStore::pubsub_urls`] returns.
     pubsub_urls: RedactedUrls,
     retention: Retention,
@@ -271,7 +241,7 @@ impl RedisStore {
         };
         let cannot_connect =
             |e: RedisError| StoreError::unavailable(format!("connect to Redis at {shown}"), e);
-        let (conn, pubsub_urls) = if is_cluster_url(url) {
+        let (first, dial, pubsub_urls) = if is_cluster_url(url) {
             let seeds = cluster_seed_urls(url).map_err(|e| invalid(&e))?;
             let client = ClusterClientBuilder::new(seeds.iter().map(String::as_str))
                 .connection_timeout(CONNECTION_TIMEOUT)
@@ -285,7 +255,7 @@ impl RedisStore {
                 .get_async_connection()
                 .await
                 .map_err(cannot_connect)?;
-            (Conn::Cluster(conn), seeds)
+            (Conn::Cluster(conn), Dial::Cluster { client }, seeds)
         } else {
             let client = redis::Client::open(url).map_err(|e| invalid(&e))?;
             let config = ConnectionManagerConfig::new()
@@ -293,17 +263,31 @@ impl RedisStore {
                 .set_connection_timeout(Some(CONNECTION_TIMEOUT))
                 .set_number_of_retries(RECONNECT_RETRIES)
                 .set_min_delay(RECONNECT_MIN_DELAY)
-                .set_max_delay(RECONNECT_MAX_DELAY);
-            let conn = ConnectionManager::new_with_config(client, config)
+                .set_max_delay(RECONNECT_MAX_DELAY)
+                .set_pipeline_buffer_size(WRITER_QUEUE);
+            let conn = ConnectionManager::new_with_config(client.clone(), config.clone())
                 .await
                 .map_err(cannot_connect)?;
-            (Conn::Single(conn), vec![url.to_owned()])
+            (
+                Conn::Single(conn),
+                Dial::Single { client, config },
+                vec![url.to_owned()],
+            )
         };
         let shards =
-            matches!(conn, Conn::Cluster(_)).then(|| self::shards::Shards::new(&pubsub_urls));
+            matches!(first, Conn::Cluster(_)).then(|| self::shards::Shards::new(&pubsub_urls));
+        let replaced = replacement_counter();
+        let conn = Connection::new(
+            first,
+            dial,
+            RESPONSE_TIMEOUT,
+            shown.to_string(),
+            replaced.clone(),
+        );
         let store = RedisStore {
             shards,
             conn,
+            replaced,
             pubsub_urls: RedactedUrls(pubsub_urls),
             retention,
             scripts: Scripts::new(),
@@ -335,18 +319,21 @@ impl RedisStore {
 
     /// Whether this store runs on a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        matches!(self.conn, Conn::Cluster(_))
+        self.conn.is_cluster()
+    }
+
+    /// How many times the store's connection was replaced because it
+    /// stopped answering (`oab_store_connections_replaced_total`).
+    pub fn connections_replaced(&self) -> u64 {
+        self.replaced.get()
     }
 
     /// A value of `CONFIG GET name`, or `None` when Redis refuses the command
     /// (managed Redis services often do) or answers something else.
     async fn config_value(&self, name: &str) -> Option<String> {
-        let mut conn = self.conn.clone();
-        let reply: Result<Value, RedisError> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg(name)
-            .query_async(&mut conn)
-            .await;
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg(name);
+        let reply = self.conn.command(None, Arc::new(cmd)).await;
         match reply {
             Ok(Value::Array(items)) => items.get(1).and_then(str_of).map(str::to_owned),
             Ok(Value::Map(pairs)) => pairs
@@ -422,7 +409,7 @@ impl RedisStore {
                 );
             }
         }
-        let values = self.query_pipeline(&pipe, true, "index").await?;
+        let values = self.query_pipeline(pipe, true, "index").await?;
         first_error(&values, "index")
     }
 
@@ -442,7 +429,7 @@ impl RedisStore {
                     0,
                 );
         }
-        let result = match self.query_pipeline(&pipe, true, "index").await {
+        let result = match self.query_pipeline(pipe, true, "index").await {
             Ok(values) => first_error(&values, "index"),
             Err(e) => Err(e),
         };
@@ -704,7 +691,7 @@ impl RedisStore {
                 dropped.push((key, callee));
             }
         }
-        let removed = self.query_pipeline(&cleanup, true, "expire").await?;
+        let removed = self.query_pipeline(cleanup, true, "expire").await?;
         first_error(&removed, "expire")?;
         // The dropped delegations' bytes leave their peers' budgets.
         self.uncharge(
@@ -758,7 +745,7 @@ impl RedisStore {
             scripts.add_command(cmd);
         }
         if !unreadable.is_empty() {
-            let removed = self.query_pipeline(&unreadable, true, "expire").await?;
+            let removed = self.query_pipeline(unreadable, true, "expire").await?;
             first_error(&removed, "expire")?;
         }
         if scripts.is_empty() {
@@ -797,7 +784,7 @@ impl RedisStore {
         for k in keys {
             pipe.hgetall(DelegationKeys::new(k).meta);
         }
-        let values = self.query_pipeline(&pipe, true, "HGETALL").await?;
+        let values = self.query_pipeline(pipe, true, "HGETALL").await?;
         keys.iter()
             .zip(values)
             .map(|(k, v)| {
@@ -886,6 +873,20 @@ fn append_runs(group: &[usize], reqs: &[AppendRequest], charges: &[Charge]) -> V
     runs
 }
 
+/// `oab_store_connections_replaced_total`, registered in the relay's registry
+/// by [`EventStore::register_metrics`].
+// The name and help are constants, so this fails only on a programming
+// error, which the conformance tests (every store connects) rule out.
+#[allow(clippy::expect_used)]
+fn replacement_counter() -> prometheus::IntCounter {
+    prometheus::IntCounter::new(
+        "oab_store_connections_replaced_total",
+        "Redis connections replaced because a request got no answer within the response \
+         timeout and the connection answered nothing else meanwhile.",
+    )
+    .expect("valid metric")
+}
+
 /// A delay in whole milliseconds, as the cluster client's retry settings take it.
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -898,6 +899,10 @@ impl EventStore for RedisStore {
         } else {
             "redis"
         }
+    }
+
+    fn register_metrics(&self, registry: &prometheus::Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.replaced.clone()))
     }
 
     async fn open(&self, req: OpenRequest) -> Result<OpenOutcome, StoreError> {
@@ -1338,7 +1343,7 @@ impl EventStore for RedisStore {
             .arg(super::memory::rand_epoch())
             .arg("NX")
             .get(EPOCH_KEY);
-        let values = self.query_pipeline(&pipe, true, "epoch").await?;
+        let values = self.query_pipeline(pipe, true, "epoch").await?;
         let v = values.get(1).ok_or_else(|| corrupt("epoch: no reply"))?;
         match u64_of(v) {
             Some(epoch) if epoch != 0 => Ok(epoch),

@@ -235,7 +235,6 @@ impl RedisStore {
     /// `SCRIPT LOAD` to every node and fails unless all succeed (its routing
     /// table: `SCRIPT LOAD` is an all-nodes command), so each master has them.
     pub(super) async fn load_scripts(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
         for s in [
             &self.scripts.open,
             &self.scripts.append,
@@ -244,7 +243,8 @@ impl RedisStore {
             &self.scripts.charge,
             &self.scripts.uncharge,
         ] {
-            s.load_async(&mut conn)
+            self.conn
+                .load_script(s)
                 .await
                 .map_err(|e| unavailable("SCRIPT LOAD", &e))?;
         }
