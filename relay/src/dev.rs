@@ -11,7 +11,9 @@
 //! self-signed and its identities sit next to the relay config.
 //!
 //! Never: overwrites a setup: a folder that has its `relay.toml` is reused as
-//! it is, and the config is written last, once it validated.
+//! it is (but a secret file in it that other users can read gets mode 0600,
+//! and the caller says so), and the config is written last, once it
+//! validated.
 
 use std::path::{Path, PathBuf};
 
@@ -44,6 +46,67 @@ pub struct DevSetup {
     pub connector_configs: Vec<PathBuf>,
     /// Whether this run created the files.
     pub created: bool,
+    /// Secret files of a reused setup (the relay's key, the identities) that
+    /// other users could read, and what was done about it: their mode was
+    /// set to 0600, or could not be (the error). Say each one to the user.
+    pub loose_secrets: Vec<LooseSecret>,
+}
+
+/// A secret file of a reused development setup that users other than its
+/// owner could read (created by hand, copied, or unpacked with a loose
+/// umask).
+#[derive(Debug, Clone)]
+pub struct LooseSecret {
+    /// The file.
+    pub path: PathBuf,
+    /// Its permission bits as found.
+    pub mode: u32,
+    /// `Ok` when its mode is 0600 now; the error of `chmod` otherwise.
+    pub fixed: Result<(), String>,
+}
+
+impl std::fmt::Display for LooseSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let path = self.path.display();
+        match &self.fixed {
+            Ok(()) => write!(
+                f,
+                "{path} was readable by other users (mode {:o}); its mode is now 600",
+                self.mode
+            ),
+            Err(e) => write!(
+                f,
+                "{path} is readable by other users (mode {:o}) and its mode could not be \
+                 changed ({e}); run `chmod 600 {path}`",
+                self.mode
+            ),
+        }
+    }
+}
+
+/// Finds the secret files among `files` that others may read
+/// ([`tls::secret_file_problem`]) and sets their mode to 0600.
+fn tighten_secrets<'a>(files: impl IntoIterator<Item = &'a Path>) -> Vec<LooseSecret> {
+    let mut out = Vec::new();
+    for path in files {
+        let Ok(Some(mode)) = tls::secret_file_problem(path) else {
+            continue;
+        };
+        #[cfg(unix)]
+        let fixed = {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| e.to_string())
+        };
+        #[cfg(not(unix))]
+        let fixed = Ok(());
+        out.push(LooseSecret {
+            path: path.to_path_buf(),
+            mode,
+            fixed,
+        });
+    }
+    out
 }
 
 /// Errors preparing a development setup.
@@ -91,6 +154,10 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
         })
         .collect::<Result<_, oab_wire::ids::IdError>>()?;
     if config.exists() {
+        let key = dir.join("relay-key.pem");
+        let secrets =
+            std::iter::once(key.as_path()).chain(identities.iter().map(|(_, f)| f.as_path()));
+        let loose_secrets = tighten_secrets(secrets);
         let connector_configs = write_connector_configs(dir, &identities)?;
         return Ok(DevSetup {
             dir: dir.to_path_buf(),
@@ -99,6 +166,7 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
             identities,
             connector_configs,
             created: false,
+            loose_secrets,
         });
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
@@ -154,6 +222,7 @@ pub fn prepare(dir: &Path) -> Result<DevSetup, DevError> {
         identities,
         connector_configs,
         created: true,
+        loose_secrets: Vec::new(),
     })
 }
 
@@ -272,5 +341,46 @@ mod tests {
         let second = prepare(&d).unwrap();
         assert!(!second.created);
         assert!(second.connector_configs[1].is_file());
+        assert!(
+            second.loose_secrets.is_empty(),
+            "{:?}",
+            second.loose_secrets
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_reused_setups_secret_files_readable_by_others_are_made_private_and_said() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("dev");
+        let first = prepare(&d).unwrap();
+        let key = d.join("relay-key.pem");
+        let id = &first.identities[0].1;
+        let cert = &first.cert;
+        let set = |p: &Path, mode| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        set(&key, 0o644);
+        set(id, 0o604);
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let cert_mode = mode(cert);
+        let second = prepare(&d).unwrap();
+        let found: Vec<(PathBuf, u32)> = second
+            .loose_secrets
+            .iter()
+            .map(|l| (l.path.clone(), l.mode))
+            .collect();
+        assert_eq!(found, vec![(key.clone(), 0o644), (id.clone(), 0o604)]);
+        assert!(second.loose_secrets.iter().all(|l| l.fixed.is_ok()));
+        assert_eq!((mode(&key), mode(id)), (0o600, 0o600));
+        assert_eq!(mode(cert), cert_mode, "the certificate is not a secret");
+        let said = second.loose_secrets[0].to_string();
+        assert!(
+            said.contains("mode 644") && said.contains("now 600"),
+            "{said}"
+        );
+        // The relay loads the key it refused before.
+        assert!(crate::tls::load_key(&key).is_ok());
     }
 }

@@ -246,6 +246,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             for file in &dev.connector_configs {
                 say!("  connector:   {}", file.display());
             }
+            for loose in &dev.loose_secrets {
+                tracing::warn!("{loose}");
+            }
             say!("  try it:      cargo run -p oab-connector -- demo  (or demo --a2a)");
             dev.config
         }

@@ -24,7 +24,8 @@ pub struct Metrics {
     pub peer_sessions: IntGaugeVec,
     /// Connections now (any phase).
     pub connections: IntGauge,
-    /// Handshakes by result.
+    /// Handshakes by result; `shed`: an unauthenticated connection closed
+    /// to give its slot to a newer one when every handshake slot was held.
     pub handshakes: IntCounterVec,
     /// Frames by type and direction (`in` from peers, `out` to peers).
     pub frames: IntCounterVec,
@@ -113,6 +114,7 @@ const HANDSHAKE_RESULTS: &[&str] = &[
     "store",
     "tls",
     "upgrade",
+    "shed",
 ];
 
 /// The `kind` values of `oab_wake_messages_total` (hub/wakeups.rs).

@@ -322,7 +322,15 @@ pub async fn admit(
             if !relay.proxy_protocol.enabled {
                 return Some(permit);
             }
-            match tokio::time::timeout_at(deadline, starts_with_header(tcp)).await {
+            let first = tokio::select! {
+                biased;
+                () = permit.shed() => {
+                    handshake_failed("shed");
+                    return None;
+                }
+                r = tokio::time::timeout_at(deadline, starts_with_header(tcp)) => r,
+            };
+            match first {
                 Ok(Ok(false)) => Some(permit),
                 Ok(Ok(true)) => {
                     debug!(%peer, "PROXY protocol header from an untrusted address refused");

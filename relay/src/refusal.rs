@@ -27,12 +27,15 @@ use crate::store::Budget;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     /// A frame the relay does not take from a connector once the session is
-    /// authenticated: one the relay sends (`Welcome`, `Ack`, `Gap`, `Drain`,
-    /// ...), or another `Hello`.
+    /// authenticated: one the relay sends (`Challenge`, `Welcome`, `Ack`,
+    /// `Gap`, `Drain`, ...).
     NotForTheRelay {
         /// The type of the frame received.
         frame: FrameType,
     },
+    /// A second `Hello` on an authenticated session: a connector sends its
+    /// `Hello` once, in answer to the `Challenge`.
+    HelloAgain,
     /// An `Open` whose key names a caller other than the session's peer.
     OpenForAnotherCaller,
     /// A `Data` or `Cancel` with the relay-origin flag set: only the relay
@@ -112,6 +115,7 @@ impl Refusal {
     pub fn code(&self) -> ErrorCode {
         match self {
             Refusal::NotForTheRelay { .. }
+            | Refusal::HelloAgain
             | Refusal::OpenForAnotherCaller
             | Refusal::RelayOriginFlag
             | Refusal::UnknownOutcome
@@ -152,6 +156,9 @@ impl Refusal {
             }
             Refusal::DepthExceeded { max_depth } => {
                 return format!("depth must be 1..={max_depth}").into();
+            }
+            Refusal::HelloAgain => {
+                "the session is already authenticated; a hello is sent once, at the start"
             }
             Refusal::OpenForAnotherCaller => "an open names its sender as caller",
             Refusal::RelayOriginFlag => "the relay-origin flag is set by the relay only",
@@ -201,6 +208,11 @@ mod tests {
                 },
                 C::ProtocolViolation,
                 "ack frames are sent by the relay, not to it",
+            ),
+            (
+                R::HelloAgain,
+                C::ProtocolViolation,
+                "the session is already authenticated; a hello is sent once, at the start",
             ),
             (
                 R::OpenForAnotherCaller,
@@ -369,9 +381,10 @@ mod tests {
                 budget: Budget::Peer,
             } => 22,
             Refusal::RequestRateLimited => 23,
+            Refusal::HelloAgain => 24,
         }
     }
-    const VARIANTS: usize = 24;
+    const VARIANTS: usize = 25;
 
     #[test]
     fn the_table_names_every_refusal() {

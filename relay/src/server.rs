@@ -1,9 +1,10 @@
 //! The listener: accepts TCP, runs TLS and the WebSocket upgrade under one
 //! deadline in a task per connection (a slow client never blocks `accept`),
-//! caps connections and handshakes (in total and per source, see
-//! [`crate::admission`]), rate-limits sources, and hands authenticated
-//! sessions to [`crate::session`]. Also the admin listener and
-//! the lifecycle sweeper.
+//! caps connections and handshakes (in total and per source, shedding the
+//! oldest unauthenticated connection of the largest holder when all
+//! handshake slots are held, see [`crate::admission`]), rate-limits
+//! sources, and hands authenticated sessions to [`crate::session`]. Also
+//! the admin listener and the lifecycle sweeper.
 //!
 //! It owns the tasks that live as long as the relay: the wake subscriber loops
 //! (`wake_loop`, one per store URL), the fleet liveness tick, the sweeper, the
@@ -13,7 +14,9 @@
 //! Never: waits in the accept loop for anything a client controls: TLS, the
 //! upgrade and the session handshake run in the connection's own task under one
 //! deadline, and a connection over the per-source rate, the connection cap or
-//! the handshake caps is dropped at once (`try_acquire_owned`, never a queue).
+//! its source's handshake share is dropped at once (never a queue); one that
+//! finds every handshake slot held takes the slot of a connection that has
+//! not authenticated (that one is closed) or is dropped.
 //! Never reads a frame: the handshake and the frame loop are the session's.
 
 use parking_lot::Mutex;
@@ -36,7 +39,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::admission::{HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source};
+use crate::admission::{
+    HandshakePermit, HandshakeSlots, PRE_AUTH_READ_BYTES, PreAuthLimit, Source,
+};
 use crate::config::{Config, TlsMode};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
@@ -447,8 +452,15 @@ async fn connection<S: EventStore>(
     drop(live);
     match acceptor {
         Some(acceptor) => {
-            let tls = match tokio::time::timeout_at(deadline, Box::pin(acceptor.accept(tcp))).await
-            {
+            let accepted = tokio::select! {
+                biased;
+                () = hs_permit.shed() => {
+                    hub.metrics.handshakes.with_label_values(&["shed"]).inc();
+                    return;
+                }
+                r = tokio::time::timeout_at(deadline, Box::pin(acceptor.accept(tcp))) => r,
+            };
+            let tls = match accepted {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
                     debug!(error = %e, "TLS handshake failed");
@@ -465,7 +477,7 @@ async fn connection<S: EventStore>(
                 return;
             };
             let io = PreAuthLimit::new(tls, PRE_AUTH_READ_BYTES);
-            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline)).await else {
+            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline, &hs_permit)).await else {
                 return;
             };
             session::serve(
@@ -480,7 +492,7 @@ async fn connection<S: EventStore>(
         }
         None => {
             let io = PreAuthLimit::new(tcp, PRE_AUTH_READ_BYTES);
-            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline)).await else {
+            let Some(ws) = Box::pin(upgrade(&hub, io, ws_cfg, deadline, &hs_permit)).await else {
                 return;
             };
             session::serve(
@@ -496,11 +508,14 @@ async fn connection<S: EventStore>(
     }
 }
 
+/// The WebSocket upgrade, under `deadline`; `None` (counted) when it fails,
+/// times out or the connection is shed meanwhile.
 async fn upgrade<S, IO>(
     hub: &Hub<S>,
     io: IO,
     ws_cfg: WebSocketConfig,
     deadline: tokio::time::Instant,
+    permit: &HandshakePermit,
 ) -> Option<tokio_tungstenite::WebSocketStream<IO>>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -529,12 +544,18 @@ where
         );
         Ok(resp)
     };
-    match tokio::time::timeout_at(
-        deadline,
-        tokio_tungstenite::accept_hdr_async_with_config(io, callback, Some(ws_cfg)),
-    )
-    .await
-    {
+    let upgraded = tokio::select! {
+        biased;
+        () = permit.shed() => {
+            hub.metrics.handshakes.with_label_values(&["shed"]).inc();
+            return None;
+        }
+        r = tokio::time::timeout_at(
+            deadline,
+            tokio_tungstenite::accept_hdr_async_with_config(io, callback, Some(ws_cfg)),
+        ) => r,
+    };
+    match upgraded {
         Ok(Ok(ws)) => Some(ws),
         Ok(Err(e)) => {
             debug!(error = %e, "WebSocket upgrade failed");

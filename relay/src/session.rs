@@ -115,6 +115,22 @@ where
     let _ = tokio::time::timeout(Duration::from_secs(1), ws.close(Some(frame))).await;
 }
 
+/// Closes a connection whose handshake slot was shed for a newer
+/// connection (all `relay.max_handshakes` were held and this one had not
+/// authenticated; see [`crate::admission::HandshakeSlots`]).
+async fn shed<IO>(m: &crate::metrics::Metrics, ws: &mut WebSocketStream<IO>)
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    m.handshakes.with_label_values(&["shed"]).inc();
+    close_ws(
+        ws,
+        CloseCode::Overloaded,
+        "handshake slots full; this connection waited longest without a verified hello",
+    )
+    .await;
+}
+
 /// Runs the session handshake and, once authenticated, the frame loop.
 /// `deadline` bounds the whole handshake (TLS, upgrade and the `Welcome`
 /// write included); `handshake_permit` is held until the `Welcome` is
@@ -134,7 +150,14 @@ pub async fn serve<S, IO>(
     let limits = hub.config.wire_limits();
     // Boxed: the handshake's state is freed when it ends instead of being
     // reserved for the whole life of the session (idle sessions are cheap).
-    let handshake = Box::pin(handshake(&hub, &env, &mut ws, &binding, deadline, &limits));
+    let handshake = Box::pin(handshake(
+        &hub,
+        &env,
+        &mut ws,
+        &binding,
+        (deadline, &handshake_permit),
+        &limits,
+    ));
     let Some(session) = handshake.await else {
         return;
     };
@@ -148,7 +171,9 @@ async fn handshake<S, IO>(
     env: &SessionEnv,
     ws: &mut WebSocketStream<PreAuthLimit<IO>>,
     binding: &ChannelBinding,
-    deadline: tokio::time::Instant,
+    // The handshake's deadline, and its slot: the connection closes if the
+    // slot is shed before the `Hello` verifies.
+    (deadline, permit): (tokio::time::Instant, &HandshakePermit),
     limits: &Limits,
 ) -> Option<Session<S>>
 where
@@ -179,7 +204,15 @@ where
         return None;
     }
     let hello = loop {
-        let next = tokio::time::timeout_at(deadline, ws.next()).await;
+        let next = tokio::select! {
+            biased;
+            () = permit.shed() => {
+                forget(env);
+                shed(m, ws).await;
+                return None;
+            }
+            next = tokio::time::timeout_at(deadline, ws.next()) => next,
+        };
         let msg = match next {
             Err(_) => {
                 forget(env);
@@ -251,9 +284,15 @@ where
         binding,
     );
     let auth = match verified {
+        Ok(_) if !permit.shield() => {
+            // Shed between the `Hello`'s arrival and its check.
+            shed(m, ws).await;
+            return None;
+        }
         Ok(a) => {
             // Authenticated: from here on the session's limits are the
-            // WebSocket caps of `server::ws_config`.
+            // WebSocket caps of `server::ws_config`, and its handshake slot
+            // cannot be shed.
             ws.get_mut().lift();
             a
         }
@@ -1086,6 +1125,7 @@ impl<S: EventStore> Session<S> {
             Frame::Pong(_) => {}
             Frame::PeersQuery => self.peers_query(),
             Frame::Publish(descriptor) => Box::pin(self.publish(descriptor)).await,
+            Frame::Hello(_) => self.refuse(Refusal::HelloAgain, None, Direction::Down, 0),
             other => self.refuse(
                 Refusal::NotForTheRelay {
                     frame: other.frame_type(),

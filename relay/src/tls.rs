@@ -3,7 +3,8 @@
 //!
 //! Never: offers a protocol version below TLS 1.3, or asks a client for a
 //! certificate: peers authenticate in the session handshake, bound to the TLS
-//! session by its exporter value (`exporter_value`).
+//! session by its exporter value (`exporter_value`). Never loads a private
+//! key file that other users can read (`load_key`, at start and on reload).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -37,6 +38,18 @@ pub enum TlsError {
         /// The error.
         source: std::io::Error,
     },
+    /// The private key file is readable by users other than its owner (see
+    /// [`secret_file_problem`]).
+    #[error(
+        "{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}` \
+         (a file owned by root may also be 0640 or 0440)"
+    )]
+    Permissions {
+        /// The file.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
 }
 
 /// Installs ring as the process-wide rustls provider. Safe to call more than
@@ -67,12 +80,44 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
     Ok(certs)
 }
 
-/// Loads a PEM private key (PKCS#8, SEC1 or PKCS#1).
+/// Loads a PEM private key (PKCS#8, SEC1 or PKCS#1), refusing a file that
+/// others can read (see [`secret_file_problem`]).
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let shown = path.display().to_string();
+    if let Some(mode) = secret_file_problem(path).map_err(|source| TlsError::Io {
+        path: shown.clone(),
+        source,
+    })? {
+        return Err(TlsError::Permissions { path: shown, mode });
+    }
     PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Pem {
-        path: path.display().to_string(),
+        path: shown,
         message: e.to_string(),
     })
+}
+
+/// The permission bits of a secret file that users other than its owner
+/// may read, or `None` when only its owner may: any access for others is
+/// refused, and access for its group too unless root owns the file and the
+/// group may only read it (a Kubernetes Secret mounted with `fsGroup` is
+/// root-owned, mode 0440, so that a non-root relay in that group reads it;
+/// the connector's identity files follow the same rule, as libpq does for
+/// its key file). Always `None` off Unix.
+pub fn secret_file_problem(path: &Path) -> std::io::Result<Option<u32>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path)?;
+        let mode = meta.mode();
+        let group_may_read = meta.uid() == 0 && mode & 0o030 == 0;
+        let loose = if group_may_read { 0o037 } else { 0o077 };
+        Ok((mode & loose != 0).then_some(mode & 0o777))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        Ok(None)
+    }
 }
 
 /// A TLS 1.3-only server config with ALPN `http/1.1` (the WebSocket upgrade).
@@ -160,7 +205,7 @@ pub fn write_file(path: &Path, text: &str, secret: bool) -> Result<(), TlsError>
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -180,6 +225,37 @@ mod tests {
         }
         assert!(!shown.contains("PRIVATE KEY"), "{shown}");
         assert!(shown.contains("BEGIN CERTIFICATE"), "{shown}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_key_readable_by_others_is_refused_with_the_fix() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key.pem");
+        write_file(&path, &self_signed(&["localhost"]).unwrap().key_pem, true).unwrap();
+        assert!(load_key(&path).is_ok(), "0600 loads");
+        let set = |mode| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode));
+        let by_root = std::fs::metadata(&path).unwrap().uid() == 0;
+        for mode in [0o644, 0o604, 0o660, 0o640, 0o440] {
+            set(mode).unwrap();
+            let root_group_read = by_root && mode & 0o037 == 0;
+            match load_key(&path) {
+                Ok(_) => assert!(root_group_read, "mode {mode:o} loaded"),
+                Err(TlsError::Permissions { mode: m, .. }) => {
+                    assert!(!root_group_read, "mode {mode:o} refused");
+                    assert_eq!(m, mode);
+                }
+                Err(e) => panic!("mode {mode:o}: {e}"),
+            }
+        }
+        set(0o644).unwrap();
+        let shown = load_key(&path).err().unwrap().to_string();
+        let want = format!("chmod 600 {}", path.display());
+        assert!(
+            shown.contains(&want) && shown.contains("mode 644"),
+            "{shown}"
+        );
     }
 
     #[cfg(unix)]

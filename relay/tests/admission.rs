@@ -1,7 +1,9 @@
 //! Admission before authentication, against a real relay over TLS on
-//! loopback: one source cannot hold every handshake slot, an unauthenticated
-//! client cannot make the relay buffer more than a few KiB, and a client that
-//! authenticates and then stops reading loses its slot at the deadline.
+//! loopback: one source cannot hold every handshake slot, many sources
+//! holding every slot with idle connections do not lock logins out, an
+//! unauthenticated client cannot make the relay buffer more than a few KiB,
+//! and a client that authenticates and then stops reading loses its slot at
+//! the deadline.
 //!
 //! Different source addresses are loopback addresses (127.0.0.2, 127.0.0.3,
 //! ...): the relay listens on 127.0.0.1 and Linux routes all of 127.0.0.0/8
@@ -222,4 +224,134 @@ async fn a_client_that_stops_reading_the_welcome_loses_its_handshake_slot() {
     );
     drop(stalled);
     relay.stop().await;
+}
+
+/// `sources` loopback addresses (127.0.0.2 onwards), each holding `each`
+/// silent TCP connections to the relay: a connection the relay closes is
+/// dialed again at the next tick of `pace` (the attacker's pace, not a wait
+/// for anything), so the holders keep every slot they can until `stop`.
+fn hold_idle_connections(
+    relay: SocketAddr,
+    sources: u8,
+    each: usize,
+    pace: Duration,
+    stop: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinSet<()> {
+    use tokio::io::AsyncReadExt as _;
+    let mut holders = tokio::task::JoinSet::new();
+    for s in 0..sources {
+        for _ in 0..each {
+            let stop = stop.clone();
+            holders.spawn(async move {
+                let mut tick = tokio::time::interval(pace);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    let socket = TcpSocket::new_v4().unwrap();
+                    socket
+                        .bind(SocketAddr::from(([127, 0, 0, 2 + s], 0)))
+                        .unwrap();
+                    let Ok(mut tcp) = socket.connect(relay).await else {
+                        continue;
+                    };
+                    // Silent until the relay closes it.
+                    let mut buf = [0u8; 64];
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        _ = tcp.read(&mut buf) => {}
+                    }
+                }
+            });
+        }
+    }
+    holders
+}
+
+/// The value of a metric series on the relay now (0 when absent).
+async fn metric(relay: &TestRelay, series: &str) -> u64 {
+    relay
+        .metrics()
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Many sources hold every handshake slot with idle connections (and dial
+/// again each one the relay closes); good logins from another source still
+/// get in: the relay sheds the idle connections of the largest holders
+/// instead of refusing newcomers. Returns the logins that succeeded, of 25.
+async fn logins_while_idle_sources_hold_every_slot(sources: u8, each: usize) -> usize {
+    let mut env = TestEnv::new(
+        "[rate]\nconnects_per_second_per_ip = 100000\nconnects_burst_per_ip = 100000\n",
+    );
+    // The defaults (512 slots, 32 per source); idle connections are not
+    // timed out during the test.
+    assert_eq!(env.config.relay.max_handshakes, 512);
+    assert_eq!(env.config.relay.max_handshakes_per_source, 32);
+    env.config.relay.handshake_timeout_ms = 120_000;
+    let relay = TestRelay::start(&env, memory()).await;
+    assert!(
+        sources as usize * each > 512,
+        "the holders ask for more than every slot"
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let holders =
+        hold_idle_connections(relay.addr, sources, each, Duration::from_millis(250), &stop);
+
+    // Every slot is held by an idle connection.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while metric(&relay, "oab_connections ").await < 512 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the idle holders never filled the handshake slots"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    const LOGINS: usize = 25;
+    let target = relay.target();
+    let ids = [&env.caller, &env.callee, &env.other];
+    let mut ok = 0;
+    for i in 0..LOGINS {
+        let login = RawClient::connect(&target, ids[i % 3], InstanceId::random());
+        // A generous bound: a refused login fails at once, a hung one here.
+        match tokio::time::timeout(Duration::from_secs(20), login).await {
+            Ok(Ok(c)) => {
+                ok += 1;
+                c.close().await;
+            }
+            Ok(Err(e)) => eprintln!("login {i} failed: {e}"),
+            Err(_) => eprintln!("login {i} hung"),
+        }
+    }
+    // The holders were still at it: the slots stayed full throughout.
+    assert!(
+        metric(&relay, "oab_connections ").await >= 500,
+        "the idle holders kept their connections up"
+    );
+    let shed = metric(&relay, "oab_handshakes_total{result=\"shed\"}").await;
+    eprintln!(
+        "{sources} sources x {each} idle connections: {ok}/{LOGINS} good logins succeeded, \
+         {shed} idle connections shed"
+    );
+    stop.cancel();
+    holders.join_all().await;
+    relay.stop().await;
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_sources_of_idle_connections_do_not_lock_out_logins() {
+    let ok = logins_while_idle_sources_hold_every_slot(20, 32).await;
+    assert!(ok * 10 >= 25 * 9, "only {ok} of 25 good logins succeeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_sources_of_idle_connections_do_not_lock_out_logins() {
+    let ok = logins_while_idle_sources_hold_every_slot(100, 6).await;
+    assert!(ok * 10 >= 25 * 9, "only {ok} of 25 good logins succeeded");
 }

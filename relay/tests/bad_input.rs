@@ -259,6 +259,29 @@ async fn refused_frames<S: oab_relay::store::EventStore>(store: Arc<S>) {
             "drain frames are sent by the relay, not to it"
         )
     );
+    // A second hello: the connector sends one, once, and the session is
+    // authenticated already (the relay sends challenges, it does not take
+    // hellos from "the other side").
+    a.send(&Frame::Hello(oab_wire::Hello {
+        version: oab_wire::PROTOCOL_VERSION,
+        peer: peer(CALLER),
+        key_id: env.caller.key_id.clone(),
+        instance: InstanceId::random(),
+        time_ms: oab_wire::identity::now_ms(),
+        relay_id: env.config.relay.id.clone(),
+        nonce: [7; 32],
+        binding: oab_wire::Binding::ChallengeOnly,
+        signature: [0; 64],
+    }))
+    .await
+    .unwrap();
+    assert_eq!(
+        next_refusal(&mut a).await,
+        refusal(
+            ErrorCode::ProtocolViolation,
+            "the session is already authenticated; a hello is sent once, at the start"
+        )
+    );
     // An open naming another caller.
     let mut open = open_frame("e0", b"{}");
     if let Frame::Open(o) = &mut open {

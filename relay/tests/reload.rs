@@ -401,3 +401,62 @@ async fn a_renewed_certificate_is_served_to_new_connections_and_old_sessions_sta
         .unwrap();
     answers(&mut d, 9).await;
 }
+
+/// The relay refuses a TLS key file other users can read: at start (it
+/// exits, naming the file, its mode and `chmod 600`), and on reload (the
+/// old certificate keeps serving).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_key_readable_by_others_is_refused_at_start_and_on_reload() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let env = TestEnv::new("");
+    let key = env.dir.path().join("key.pem");
+    let set = |mode| std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode));
+    let fix = format!("chmod 600 {}", key.display());
+
+    set(0o644).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("--config")
+        .arg(&env.config_path)
+        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--admin-listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--store", "memory"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: a relay that serves with the key never exits on its own.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the relay started with a key file readable by others");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&fix) && stderr.contains("mode 644"),
+        "{stderr}"
+    );
+
+    // Private again, it starts; made readable again, a reload is refused.
+    set(0o600).unwrap();
+    let relay = RelayProcess::start(&env, "memory").await;
+    set(0o604).unwrap();
+    let (status, v) = reload(&relay).await;
+    assert_eq!(status, 500, "{v}");
+    assert_eq!(v["result"], "error");
+    let said = v["message"].as_str().unwrap_or_default();
+    assert!(said.contains(&fix), "{v}");
+    assert_eq!(
+        metric_value(&relay.metrics().await, "oab_config_generation"),
+        1.0
+    );
+    let mut c = relay.client_as(&env.other, InstanceId::random()).await;
+    answers(&mut c, 5).await;
+}
