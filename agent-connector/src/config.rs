@@ -88,6 +88,11 @@ pub struct A2aSection {
     /// The base URL local clients use to reach the facade (in agent cards).
     #[serde(default)]
     pub public_url: Option<String>,
+    /// How long a facade connection may take to send a request's headers
+    /// (from its start, or from the end of its previous response); past it
+    /// the connection is closed. ms, > 0.
+    #[serde(default = "default_facade_header_timeout_ms")]
+    pub facade_header_timeout_ms: u64,
     /// A file (mode 0600) holding a local bearer token: when set, every
     /// facade request must carry `Authorization: Bearer <token>`. Read once
     /// at start; the token is never logged. The environment variable
@@ -153,6 +158,15 @@ pub struct A2aSection {
     pub push_allow_plain_http: bool,
 }
 
+/// The default of `a2a.facade_header_timeout_ms`: a local client sends its
+/// headers at once; 10 s leaves room for a loaded host, and bounds how long
+/// a silent or slow connection holds the facade's resources.
+pub const DEFAULT_FACADE_HEADER_TIMEOUT_MS: u64 = 10_000;
+
+fn default_facade_header_timeout_ms() -> u64 {
+    DEFAULT_FACADE_HEADER_TIMEOUT_MS
+}
+
 /// Most `a2a.push_max_attempts`.
 pub const PUSH_MAX_ATTEMPTS_LIMIT: u32 = 100;
 /// Most `a2a.push_backoff_max_ms` (one hour).
@@ -195,6 +209,7 @@ impl Default for A2aSection {
         A2aSection {
             facade_listen: None,
             public_url: None,
+            facade_header_timeout_ms: default_facade_header_timeout_ms(),
             facade_token_file: None,
             default_capabilities: Vec::new(),
             default_timeout_ms: None,
@@ -586,6 +601,9 @@ impl ConnectorConfig {
         if self.a2a.input_timeout_ms == Some(0) {
             errors.push("a2a.input_timeout_ms: must be greater than 0".into());
         }
+        if self.a2a.facade_header_timeout_ms == 0 {
+            errors.push("a2a.facade_header_timeout_ms: must be greater than 0".into());
+        }
         if let (Some(admin), Some(facade)) = (self.admin.listen, self.a2a.facade_listen)
             && admin == facade
         {
@@ -607,10 +625,7 @@ impl ConnectorConfig {
             errors.push("policy.max_concurrent_per_peer: must be greater than 0".into());
         }
         if self.policy.replay_window_ms == 0 {
-            errors.push(
-                "policy.replay_window_ms: must be greater than 0 (the default is 600000, ten minutes)"
-                    .into(),
-            );
+            errors.push("policy.replay_window_ms: must be greater than 0 (the default is 600000, ten minutes)".into());
         }
         if self.policy.max_live_requests_per_peer == 0 {
             errors.push("policy.max_live_requests_per_peer: must be greater than 0".into());

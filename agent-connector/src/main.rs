@@ -435,6 +435,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
                 token,
                 defaults,
                 push: config.a2a.push_options(),
+                header_read_timeout: Duration::from_millis(config.a2a.facade_header_timeout_ms),
                 ..FacadeOptions::default()
             };
             let options_have_token = options.token.is_some();

@@ -950,3 +950,46 @@ async fn a_relay_killed_mid_task_and_restarted_still_gives_exactly_one_result() 
     }
     w.stop().await;
 }
+
+/// Silent local TCP connections (no request, so no key shown) neither hold
+/// the runtimes' connection slots nor stay open: a worker registers while
+/// three times `max_connections` of them are open, and each of them is
+/// closed, shed by newer ones or at `upgrade_timeout_ms`. (Before, 64 such
+/// connections held every slot until `register_timeout_secs`, renewably.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_do_not_keep_runtimes_out_and_are_closed() {
+    use tokio::io::AsyncReadExt as _;
+    // A long registration deadline: it no longer bounds a silent connection.
+    let w = World::start_with("register_timeout_secs = 60\nupgrade_timeout_ms = 1000\n").await;
+    let mut silent = tokio::task::JoinSet::new();
+    for _ in 0..3 * 64 {
+        let tcp = TcpStream::connect(("127.0.0.1", w.pb)).await.unwrap();
+        silent.spawn(async move {
+            let mut tcp = tcp;
+            let mut buf = [0u8; 64];
+            // Until the endpoint closes it.
+            loop {
+                match tcp.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        });
+    }
+    let mut worker = tokio::time::timeout(STEP, w.worker("i-w-silent", 1))
+        .await
+        .expect("the worker registers while silent connections are open");
+    let hb = worker
+        .call("cp/heartbeat", json!({ "instance_id": "i-w-silent" }))
+        .await;
+    assert_eq!(hb["result"]["ok"], true, "{hb}");
+    let closed =
+        tokio::time::timeout(STEP, async { while silent.join_next().await.is_some() {} }).await;
+    assert!(closed.is_ok(), "silent connections stayed open");
+    // The registered worker is not one of them.
+    let hb = worker
+        .call("cp/heartbeat", json!({ "instance_id": "i-w-silent" }))
+        .await;
+    assert_eq!(hb["result"]["ok"], true, "{hb}");
+    w.stop().await;
+}

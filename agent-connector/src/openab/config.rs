@@ -57,6 +57,12 @@ pub struct OpenAbSection {
     /// closed (1008 "registration timeout"). s (OAB CP: 10).
     #[serde(default = "default_register_timeout")]
     pub register_timeout_secs: u64,
+    /// Time from accept to a completed WebSocket upgrade (the request
+    /// headers and a known bearer key); past it the TCP connection is
+    /// closed without an answer. A connection holds none of
+    /// `max_connections` until its upgrade is done, ms.
+    #[serde(default = "default_upgrade_timeout")]
+    pub upgrade_timeout_ms: u64,
     /// How long `cp/delegate` waits for the remote side to accept or refuse
     /// before it answers; a refusal within it is a JSON-RPC error (NO_TARGET,
     /// SATURATED, POLICY_DENIED), past it the delegation is acknowledged and
@@ -79,8 +85,11 @@ pub struct OpenAbSection {
     /// 1 MiB); a larger one closes that connection.
     #[serde(default = "default_max_frame")]
     pub max_frame_bytes: usize,
-    /// Connections at once (registered or not); beyond it new TCP
-    /// connections are closed at accept.
+    /// Upgraded connections at once (registered or not), and, separately,
+    /// connections waiting for their upgrade. An upgraded connection over
+    /// it is closed (1013 "too many connections"); a new TCP connection
+    /// when as many wait for their upgrade closes the one that has waited
+    /// longest, so silent connections cannot keep runtimes out.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
     /// Frames queued towards one runtime. Full: back-pressure (the endpoint
@@ -119,6 +128,11 @@ fn default_lease() -> u64 {
 fn default_register_timeout() -> u64 {
     10
 }
+/// A runtime on the same host sends its upgrade request at once; 5 s is
+/// far beyond a loaded host's scheduling delay.
+fn default_upgrade_timeout() -> u64 {
+    5_000
+}
 fn default_admission_wait() -> u64 {
     5_000
 }
@@ -154,6 +168,7 @@ impl Default for OpenAbSection {
             heartbeat_interval_secs: default_heartbeat(),
             lease_expiry_secs: default_lease(),
             register_timeout_secs: default_register_timeout(),
+            upgrade_timeout_ms: default_upgrade_timeout(),
             admission_wait_ms: default_admission_wait(),
             max_deadline_secs: default_max_deadline(),
             max_result_bytes: default_max_result(),
@@ -276,6 +291,7 @@ impl OpenAbSection {
         }
         for (field, v) in [
             ("register_timeout_secs", self.register_timeout_secs),
+            ("upgrade_timeout_ms", self.upgrade_timeout_ms),
             ("max_deadline_secs", self.max_deadline_secs),
         ] {
             if v == 0 {

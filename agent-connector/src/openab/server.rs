@@ -1,9 +1,13 @@
 //! The endpoint's accept loop and one task per connection.
 //!
-//! A connection is: a connection permit (`max_connections`, taken before
-//! `accept`), the WebSocket upgrade with `Authorization: Bearer <key>`
-//! checked (a missing or unknown key is answered 401 and never upgraded),
-//! `cp/register` within `register_timeout_secs` of the accept (else close
+//! A connection is: a place among the connections waiting for their
+//! upgrade (`Waiting`: at most `max_connections`; a newcomer past it
+//! closes the one that has waited longest), the WebSocket upgrade with
+//! `Authorization: Bearer <key>` checked (a missing or unknown key is
+//! answered 401 and never upgraded) within `upgrade_timeout_ms` of the
+//! accept (else the TCP connection is closed), then a connection permit
+//! (`max_connections`; none free: close 1013 "too many connections"),
+//! `cp/register` within `register_timeout_secs` of the upgrade (else close
 //! 1008 "registration timeout"), then frames until the runtime leaves, its
 //! lease lapses (close 1008 "lease expired") or the endpoint stops. Its
 //! frames go out through one writer task over a bounded queue
@@ -11,13 +15,19 @@
 //!
 //! Never: awaits a write in the reading task, or reads a frame larger than
 //! `max_frame_bytes` (tungstenite refuses it before buffering it whole).
+//! Never lets a connection that has not upgraded (no key shown) hold a
+//! connection permit, nor wait without a deadline: silent local
+//! connections cannot keep the runtimes out.
+
+use std::collections::BTreeMap;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt as _, StreamExt as _};
+use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -41,19 +51,82 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// WebSocket close code "policy violation", with the CP's reasons.
 const POLICY: u16 = 1008;
 
+/// WebSocket close code "try again later": every connection permit is held.
+const TRY_AGAIN_LATER: u16 = 1013;
+
+/// The connections waiting for their upgrade: at most `cap`. A newcomer
+/// past it sheds the one that has waited longest (its task closes it), so
+/// a runtime, which sends its upgrade request at once, gets through however
+/// many silent connections are opened; each waits at most
+/// `upgrade_timeout_ms` anyway.
+#[derive(Debug)]
+struct Waiting {
+    cap: usize,
+    /// Waiting connections, oldest first, each with the token that sheds it.
+    /// An entry is removed when its [`WaitingSlot`] is dropped (upgrade done
+    /// or failed) or when it is shed.
+    queue: Mutex<(u64, BTreeMap<u64, CancellationToken>)>,
+}
+
+impl Waiting {
+    /// Room for `cap` waiting connections.
+    fn new(cap: usize) -> Arc<Waiting> {
+        Arc::new(Waiting {
+            cap,
+            queue: Mutex::new((0, BTreeMap::new())),
+        })
+    }
+
+    /// A place for a new connection, shedding the oldest when all are taken.
+    fn admit(self: &Arc<Self>) -> WaitingSlot {
+        let mut q = self.queue.lock();
+        while q.1.len() >= self.cap.max(1) {
+            match q.1.pop_first() {
+                Some((_, oldest)) => oldest.cancel(),
+                None => break,
+            }
+        }
+        let order = q.0;
+        q.0 += 1;
+        let shed = CancellationToken::new();
+        q.1.insert(order, shed.clone());
+        WaitingSlot {
+            waiting: self.clone(),
+            order,
+            shed,
+        }
+    }
+}
+
+/// A connection's place among those waiting for their upgrade; dropping it
+/// leaves.
+#[derive(Debug)]
+struct WaitingSlot {
+    waiting: Arc<Waiting>,
+    order: u64,
+    shed: CancellationToken,
+}
+
+impl WaitingSlot {
+    /// Completes when a newer connection took this one's place: close it.
+    async fn shed(&self) {
+        self.shed.cancelled().await;
+    }
+}
+
+impl Drop for WaitingSlot {
+    fn drop(&mut self) {
+        self.waiting.queue.lock().1.remove(&self.order);
+    }
+}
+
 /// Serves the endpoint on `listener` until `shutdown`.
 pub async fn serve(listener: TcpListener, endpoint: OpenAbEndpoint, shutdown: CancellationToken) {
     let shared = endpoint.shared;
     let permits = Arc::new(Semaphore::new(shared.cfg.max_connections));
+    let waiting = Waiting::new(shared.cfg.max_connections);
     let tracker = TaskTracker::new();
     loop {
-        let permit = tokio::select! {
-            () = shutdown.cancelled() => break,
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
         let (tcp, addr) = tokio::select! {
             () = shutdown.cancelled() => break,
             r = listener.accept() => match r {
@@ -65,15 +138,10 @@ pub async fn serve(listener: TcpListener, endpoint: OpenAbEndpoint, shutdown: Ca
             },
         };
         let _ = tcp.set_nodelay(true);
+        let slot = waiting.admit();
         let span = tracing::info_span!("openab_conn", %addr, runtime = tracing::field::Empty);
-        let (shared, stop) = (shared.clone(), shutdown.child_token());
-        tracker.spawn(
-            async move {
-                connection(shared, tcp, stop).await;
-                drop(permit);
-            }
-            .instrument(span),
-        );
+        let (shared, stop, permits) = (shared.clone(), shutdown.child_token(), permits.clone());
+        tracker.spawn(connection(shared, tcp, stop, (slot, permits)).instrument(span));
     }
     tracker.close();
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait()).await;
@@ -88,8 +156,15 @@ fn ws_config(shared: &Shared) -> WebSocketConfig {
         .max_write_buffer_size(2 * max.max(shared.cfg.max_result_bytes) + 64 * 1024)
 }
 
-async fn connection(shared: Arc<Shared>, tcp: TcpStream, stop: CancellationToken) {
-    let register_by = Instant::now() + Duration::from_secs(shared.cfg.register_timeout_secs);
+async fn connection(
+    shared: Arc<Shared>,
+    tcp: TcpStream,
+    stop: CancellationToken,
+    // Its place among the connections waiting for their upgrade, and the
+    // connection permits it takes one of once upgraded.
+    (slot, permits): (WaitingSlot, Arc<Semaphore>),
+) {
+    let upgrade_by = Instant::now() + Duration::from_millis(shared.cfg.upgrade_timeout_ms);
     let mut who: Option<usize> = None;
     // tungstenite's callback signature fixes the error type.
     #[allow(clippy::result_large_err)]
@@ -111,19 +186,40 @@ async fn connection(shared: Arc<Shared>, tcp: TcpStream, stop: CancellationToken
             }
         }
     };
-    let accepted = tokio::time::timeout_at(
-        register_by,
-        tokio_tungstenite::accept_hdr_async_with_config(tcp, callback, Some(ws_config(&shared))),
-    )
-    .await;
-    let ws = match accepted {
+    let accepted = tokio::select! {
+        biased;
+        () = stop.cancelled() => return,
+        () = slot.shed() => {
+            debug!("openab connection closed before its upgrade: newer connections took its place");
+            return;
+        }
+        r = tokio::time::timeout_at(
+            upgrade_by,
+            tokio_tungstenite::accept_hdr_async_with_config(tcp, callback, Some(ws_config(&shared))),
+        ) => r,
+    };
+    drop(slot);
+    let mut ws = match accepted {
         Ok(Ok(ws)) => ws,
         Ok(Err(e)) => {
             debug!(error = %e, "openab upgrade refused");
             return;
         }
-        Err(_) => return,
+        Err(_) => {
+            debug!("openab connection closed: no upgrade within upgrade_timeout_ms");
+            return;
+        }
     };
+    let Ok(_permit): Result<OwnedSemaphorePermit, _> = permits.try_acquire_owned() else {
+        warn!("openab connection refused: max_connections are open");
+        let close = CloseFrame {
+            code: TRY_AGAIN_LATER.into(),
+            reason: "too many connections".into(),
+        };
+        let _ = tokio::time::timeout(WRITE_TIMEOUT, ws.close(Some(close))).await;
+        return;
+    };
+    let register_by = Instant::now() + Duration::from_secs(shared.cfg.register_timeout_secs);
     let Some(index) = who else { return };
     let Some(runtime) = shared.cfg.runtimes.get(index) else {
         return;
@@ -413,4 +509,26 @@ fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> (bool, Option<
         ))),
     };
     (false, answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newcomer_past_the_cap_sheds_the_longest_waiting() {
+        let waiting = Waiting::new(2);
+        let a = waiting.admit();
+        let b = waiting.admit();
+        let c = waiting.admit();
+        assert!(a.shed.is_cancelled() && !b.shed.is_cancelled() && !c.shed.is_cancelled());
+        drop(b);
+        let d = waiting.admit();
+        assert!(!c.shed.is_cancelled() && !d.shed.is_cancelled());
+        drop((a, c, d));
+        assert!(
+            waiting.queue.lock().1.is_empty(),
+            "every place is given back"
+        );
+    }
 }

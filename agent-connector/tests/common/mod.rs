@@ -446,7 +446,8 @@ impl RelayProcess {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("relay.toml"), &env.config_text).unwrap();
         std::fs::write(dir.path().join("cert.pem"), &env.cert_pem).unwrap();
-        std::fs::write(dir.path().join("key.pem"), &env.key_pem).unwrap();
+        // Mode 0600: the relay refuses a key file other users can read.
+        oab_relay::tls::write_file(&dir.path().join("key.pem"), &env.key_pem, true).unwrap();
         let mut relay = RelayProcess {
             addr: "127.0.0.1:0".parse().unwrap(),
             child: None,

@@ -1,6 +1,9 @@
 //! Browser safety: the checks every facade request passes before any route
 //! runs, so a web page open on the host cannot drive the facade.
 //!
+//! - A request with more than one `Host` or more than one `Origin` header
+//!   line is refused with 400 (RFC 9112 §3.2 for `Host`; RFC 6454 gives
+//!   `Origin` one value): which copy a check reads must not matter.
 //! - `Host` must name a loopback host (`localhost`, `127.0.0.0/8`, `[::1]`,
 //!   any port) or the host of the configured `public_url`; anything else is
 //!   refused with 421 (a DNS-rebinding page reaches the facade under its own
@@ -193,6 +196,14 @@ fn check(options: &super::FacadeOptions, req: &Request) -> Option<Response> {
         public_url: options.public_url.as_deref(),
     };
     let headers = req.headers();
+    for (name, shown) in [(header::HOST, "Host"), (header::ORIGIN, "Origin")] {
+        if headers.get_all(&name).iter().nth(1).is_some() {
+            return Some(refuse(
+                StatusCode::BAD_REQUEST,
+                &format!("more than one {shown} header; a request carries at most one"),
+            ));
+        }
+    }
     let authority = req
         .uri()
         .authority()

@@ -149,6 +149,12 @@ pub struct FacadeOptions {
     pub max_task_bytes: u64,
     /// Push notifications: bounds, retries, the webhook URL rule.
     pub push: PushOptions,
+    /// How long a connection may take to send a request's headers, from
+    /// when the facade starts waiting for them (the connection's start, or
+    /// the end of its previous response); past it the connection is closed
+    /// (a request that has begun gets 408). Bounds what slow or silent
+    /// connections hold.
+    pub header_read_timeout: Duration,
 }
 
 impl Default for FacadeOptions {
@@ -167,6 +173,9 @@ impl Default for FacadeOptions {
             max_history_per_task: 100,
             max_task_bytes: 8 * 1024 * 1024,
             push: PushOptions::default(),
+            header_read_timeout: Duration::from_millis(
+                crate::config::DEFAULT_FACADE_HEADER_TIMEOUT_MS,
+            ),
         }
     }
 }
@@ -339,6 +348,12 @@ impl Facade {
     /// JSON-RPC endpoint and the base of its HTTP+JSON routes.
     pub fn interface_url(base: &str, peer: &PeerId) -> String {
         format!("{}/peers/{}/", base.trim_end_matches('/'), peer.as_str())
+    }
+
+    /// How long a connection may take to send a request's headers
+    /// ([`FacadeOptions::header_read_timeout`]).
+    pub fn header_read_timeout(&self) -> Duration {
+        self.inner.options.header_read_timeout
     }
 
     /// Stops every tracker and open stream. Delegations go on at the relay;
