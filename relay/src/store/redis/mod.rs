@@ -777,27 +777,33 @@ impl RedisStore {
         &self,
         keys: &[DelegationKey],
     ) -> Result<Vec<Option<DelegationMeta>>, StoreError> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipe = pipeline();
-        for k in keys {
-            pipe.hgetall(DelegationKeys::new(k).meta);
-        }
-        let values = self.query_pipeline(pipe, true, "HGETALL").await?;
-        keys.iter()
-            .zip(values)
-            .map(|(k, v)| {
+        let mut out = Vec::with_capacity(keys.len());
+        // In pipelines of at most `METAS_PER_PIPELINE`, one after the other:
+        // the store's requests reach Redis in the order they are made, so
+        // one pipeline of every open delegation of a busy peer (its
+        // welcome) would hold every other peer's appends behind its replies.
+        for chunk in keys.chunks(METAS_PER_PIPELINE) {
+            let mut pipe = pipeline();
+            for k in chunk {
+                pipe.hgetall(DelegationKeys::new(k).meta);
+            }
+            let values = self.query_pipeline(pipe, true, "HGETALL").await?;
+            for (k, v) in chunk.iter().zip(values) {
                 let fields = hash_fields(v)?;
-                if fields.is_empty() {
-                    Ok(None)
+                out.push(if fields.is_empty() {
+                    None
                 } else {
-                    parse_meta(k, &fields).map(Some)
-                }
-            })
-            .collect()
+                    Some(parse_meta(k, &fields)?)
+                });
+            }
+        }
+        Ok(out)
     }
 }
+
+/// Most delegation records read in one pipeline (a welcome's list, the
+/// sweeper's page): other requests go between two pipelines.
+const METAS_PER_PIPELINE: usize = 256;
 
 /// What the peer budget said about one entry of an append batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
