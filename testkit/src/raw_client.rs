@@ -78,14 +78,22 @@ impl std::fmt::Debug for Connection {
     }
 }
 
-/// The client WebSocket settings.
+/// Largest `Welcome` payload a relay sends (`docs/protocol.md` §6.6): the
+/// list of open delegations may be longer than a log frame's payload.
+pub const MAX_WELCOME_PAYLOAD: usize = 4 * 1024 * 1024;
+
+/// The client WebSocket settings: a message may be as large as a frame
+/// under `limits` or a `Welcome` of the largest size, whichever is larger.
 pub fn client_ws_config(limits: &Limits) -> WebSocketConfig {
+    let welcome =
+        oab_wire::limits::PREFIX_LEN + usize::from(limits.max_header) + MAX_WELCOME_PAYLOAD;
+    let max = limits.max_frame().max(welcome);
     WebSocketConfig::default()
         .read_buffer_size(8 * 1024)
         .write_buffer_size(32 * 1024)
         .max_write_buffer_size(4 * limits.max_frame())
-        .max_message_size(Some(limits.max_frame()))
-        .max_frame_size(Some(limits.max_frame()))
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
 }
 
 /// TCP + TLS + WebSocket upgrade with the `oab-relay.v1` subprotocol.
@@ -171,9 +179,15 @@ impl std::fmt::Debug for RawClient {
 }
 
 impl Connection {
-    /// Reads the next frame (skipping WebSocket pings).
+    /// Reads the next frame (skipping WebSocket pings). Before the
+    /// `Welcome` the session's limits are not known: a payload may be as
+    /// large as the largest `Welcome`'s.
     pub async fn recv(&mut self) -> Result<Frame, ClientError> {
-        recv_frame(&mut self.ws, &Limits::default()).await
+        let handshake = Limits {
+            max_payload: MAX_WELCOME_PAYLOAD as u32,
+            ..Limits::default()
+        };
+        recv_frame(&mut self.ws, &handshake).await
     }
 
     /// Sends a frame.
