@@ -38,6 +38,14 @@ pub fn warnings(config: &ConnectorConfig, now_ms: u64) -> Vec<String> {
                 .to_string(),
         );
     }
+    if openab.result_retention_secs.is_some() {
+        out.push(
+            "openab.result_retention_secs is no longer used and is ignored: a primary \
+             whose connection ends has its delegations cancelled (as on openab-cp), so \
+             no result is kept for a later connection"
+                .to_string(),
+        );
+    }
     if config.peers.is_empty() {
         out.push(
             "peers: no [[peers]]: every request and result is checked against a peer's key, so \

@@ -31,6 +31,9 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
 const STEP: Duration = Duration::from_secs(20);
 const PRIMARY_KEY: &str = "k-primary-0123456789";
 const WORKER_KEY: &str = "k-worker-0123456789";
+/// A second primary identity on host A.
+const PRIMARY2_KEY: &str = "k-primary2-0123456789";
+const HELPER_KEY: &str = "k-helper-0123456789";
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -77,6 +80,12 @@ key_file = "{key}"
 
 [[openab.runtimes]]
 namespace = "prod"
+name = "koudu2"
+type = "primary"
+key_env = "TEST_CP_PRIMARY2_KEY"
+
+[[openab.runtimes]]
+namespace = "prod"
 name = "helper"
 type = "worker"
 key_env = "TEST_CP_HELPER_KEY"
@@ -91,6 +100,12 @@ capabilities = ["read:repo"]
 name = "nobody-home"
 peer = "{callee}"
 remote = {{ name = "absent" }}
+
+[[openab.targets]]
+name = "bounded"
+peer = "{callee}"
+remote = {{ name = "reviewer" }}
+max_delegated_sessions = 1
 "#,
             key = key.display(),
             callee = env.callee.peer,
@@ -144,9 +159,13 @@ fn start_connector(config: &Path) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_oab-connector"))
         .args(["run", "--config"])
         .arg(config)
-        .env("OAB_LOG", "warn")
+        .env(
+            "OAB_LOG",
+            std::env::var("OAB_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .env("TEST_CP_WORKER_KEY", WORKER_KEY)
-        .env("TEST_CP_HELPER_KEY", "k-helper-0123456789")
+        .env("TEST_CP_HELPER_KEY", HELPER_KEY)
+        .env("TEST_CP_PRIMARY2_KEY", PRIMARY2_KEY)
         .kill_on_drop(true)
         .spawn()
         .unwrap()
@@ -174,6 +193,12 @@ impl World {
 
     /// With `b_extra` added to host B's `[openab]` section.
     async fn start_with(b_extra: &str) -> World {
+        Self::start_with_both("", b_extra).await
+    }
+
+    /// With `a_extra` and `b_extra` added to host A's and host B's
+    /// `[openab]` sections.
+    async fn start_with_both(a_extra: &str, b_extra: &str) -> World {
         let env = Env::new("");
         let redis =
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
@@ -184,7 +209,7 @@ impl World {
         );
         let relay = Relay::start(&env, store).await;
         let addr = relay.addr;
-        Self::around(env, redis, addr, Some(relay), None, b_extra).await
+        Self::around(env, redis, addr, Some(relay), None, (a_extra, b_extra)).await
     }
 
     /// With the relay as an `oab-relay` process (in [`World::process`]),
@@ -195,7 +220,7 @@ impl World {
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
         let relay = RelayProcess::start(&env, &redis.url()).await;
         let addr = relay.addr;
-        Self::around(env, redis, addr, None, Some(relay), "").await
+        Self::around(env, redis, addr, None, Some(relay), ("", "")).await
     }
 
     async fn around(
@@ -204,11 +229,11 @@ impl World {
         relay: std::net::SocketAddr,
         in_process: Option<Relay>,
         process: Option<RelayProcess>,
-        b_extra: &str,
+        (a_extra, b_extra): (&str, &str),
     ) -> World {
         let dir = tempfile::tempdir().unwrap();
         let (pa, pb) = (free_port(), free_port());
-        let a = start_connector(&config(&env, dir.path(), relay, "a", pa, ""));
+        let a = start_connector(&config(&env, dir.path(), relay, "a", pa, a_extra));
         let b = start_connector(&config(&env, dir.path(), relay, "b", pb, b_extra));
         for port in [pa, pb] {
             let until = tokio::time::Instant::now() + STEP;
@@ -262,6 +287,9 @@ struct Cp {
     next: u64,
     /// Requests from the endpoint read while waiting for a response.
     requests: VecDeque<Value>,
+    /// `cp/delegate_result`s read while waiting for another delegation's
+    /// (results come in the order delegations end, not the order asked).
+    results: Vec<Value>,
 }
 
 impl Cp {
@@ -278,8 +306,28 @@ impl Cp {
                 ws,
                 next: 1,
                 requests: VecDeque::new(),
+                results: Vec::new(),
             }),
             Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => Err(resp.status().as_u16()),
+            Err(e) => panic!("unexpected handshake error: {e}"),
+        }
+    }
+
+    /// Connects with `key` expecting a refusal of the upgrade: its HTTP
+    /// status and body.
+    async fn refused(port: u16, key: &str) -> (u16, String) {
+        let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let mut req = format!("ws://127.0.0.1:{port}/cp")
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {key}").parse().unwrap());
+        match tokio_tungstenite::client_async(req, tcp).await {
+            Ok(_) => panic!("the upgrade was accepted"),
+            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => (
+                resp.status().as_u16(),
+                String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned(),
+            ),
             Err(e) => panic!("unexpected handshake error: {e}"),
         }
     }
@@ -384,11 +432,19 @@ impl Cp {
     }
 
     async fn result_for(&mut self, delegation_id: &str) -> Value {
+        if let Some(i) = self
+            .results
+            .iter()
+            .position(|p| p["delegation_id"] == delegation_id)
+        {
+            return self.results.remove(i);
+        }
         loop {
             let p = self.request("cp/delegate_result").await;
             if p["delegation_id"] == delegation_id {
                 return p;
             }
+            self.results.push(p);
         }
     }
 }
@@ -466,12 +522,20 @@ async fn a_delegation_completes_with_the_workers_text_and_fails_with_its_error()
     let ack = primary.delegate("d-1", "reviewer", "review PR 7").await;
     assert_eq!(ack["result"]["delegation_id"], "d-1", "{ack}");
     assert!(ack["result"]["admission"].is_u64(), "{ack}");
-    assert_eq!(ack["result"]["assigned_to"], "acme/callee:prod/reviewer");
+    // What openab-cp answers: the worker's logical id; the remote host
+    // in a field of its own.
+    assert_eq!(ack["result"]["assigned_to"], "prod/reviewer", "{ack}");
+    assert_eq!(ack["result"]["assigned_peer"], "acme/callee", "{ack}");
 
+    // The worker gets what openab-cp would hand it: the initiator's id and
+    // admission unchanged, `from` and `chain` as the initiating runtime.
     let fwd = worker.request("cp/delegate").await;
+    assert_eq!(fwd["delegation_id"], "d-1", "{fwd}");
+    assert_eq!(fwd["admission"], ack["result"]["admission"], "{fwd}");
     assert_eq!(fwd["prompt"], "review PR 7");
-    assert_eq!(fwd["from"], "acme/caller:prod/koudu");
-    assert_eq!(fwd["chain"], json!(["acme/caller:prod/koudu"]));
+    assert_eq!(fwd["from"], "prod/koudu");
+    assert_eq!(fwd["chain"], json!(["prod/koudu"]));
+    assert_eq!(fwd["from_peer"], "acme/caller");
     assert!(fwd["deadline"].as_str().unwrap().ends_with('Z'));
     let admission = fwd["admission"].clone();
     let done = worker
@@ -504,8 +568,39 @@ async fn a_delegation_completes_with_the_workers_text_and_fails_with_its_error()
     w.stop().await;
 }
 
+/// Reads the primary's `cp/delegate_result`s until `id`'s, which must be
+/// completed with `text`; none of them may be for an id in `never`.
+async fn only_result_is(primary: &mut Cp, id: &str, text: &str, never: &[&str]) {
+    loop {
+        let p = primary.request("cp/delegate_result").await;
+        let got = p["delegation_id"].as_str().unwrap_or_default();
+        assert!(!never.contains(&got), "a result for {got}: {p}");
+        if got == id {
+            assert_eq!(p["status"], "completed", "{p}");
+            assert_eq!(p["result"], text, "{p}");
+            return;
+        }
+    }
+}
+
+/// Answers `fwd` as a worker does: completed with "done: <prompt>".
+async fn complete(worker: &mut Cp, fwd: &Value) -> Value {
+    worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed",
+                    "result": format!("done: {}", fwd["prompt"].as_str().unwrap_or_default()) }),
+        )
+        .await
+}
+
+/// As on openab-cp: `cp/cancel` is answered `{"ok": true}`, reaches the
+/// worker as `cp/cancel` with the delegation's id and admission, frees the
+/// id at once, and no `cp/delegate_result` ever follows for it, even when
+/// the worker answers anyway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancel_mid_task_reaches_the_worker_and_ends_cancelled() {
+async fn a_cancel_mid_task_reaches_the_worker_and_no_result_follows() {
     let w = World::start().await;
     let mut worker = w.worker("i-w1", 4).await;
     let mut primary = w.primary().await;
@@ -520,10 +615,35 @@ async fn a_cancel_mid_task_reaches_the_worker_and_ends_cancelled() {
         .await;
     assert_eq!(c["result"]["ok"], true, "{c}");
     let cancel = worker.request("cp/cancel").await;
-    assert_eq!(cancel["delegation_id"], fwd["delegation_id"]);
+    assert_eq!(cancel["delegation_id"], "d-c");
     assert_eq!(cancel["admission"], fwd["admission"]);
+    // A second cancel of it is refused: it is no longer in flight.
+    let again = primary
+        .call(
+            "cp/cancel",
+            json!({ "delegation_id": "d-c", "admission": admission, "reason": "x" }),
+        )
+        .await;
+    assert_eq!(error_code(&again), -32003, "{again}");
+    // The worker answers anyway; the endpoint acknowledges and drops it.
+    let late = complete(&mut worker, &fwd).await;
+    assert_eq!(late["result"]["ok"], true, "{late}");
+    // The id is free again at once, and the next round trip on the same
+    // connection brings its own result and none for the cancelled one.
+    let ack2 = primary.delegate("d-c", "reviewer", "short review").await;
+    assert!(ack2.get("result").is_some(), "{ack2}");
+    assert_ne!(ack2["result"]["admission"], admission);
+    let fwd2 = worker.request("cp/delegate").await;
+    assert_eq!(fwd2["admission"], ack2["result"]["admission"]);
+    complete(&mut worker, &fwd2).await;
     let r = primary.result_for("d-c").await;
-    assert_eq!(r["status"], "cancelled", "{r}");
+    assert_eq!(r["result"], "done: short review", "{r}");
+    assert_eq!(r["admission"], ack2["result"]["admission"], "{r}");
+    let ack3 = primary.delegate("d-after", "reviewer", "after").await;
+    assert!(ack3.get("result").is_some(), "{ack3}");
+    let fwd3 = worker.request("cp/delegate").await;
+    complete(&mut worker, &fwd3).await;
+    only_result_is(&mut primary, "d-after", "done: after", &["d-c"]).await;
     // A cancel for a delegation not in flight is refused as the CP does.
     let c = primary
         .call(
@@ -532,6 +652,58 @@ async fn a_cancel_mid_task_reaches_the_worker_and_ends_cancelled() {
         )
         .await;
     assert_eq!(error_code(&c), -32003);
+    assert_eq!(
+        c["error"]["message"],
+        "delegation is not in flight for this instance"
+    );
+    w.stop().await;
+}
+
+/// As on openab-cp, a primary whose connection ends has its delegations
+/// cancelled: the remote worker gets `cp/cancel` within one second, and
+/// the result the worker gives anyway reaches nobody, not even the same
+/// instance registering again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_leaves_has_its_delegations_cancelled_at_the_remote_worker() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let mut fwds = Vec::new();
+    for id in ["d-left-1", "d-left-2"] {
+        let ack = primary.delegate(id, "reviewer", id).await;
+        assert!(ack.get("result").is_some(), "{ack}");
+        fwds.push(worker.request("cp/delegate").await);
+    }
+    let left = tokio::time::Instant::now();
+    drop(primary);
+    let mut cancelled = std::collections::BTreeSet::new();
+    while cancelled.len() < 2 {
+        let c = worker.request("cp/cancel").await;
+        assert!(
+            left.elapsed() < Duration::from_secs(1),
+            "cp/cancel reached the worker {:?} after the primary left",
+            left.elapsed()
+        );
+        let fwd = fwds
+            .iter()
+            .find(|f| f["delegation_id"] == c["delegation_id"])
+            .unwrap_or_else(|| panic!("a cancel for no delegation: {c}"));
+        assert_eq!(c["admission"], fwd["admission"], "{c}");
+        cancelled.insert(c["delegation_id"].as_str().unwrap().to_string());
+    }
+    // The worker answers both anyway.
+    for fwd in &fwds {
+        let ok = complete(&mut worker, fwd).await;
+        assert_eq!(ok["result"]["ok"], true, "{ok}");
+    }
+    // The same instance comes back: its next round trip brings only its
+    // own result.
+    let mut back = w.primary().await;
+    let ack = back.delegate("d-back", "reviewer", "back").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    complete(&mut worker, &fwd).await;
+    only_result_is(&mut back, "d-back", "done: back", &["d-left-1", "d-left-2"]).await;
     w.stop().await;
 }
 
@@ -540,11 +712,36 @@ async fn refusals_carry_the_cps_error_codes() {
     let w = World::start().await;
     let mut primary = w.primary().await;
     // A target no [[openab.targets]] entry maps.
+    const NO_TARGET: &str = "no registered healthy runtime matches the target selector";
+    const SATURATED: &str =
+        "all matching runtimes are at capacity (CP does not queue; retry later)";
     let r = primary.delegate("d-u", "unmapped", "x").await;
     assert_eq!(error_code(&r), -32004, "{r}");
-    // Mapped, but no worker on host B matches it: the remote side refuses.
+    assert_eq!(r["error"]["message"], NO_TARGET, "{r}");
+    // Mapped, but no worker on host B matches it: the remote side refuses,
+    // in the CP's words.
     let r = primary.delegate("d-n", "nobody-home", "x").await;
     assert_eq!(error_code(&r), -32004, "{r}");
+    assert_eq!(r["error"]["message"], NO_TARGET, "{r}");
+    // Deadlines past, and beyond the 1800 s cap.
+    let r = primary
+        .delegate_within("d-far", "reviewer", "x", 1_900_000)
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "deadline exceeds the CP cap of 1800s"
+    );
+    let past = oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() - 1_000);
+    let r = primary
+        .call(
+            "cp/delegate",
+            json!({ "delegation_id": "d-past", "target": { "name": "reviewer" },
+                    "prompt": "x", "deadline": past }),
+        )
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(r["error"]["message"], "deadline is in the past");
     // Depth two: a delegation naming a parent.
     let deadline = oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() + 60_000);
     let r = primary
@@ -585,8 +782,13 @@ async fn refusals_carry_the_cps_error_codes() {
     let _held = worker.request("cp/delegate").await;
     let dup = primary.delegate("d-s1", "reviewer", "again").await;
     assert_eq!(error_code(&dup), -32008, "{dup}");
+    assert_eq!(
+        dup["error"]["message"],
+        "delegation d-s1 is already in flight"
+    );
     let second = primary.delegate("d-s2", "reviewer", "second").await;
     assert_eq!(error_code(&second), -32005, "{second}");
+    assert_eq!(second["error"]["message"], SATURATED, "{second}");
     w.stop().await;
 }
 
@@ -756,64 +958,6 @@ async fn a_worker_whose_lease_lapses_is_closed_and_its_task_ends_target_disconne
     }
     let r = primary.result_for("d-l").await;
     assert_eq!(r["status"], "target_disconnected", "{r}");
-    w.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_result_that_ends_while_the_primary_is_away_reaches_the_same_instance_on_return() {
-    let w = World::start().await;
-    let mut worker = w.worker("i-w1", 4).await;
-    let mut primary = w.primary().await;
-    let ack = primary.delegate("d-r", "reviewer", "work").await;
-    assert!(ack.get("result").is_some(), "{ack}");
-    let fwd = worker.request("cp/delegate").await;
-    // The primary leaves; the endpoint answers the close once it has
-    // dropped the registration.
-    primary.ws.close(None).await.unwrap();
-    while tokio::time::timeout(STEP, primary.ws.next())
-        .await
-        .unwrap()
-        .is_some_and(|m| m.is_ok())
-    {}
-    worker
-        .call(
-            "cp/delegate_result",
-            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
-                    "status": "completed", "result": "done while you were away" }),
-        )
-        .await;
-    // Another instance of the same identity does not get it. Its probe
-    // (the CP checks duplicates first) shows when host A saw the end:
-    // DUPLICATE_DELEGATION while d-r is in flight, NO_TARGET after.
-    let mut other = Cp::connect(w.pa, PRIMARY_KEY).await.unwrap();
-    let reg = other
-        .register("prod", "koudu", "primary", "i-primary-2", 1)
-        .await;
-    assert!(reg.get("result").is_some(), "{reg}");
-    let until = tokio::time::Instant::now() + STEP;
-    loop {
-        let probe = other.delegate("d-r", "unmapped", "probe").await;
-        match error_code(&probe) {
-            -32008 => {}
-            -32004 => break,
-            code => panic!("unexpected probe answer {code}: {probe}"),
-        }
-        assert!(
-            tokio::time::Instant::now() < until,
-            "d-r never ended on host A"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // The same instance does, once it registers again.
-    let mut back = w.primary().await;
-    let r = back.result_for("d-r").await;
-    assert_eq!(r["status"], "completed", "{r}");
-    assert_eq!(r["result"], "done while you were away");
-    let hb = other
-        .call("cp/heartbeat", json!({ "instance_id": "i-primary-2" }))
-        .await;
-    assert!(other.requests.is_empty(), "{:?}", other.requests);
-    assert_eq!(hb["result"]["ok"], true);
     w.stop().await;
 }
 
@@ -991,5 +1135,184 @@ async fn silent_connections_do_not_keep_runtimes_out_and_are_closed() {
         .call("cp/heartbeat", json!({ "instance_id": "i-w-silent" }))
         .await;
     assert_eq!(hb["result"]["ok"], true, "{hb}");
+    w.stop().await;
+}
+
+/// The agent with `name` in a `cp/list_agents` answer.
+fn agent<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list["result"]["agents"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["name"] == name))
+        .unwrap_or_else(|| panic!("no {name} in {list}"))
+}
+
+/// `cp/list_agents` as on openab-cp (`{namespace, agents: [{name, type,
+/// instance_id, labels, active_sessions, max_delegated_sessions}]}`): on
+/// host A the registered runtimes of the namespace and the remote targets
+/// (named by their peer, their sessions counted here), on host B the
+/// worker with the sessions it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_agents_shows_the_local_runtimes_and_the_remote_targets() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 3).await;
+    let mut primary = w.primary().await;
+
+    let list = primary.call("cp/list_agents", json!({})).await;
+    assert_eq!(list["result"]["namespace"], "prod", "{list}");
+    let me = agent(&list, "koudu");
+    assert_eq!(me["type"], "primary");
+    assert_eq!(me["instance_id"], "i-primary-1");
+    assert_eq!(me["active_sessions"], 0);
+    let reviewer = agent(&list, "reviewer");
+    assert_eq!(reviewer["type"], "worker", "{reviewer}");
+    assert_eq!(reviewer["instance_id"], "acme/callee", "{reviewer}");
+    assert_eq!(reviewer["peer"], "acme/callee", "{reviewer}");
+    assert_eq!(reviewer["labels"], json!({}), "{reviewer}");
+    assert_eq!(reviewer["active_sessions"], 0, "{reviewer}");
+    assert_eq!(reviewer["max_delegated_sessions"], 1024, "{reviewer}");
+    assert_eq!(agent(&list, "bounded")["max_delegated_sessions"], 1);
+    agent(&list, "nobody-home");
+
+    // One delegation in flight to each of `reviewer` and `bounded` (both
+    // served by the one worker on host B).
+    for (id, target) in [("d-la", "reviewer"), ("d-lb", "bounded")] {
+        let ack = primary.delegate(id, target, id).await;
+        assert!(ack.get("result").is_some(), "{ack}");
+    }
+    let mut held = vec![
+        worker.request("cp/delegate").await,
+        worker.request("cp/delegate").await,
+    ];
+    let list = primary.call("cp/list_agents", json!({})).await;
+    assert_eq!(agent(&list, "reviewer")["active_sessions"], 1, "{list}");
+    assert_eq!(agent(&list, "bounded")["active_sessions"], 1, "{list}");
+    // `bounded` is at its max_delegated_sessions: SATURATED, not queued.
+    let r = primary.delegate("d-lc", "bounded", "more").await;
+    assert_eq!(error_code(&r), -32005, "{r}");
+
+    let mine = worker.call("cp/list_agents", json!({})).await;
+    assert_eq!(mine["result"]["namespace"], "prod", "{mine}");
+    let me = agent(&mine, "reviewer");
+    assert_eq!(me["type"], "worker");
+    assert_eq!(me["instance_id"], "i-w1");
+    assert_eq!(me["active_sessions"], 2, "{mine}");
+    assert_eq!(me["max_delegated_sessions"], 3, "{mine}");
+
+    for fwd in held.drain(..) {
+        complete(&mut worker, &fwd).await;
+    }
+    for id in ["d-la", "d-lb"] {
+        let r = primary.result_for(id).await;
+        assert_eq!(r["status"], "completed", "{r}");
+    }
+    let list = primary.call("cp/list_agents", json!({})).await;
+    assert_eq!(agent(&list, "reviewer")["active_sessions"], 0, "{list}");
+    assert_eq!(agent(&list, "bounded")["active_sessions"], 0, "{list}");
+    w.stop().await;
+}
+
+/// The connection limits refuse the upgrade at once with HTTP 503 and a
+/// body naming the limit, as openab-cp refuses an over-quota upgrade:
+/// `max_connections_per_identity` per `namespace/name` (registered or not),
+/// `max_connections` for all; a place given back is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_limits_refuse_the_upgrade_at_once_with_503() {
+    let w =
+        World::start_with_both("max_connections = 3\nmax_connections_per_identity = 2", "").await;
+    // Two of the primary's identity: one registered, one not.
+    let first = w.primary().await;
+    let _second = Cp::connect(w.pa, PRIMARY_KEY).await.unwrap();
+    let asked = tokio::time::Instant::now();
+    let (status, body) = Cp::refused(w.pa, PRIMARY_KEY).await;
+    assert!(
+        asked.elapsed() < Duration::from_millis(100),
+        "refused after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(status, 503);
+    assert_eq!(
+        body,
+        "identity is at its connection quota (max_connections_per_identity = 2)\n"
+    );
+    // Another identity has its own quota, until all three places are held.
+    let mut helper = Cp::connect(w.pa, HELPER_KEY).await.unwrap();
+    let reg = helper.register("prod", "helper", "worker", "i-h", 1).await;
+    assert!(reg.get("result").is_some(), "{reg}");
+    let asked = tokio::time::Instant::now();
+    let (status, body) = Cp::refused(w.pa, PRIMARY2_KEY).await;
+    assert!(
+        asked.elapsed() < Duration::from_millis(100),
+        "refused after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(status, 503);
+    assert_eq!(
+        body,
+        "control plane is at its connection limit (max_connections = 3)\n"
+    );
+    // The registered primary leaves: its places are given back once the
+    // endpoint has seen the connection end.
+    drop(first);
+    let until = tokio::time::Instant::now() + STEP;
+    let mut again = loop {
+        match Cp::connect(w.pa, PRIMARY_KEY).await {
+            Ok(cp) => break cp,
+            Err(status) => assert_eq!(status, 503),
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the place never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let reg = again
+        .register("prod", "koudu", "primary", "i-primary-1", 1)
+        .await;
+    assert!(reg.get("result").is_some(), "{reg}");
+    w.stop().await;
+}
+
+/// Two initiators choosing the same `delegation_id` for the same worker:
+/// the worker is never handed a second delegation with an id it serves.
+/// The second goes to another matching worker when there is one, else it
+/// is refused DUPLICATE_DELEGATION, as openab-cp refuses an id in flight in
+/// the namespace. Each worker sees the id as its initiator chose it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_id_from_two_initiators_never_reaches_one_worker_twice() {
+    let w = World::start().await;
+    let mut w1 = w.worker("i-w1", 4).await;
+    let mut koudu = w.primary().await;
+    let mut koudu2 = Cp::connect(w.pa, PRIMARY2_KEY).await.unwrap();
+    let reg = koudu2
+        .register("prod", "koudu2", "primary", "i-p2", 1)
+        .await;
+    assert!(reg.get("result").is_some(), "{reg}");
+
+    let ack = koudu.delegate("d-same", "reviewer", "first").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd1 = w1.request("cp/delegate").await;
+    assert_eq!(fwd1["delegation_id"], "d-same");
+    assert_eq!(fwd1["from"], "prod/koudu");
+    let r = koudu2.delegate("d-same", "reviewer", "second").await;
+    assert_eq!(error_code(&r), -32008, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "delegation d-same is already in flight"
+    );
+
+    // With a second worker the same request is served there.
+    let mut w2 = w.worker("i-w2", 4).await;
+    let ack2 = koudu2.delegate("d-same", "reviewer", "second").await;
+    assert!(ack2.get("result").is_some(), "{ack2}");
+    let fwd2 = w2.request("cp/delegate").await;
+    assert_eq!(fwd2["delegation_id"], "d-same");
+    assert_eq!(fwd2["from"], "prod/koudu2");
+    assert_eq!(fwd2["admission"], ack2["result"]["admission"]);
+
+    // Each result reaches its own initiator.
+    complete(&mut w2, &fwd2).await;
+    complete(&mut w1, &fwd1).await;
+    only_result_is(&mut koudu2, "d-same", "done: second", &[]).await;
+    only_result_is(&mut koudu, "d-same", "done: first", &[]).await;
     w.stop().await;
 }

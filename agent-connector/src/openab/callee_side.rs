@@ -2,10 +2,20 @@
 //! authorized and accepted by the callee runtime, is forwarded as
 //! `cp/delegate` to a registered local worker that the calling peer may
 //! reach (`[[openab.serve]]`) and that matches the target named in the
-//! request (`task.context.openab.target`). The worker's
+//! request (`task.context.openab.target`). The worker sees what the CP
+//! would hand it: the initiator's `delegation_id` and `admission`
+//! unchanged, `from` and `chain` as the initiating runtime's
+//! `namespace/name`, and the calling host in `from_peer`. The worker's
 //! `cp/delegate_result` becomes the signed result. Once forwarded, a
 //! `TASK_STATE_WORKING` status with `{"openab": {"assigned_to", "admission"}}`
 //! tells the caller side that a worker took it.
+//!
+//! Ids stay apart across calling hosts without renaming them: the serving
+//! table is keyed by (worker connection, `delegation_id`), and a worker is
+//! never handed a second delegation with an id it is serving, whichever
+//! host sent it: that worker is passed over, and when every matching
+//! worker with room is serving that id the request is `rejected`
+//! "duplicate_delegation: ..." (the primary gets DUPLICATE_DELEGATION).
 //!
 //! Ends that are not the worker's: no matching worker, `rejected`
 //! "no_target: ..."; every matching worker at its `max_delegated_sessions`,
@@ -26,8 +36,10 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
-use super::proto::{self, AgentType, DelegateResultParams, DelegationStatus, TargetSelector};
-use super::{ServingFlight, Shared};
+use super::proto::{
+    self, AgentType, DelegateResultParams, DelegationStatus, TargetSelector, texts,
+};
+use super::{ServingFlight, ServingKey, Shared};
 use crate::callee::{Execution, StopReason, TaskExecutor, TaskRun};
 
 /// The error prefix of a delegation whose worker went away mid-task; the
@@ -49,6 +61,10 @@ impl std::fmt::Debug for OpenAbExecutor {
 /// What the calling side put in `task.context.openab`.
 struct Request {
     target: TargetSelector,
+    /// The initiator's id and admission; absent from a caller that sends
+    /// none (then the relay's delegation key and a fresh admission serve).
+    delegation_id: Option<String>,
+    admission: Option<u64>,
     from: String,
     chain: Vec<String>,
 }
@@ -59,8 +75,13 @@ fn read_context(run: &TaskRun) -> Option<Request> {
     if !target.is_valid() {
         return None;
     }
-    let peer = run.request.caller.to_string();
-    let from = o.get("from").and_then(Value::as_str).unwrap_or("unknown");
+    let from = o
+        .get("from")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+        .chars()
+        .take(256)
+        .collect();
     let chain = o
         .get("chain")
         .and_then(Value::as_array)
@@ -68,13 +89,20 @@ fn read_context(run: &TaskRun) -> Option<Request> {
             c.iter()
                 .filter_map(Value::as_str)
                 .take(8)
-                .map(|e| format!("{peer}:{e}"))
+                .map(|e| e.chars().take(256).collect())
                 .collect()
         })
         .unwrap_or_default();
+    let delegation_id = o
+        .get("delegation_id")
+        .and_then(Value::as_str)
+        .filter(|d| !d.is_empty() && d.len() <= 256)
+        .map(str::to_string);
     Some(Request {
         target,
-        from: format!("{peer}:{from}"),
+        delegation_id,
+        admission: o.get("admission").and_then(Value::as_u64),
+        from,
         chain,
     })
 }
@@ -101,9 +129,18 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
         .filter(|s| &s.peer == caller)
         .flat_map(|s| s.workers.iter())
         .collect();
-    // Select and reserve a slot under one lock.
+    let delegation_id = req
+        .delegation_id
+        .clone()
+        .unwrap_or_else(|| run.key.to_string());
+    let admission = req.admission.unwrap_or_else(|| shared.next_admission());
+    let (tx, rx) = oneshot::channel();
+    // Select a worker, reserve its slot and enter the serving entry under
+    // the connections' lock, so no second delegation with this id reaches
+    // the same worker.
     let picked = {
         let mut conns = shared.conns.lock();
+        let mut serving = shared.serving.lock();
         let mut matching = conns
             .iter_mut()
             .filter(|(_, c)| {
@@ -115,49 +152,62 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
             })
             .peekable();
         if matching.peek().is_none() {
-            None
+            Pick::NoTarget
         } else {
-            match matching
+            let with_room: Vec<(&u64, &mut super::Conn)> = matching
                 .filter(|(_, c)| c.active < c.max_sessions)
-                .min_by_key(|(_, c)| c.active)
-            {
-                Some((h, c)) => {
-                    c.active += 1;
-                    Some(Ok((*h, c.logical.clone())))
+                .collect();
+            if with_room.is_empty() {
+                Pick::Saturated
+            } else {
+                match with_room
+                    .into_iter()
+                    .filter(|(h, _)| !serving.contains_key(&(**h, delegation_id.clone())))
+                    .min_by_key(|(_, c)| c.active)
+                {
+                    None => Pick::Duplicate,
+                    Some((h, c)) => {
+                        c.active += 1;
+                        serving.insert(
+                            (*h, delegation_id.clone()),
+                            ServingFlight {
+                                caller: caller.clone(),
+                                admission,
+                                result: tx,
+                            },
+                        );
+                        Pick::Worker(*h, c.logical.clone())
+                    }
                 }
-                None => Some(Err(())),
             }
         }
     };
     let (worker, logical) = match picked {
-        None => {
+        Pick::NoTarget => {
             return Execution::stopped(StopReason::Rejected(format!(
-                "no_target: no registered worker {caller} may reach matches the target"
+                "no_target: {} (none that {caller} may reach)",
+                texts::NO_TARGET
             )));
         }
-        Some(Err(())) => {
-            return Execution::stopped(StopReason::Rejected(
-                "saturated: every matching worker is at capacity".into(),
-            ));
+        Pick::Saturated => {
+            return Execution::stopped(StopReason::Rejected(format!(
+                "saturated: {}",
+                texts::SATURATED
+            )));
         }
-        Some(Ok(w)) => w,
+        Pick::Duplicate => {
+            return Execution::stopped(StopReason::Rejected(format!(
+                "duplicate_delegation: {}",
+                texts::duplicate(&delegation_id)
+            )));
+        }
+        Pick::Worker(h, l) => (h, l),
     };
-    let delegation_id = run.key.to_string();
-    let admission = shared.next_admission();
-    let (tx, rx) = oneshot::channel();
-    shared.serving.lock().insert(
-        delegation_id.clone(),
-        ServingFlight {
-            worker,
-            admission,
-            result: tx,
-        },
-    );
     // Releases the worker's slot and the entry however this ends.
     let _slot = Slot {
         shared: shared.clone(),
-        worker,
-        delegation_id: delegation_id.clone(),
+        key: (worker, delegation_id.clone()),
+        admission,
     };
     let forward = json!({
         "delegation_id": delegation_id,
@@ -166,6 +216,7 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
         "deadline": crate::a2a::model::iso_from_ms(run.request.deadline_ms),
         "from": req.from,
         "chain": req.chain,
+        "from_peer": caller.to_string(),
     });
     let frame = proto::request(shared.next_id(), proto::methods::DELEGATE, forward);
     // A worker whose queue is full is waited for (it reads, or its writer
@@ -194,10 +245,17 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
             ))),
         },
         () = run.cancel.cancelled() => {
+            // The executor learns that, not why: the deadline is told apart
+            // by the clock, in the CP's words for it.
+            let reason = if oab_wire::identity::now_ms() >= run.request.deadline_ms {
+                "deadline exceeded"
+            } else {
+                "cancelled by the initiator or its host"
+            };
             let cancel = json!({
                 "delegation_id": delegation_id,
                 "admission": admission,
-                "reason": "cancelled by the caller or the deadline",
+                "reason": reason,
             });
             // Best effort, in its own task: the end is not held up by a
             // worker that reads slowly.
@@ -209,17 +267,34 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
     }
 }
 
+/// How a worker was picked.
+enum Pick {
+    NoTarget,
+    Saturated,
+    /// Every matching worker with room serves a delegation with this id.
+    Duplicate,
+    Worker(u64, String),
+}
+
 /// A worker's slot and serving entry, released on drop.
 struct Slot {
     shared: Arc<Shared>,
-    worker: u64,
-    delegation_id: String,
+    key: ServingKey,
+    admission: u64,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.shared.serving.lock().remove(&self.delegation_id);
-        if let Some(c) = self.shared.conns.lock().get_mut(&self.worker) {
+        {
+            let mut serving = self.shared.serving.lock();
+            if serving
+                .get(&self.key)
+                .is_some_and(|f| f.admission == self.admission)
+            {
+                serving.remove(&self.key);
+            }
+        }
+        if let Some(c) = self.shared.conns.lock().get_mut(&self.key.0) {
             c.active = c.active.saturating_sub(1);
         }
     }
@@ -248,17 +323,17 @@ fn execution_of(shared: &Shared, p: DelegateResultParams) -> Execution {
 /// worker serves (and its admission, when given); otherwise dropped, as
 /// the CP drops a late or foreign result.
 pub(crate) fn worker_result(shared: &Shared, handle: u64, p: DelegateResultParams) {
+    let key: ServingKey = (handle, p.delegation_id.clone());
     let flight = {
         let mut serving = shared.serving.lock();
-        match serving.get(&p.delegation_id) {
-            Some(f) if f.worker == handle && p.admission.is_none_or(|a| a == f.admission) => {
-                serving.remove(&p.delegation_id)
-            }
+        match serving.get(&key) {
+            Some(f) if p.admission.is_none_or(|a| a == f.admission) => serving.remove(&key),
             _ => None,
         }
     };
     match flight {
         Some(f) => {
+            info!(delegation = %p.delegation_id, caller = %f.caller, status = ?p.status, "worker result");
             let _ = f.result.send(p);
         }
         None => {

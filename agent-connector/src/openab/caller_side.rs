@@ -4,18 +4,25 @@
 //!
 //! The request: task text from the prompt, deadline from the CP deadline,
 //! capabilities and read-only from the target's `[[openab.targets]]` entry,
-//! and in `task.context.openab` the CP's delegation id, the initiator
+//! and in `task.context.openab` the CP's delegation id and admission (the
+//! remote endpoint hands both to its worker unchanged), the initiator
 //! (`from`), the chain and the remote target. The answer to `cp/delegate`
 //! waits up to `admission_wait_ms` for the remote side: its first progress
 //! event (a remote endpoint sends one when a worker took the task) is the
-//! ack (`delegation_id`, `admission`, `assigned_to`), a refusal is the
-//! CP's error code, and past the wait the delegation is acknowledged and
-//! goes on. Outcomes: completed, failed and cancelled as they are,
-//! `expired` as timeout, `unknown` as target_disconnected.
+//! ack (`delegation_id`, `admission`, `assigned_to` = the worker's
+//! `namespace/name`), a refusal is the CP's error code, and past the wait
+//! the delegation is acknowledged and goes on. Outcomes: completed, failed
+//! and cancelled as they are, `expired` as timeout, `unknown` as
+//! target_disconnected.
+//!
+//! As in the CP, whoever removes a delegation's entry owns its end: the
+//! terminal (delivered to the connection that started it), `cp/cancel`
+//! (cancelled across the relay, nothing delivered afterwards), or that
+//! connection ending (the same cancel).
 //!
 //! Never: passes on a result that did not verify against the callee's key
-//! (it becomes `failed` naming why); cancels a delegation because its
-//! primary's connection dropped (its result waits for that instance).
+//! (it becomes `failed` naming why); delivers a result for a delegation
+//! its primary cancelled or left.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,11 +30,12 @@ use std::time::Duration;
 use futures_util::StreamExt as _;
 use oab_wire::Outcome;
 use serde_json::{Value, json};
+use tokio::sync::oneshot;
 use tracing::{Instrument as _, info, warn};
 
 use super::proto::{
     self, AgentType, CancelParams, DelegateParams, DelegateResultParams, DelegationStatus,
-    RpcError, codes,
+    RpcError, codes, texts,
 };
 use super::{CallerFlight, FlightKey, Shared};
 use crate::a2a::DelegationDefaults;
@@ -43,25 +51,25 @@ pub(crate) fn delegate(
     rpc_id: u64,
     p: DelegateParams,
 ) -> Result<(), RpcError> {
-    let (logical, agent_type, instance_id) = {
+    let (logical, agent_type) = {
         let conns = shared.conns.lock();
         let c = conns
             .get(&handle)
             .ok_or_else(|| RpcError::new(codes::NOT_REGISTERED, "connection is not registered"))?;
-        (c.logical.clone(), c.agent_type, c.instance_id.clone())
+        (c.logical.clone(), c.agent_type)
     };
     // The duplicate check comes first, as in the CP.
     let key: FlightKey = (logical.clone(), p.delegation_id.clone());
     if shared.flights.lock().contains_key(&key) {
         return Err(RpcError::new(
             codes::DUPLICATE_DELEGATION,
-            format!("delegation {} is already in flight", p.delegation_id),
+            texts::duplicate(&p.delegation_id),
         ));
     }
     if agent_type == AgentType::Worker {
         return Err(RpcError::new(
             codes::POLICY_DENIED,
-            "workers may not initiate delegations",
+            "workers may not initiate delegations in this namespace",
         ));
     }
     if p.parent_delegation_id.is_some() || p.parent_admission.is_some() {
@@ -95,54 +103,59 @@ pub(crate) fn delegate(
         .ok_or_else(|| RpcError::new(codes::INVALID_PARAMS, "deadline must be an RFC 3339 time"))?;
     let now = oab_wire::identity::now_ms();
     if deadline_ms <= now {
-        return Err(RpcError::new(
-            codes::POLICY_DENIED,
-            "deadline is in the past",
-        ));
+        return Err(RpcError::new(codes::POLICY_DENIED, texts::DEADLINE_PAST));
     }
     let max = shared.cfg.max_deadline_secs;
     if deadline_ms - now > max.saturating_mul(1000) {
         return Err(RpcError::new(
             codes::POLICY_DENIED,
-            format!("deadline exceeds the cap of {max}s"),
+            texts::deadline_too_long(max),
         ));
     }
-    let Some(target) = shared.cfg.targets.iter().find(|t| t.matches(&p.target)) else {
-        return Err(RpcError::new(
-            codes::NO_TARGET,
-            "no target matches the selector",
-        ));
+    let Some((target_index, target)) = shared
+        .cfg
+        .targets
+        .iter()
+        .enumerate()
+        .find(|(_, t)| t.matches(&p.target))
+    else {
+        return Err(RpcError::new(codes::NO_TARGET, texts::NO_TARGET));
     };
     let Some(caller) = shared.caller.get().cloned() else {
-        return Err(RpcError::new(
-            codes::NO_TARGET,
-            "this connector does not delegate to remote peers",
-        ));
+        return Err(RpcError::new(codes::NO_TARGET, texts::NO_TARGET));
     };
     let admission = shared.next_admission();
+    let (cancel_tx, cancel_rx) = oneshot::channel();
     {
         let mut flights = shared.flights.lock();
         if flights.contains_key(&key) {
             return Err(RpcError::new(
                 codes::DUPLICATE_DELEGATION,
-                format!("delegation {} is already in flight", p.delegation_id),
+                texts::duplicate(&p.delegation_id),
             ));
         }
         if flights.len() >= shared.cfg.max_delegations {
             return Err(RpcError::new(
                 codes::SATURATED,
-                format!(
-                    "{} delegations in flight (max_delegations); retry later",
-                    flights.len()
-                ),
+                texts::inflight_limit(shared.cfg.max_delegations),
             ));
+        }
+        if let Some(cap) = target.max_delegated_sessions {
+            let to_target = flights
+                .values()
+                .filter(|f| f.target == target_index)
+                .count();
+            if to_target >= usize::try_from(cap).unwrap_or(usize::MAX) {
+                return Err(RpcError::new(codes::SATURATED, texts::SATURATED));
+            }
         }
         flights.insert(
             key.clone(),
             CallerFlight {
                 admission,
-                handle: None,
-                cancel_reason: None,
+                conn: handle,
+                target: target_index,
+                cancel: cancel_tx,
             },
         );
     }
@@ -151,7 +164,7 @@ pub(crate) fn delegate(
         request_id: None,
         task: Task {
             text: p.prompt,
-            context: openab_context(&p.delegation_id, &logical, &target.remote),
+            context: openab_context(&p.delegation_id, admission, &logical, &target.remote),
             a2a_message: None,
         },
         capabilities: target.capabilities.clone(),
@@ -167,11 +180,11 @@ pub(crate) fn delegate(
     let flight = Flight {
         shared: shared.clone(),
         key,
-        instance_id,
         admission,
         rpc_id,
         conn: handle,
         peer: target.peer.clone(),
+        cancel: cancel_rx,
     };
     let span = tracing::info_span!("openab_delegation", runtime = %logical, delegation = %p.delegation_id, admission);
     tokio::spawn(flight.run(caller, spec).instrument(span));
@@ -181,6 +194,7 @@ pub(crate) fn delegate(
 /// What the callee side reads from `task.context.openab`.
 fn openab_context(
     delegation_id: &str,
+    admission: u64,
     from: &str,
     remote: &proto::TargetSelector,
 ) -> serde_json::Map<String, Value> {
@@ -189,6 +203,7 @@ fn openab_context(
         "openab".into(),
         json!({
             "delegation_id": delegation_id,
+            "admission": admission,
             "from": from,
             "chain": [from],
             "target": remote,
@@ -197,9 +212,10 @@ fn openab_context(
     m
 }
 
-/// `cp/cancel` from an initiator: cancels its own delegation through the
-/// relay. The end still comes as `cp/delegate_result` (cancelled, or what
-/// won the race).
+/// `cp/cancel` from an initiator: ends its own delegation here at once, as
+/// the CP does (the id is free again, and no `cp/delegate_result` follows),
+/// and cancels it through the relay, which reaches the remote worker as
+/// `cp/cancel`.
 pub(crate) fn cancel(
     shared: &Arc<Shared>,
     handle: u64,
@@ -218,29 +234,17 @@ pub(crate) fn cancel(
         .map(|c| c.logical.clone())
         .ok_or_else(refused)?;
     let reason = p.reason.clone().unwrap_or_else(|| "cancelled".into());
-    let to_cancel = {
+    let flight = {
         let mut flights = shared.flights.lock();
-        let f = flights
-            .get_mut(&(logical, p.delegation_id.clone()))
-            .ok_or_else(refused)?;
-        if p.admission.is_some_and(|a| a != f.admission) {
-            return Err(refused());
-        }
-        match &f.handle {
-            Some(h) => Some(h.clone()),
-            None => {
-                f.cancel_reason = Some(reason.clone());
-                None
+        let key = (logical, p.delegation_id.clone());
+        match flights.get(&key) {
+            Some(f) if f.conn == handle && p.admission.is_none_or(|a| a == f.admission) => {
+                flights.remove(&key).ok_or_else(refused)?
             }
+            _ => return Err(refused()),
         }
     };
-    if let (Some(h), Some(caller)) = (to_cancel, shared.caller.get().cloned()) {
-        tokio::spawn(async move {
-            if let Err(e) = caller.cancel(&h, &reason).await {
-                warn!(error = %e, "cancel not sent");
-            }
-        });
-    }
+    let _ = flight.cancel.send(reason);
     Ok(json!({ "ok": true }))
 }
 
@@ -248,12 +252,14 @@ pub(crate) fn cancel(
 struct Flight {
     shared: Arc<Shared>,
     key: FlightKey,
-    instance_id: String,
     admission: u64,
     rpc_id: u64,
-    /// The connection that sent `cp/delegate` (the ack goes there).
+    /// The connection that sent `cp/delegate` (the ack and the result go
+    /// there).
     conn: u64,
     peer: oab_wire::PeerId,
+    /// The cancel (the primary's `cp/cancel`, or its connection ending).
+    cancel: oneshot::Receiver<String>,
 }
 
 /// How the wait for a terminal ended.
@@ -261,10 +267,12 @@ enum End {
     Terminal(Terminal),
     Refused(String, String),
     Lost(String),
+    /// The primary cancelled or left: the entry is already gone.
+    Cancelled(String),
 }
 
 impl Flight {
-    async fn run(self, caller: crate::Caller, spec: NewDelegation) {
+    async fn run(mut self, caller: crate::Caller, spec: NewDelegation) {
         let handle = match caller.delegate(&self.peer, spec).await {
             Ok(h) => h,
             Err(e) => {
@@ -283,21 +291,30 @@ impl Flight {
                 return;
             }
         };
-        let pending_cancel = {
-            let mut flights = self.shared.flights.lock();
-            flights.get_mut(&self.key).and_then(|f| {
-                f.handle = Some(handle.clone());
-                f.cancel_reason.take()
-            })
-        };
-        if let Some(reason) = pending_cancel {
-            let _ = caller.cancel(&handle, &reason).await;
-        }
         let (end, acked) = self.follow(&caller, &handle).await;
         let result = match end {
+            End::Cancelled(reason) => {
+                if !acked {
+                    self.ack(None).await;
+                }
+                info!(%reason, "delegation cancelled by its primary");
+                if let Err(e) = caller.cancel(&handle, &reason).await {
+                    warn!(error = %e, "cancel not sent");
+                }
+                // Followed to its end so the caller's record of it ends too;
+                // the end goes to nobody.
+                if let Ok(mut events) = caller.events(&handle, 0).await {
+                    while let Some(Ok(ev)) = events.next().await {
+                        if matches!(ev.kind, EventKind::Terminal(_)) {
+                            break;
+                        }
+                    }
+                }
+                return;
+            }
             End::Terminal(t) if !acked && t.outcome == Outcome::Rejected => {
                 let error = verified_error(&caller, &handle, &t);
-                self.refuse(refusal_code(&error)).await;
+                self.refuse(refusal_code(&error, &self.key.1)).await;
                 return;
             }
             End::Refused(code, message) if !acked => {
@@ -315,16 +332,32 @@ impl Flight {
         if !acked {
             self.ack(None).await;
         }
+        // Whoever removes the entry owns the end: a cancel that came first
+        // already did, and then nothing is delivered.
+        if !self.take_entry() {
+            info!(status = ?result.status, "delegation ended after its primary cancelled or left; not delivered");
+            return;
+        }
         info!(status = ?result.status, "delegation ended");
-        self.shared.flights.lock().remove(&self.key);
-        self.shared
-            .deliver(&self.key.0, &self.instance_id, result)
-            .await;
+        if !self.shared.deliver(self.conn, result).await {
+            info!("the primary's connection ended before its result; dropped");
+        }
     }
 
-    /// Reads events until the terminal; acks at acceptance or when
-    /// `admission_wait_ms` passes. Returns the end and whether it acked.
-    async fn follow(&self, caller: &crate::Caller, handle: &DelegationHandle) -> (End, bool) {
+    /// Removes this delegation's entry (not a later admission of the same
+    /// id); false when a cancel or the primary's leaving removed it first.
+    fn take_entry(&self) -> bool {
+        let mut flights = self.shared.flights.lock();
+        match flights.get(&self.key) {
+            Some(f) if f.admission == self.admission => flights.remove(&self.key).is_some(),
+            _ => false,
+        }
+    }
+
+    /// Reads events until the terminal or the cancel; acks at acceptance
+    /// or when `admission_wait_ms` passes. Returns the end and whether it
+    /// acked.
+    async fn follow(&mut self, caller: &crate::Caller, handle: &DelegationHandle) -> (End, bool) {
         let mut acked = false;
         let admit_by =
             tokio::time::Instant::now() + Duration::from_millis(self.shared.cfg.admission_wait_ms);
@@ -332,18 +365,31 @@ impl Flight {
             Ok(s) => s,
             Err(e) => return (End::Lost(e.to_string()), acked),
         };
+        // Closed when the entry went without a cancel (never while this
+        // task follows); then only the events end the wait.
+        let mut cancel_open = true;
         loop {
-            let item = if acked {
-                events.next().await
-            } else {
-                match tokio::time::timeout_at(admit_by, events.next()).await {
-                    Ok(item) => item,
+            let admit = async {
+                if acked {
+                    std::future::pending::<()>().await;
+                } else {
+                    tokio::time::sleep_until(admit_by).await;
+                }
+            };
+            let item = tokio::select! {
+                r = &mut self.cancel, if cancel_open => match r {
+                    Ok(reason) => return (End::Cancelled(reason), acked),
                     Err(_) => {
-                        self.ack(None).await;
-                        acked = true;
+                        cancel_open = false;
                         continue;
                     }
+                },
+                () = admit => {
+                    self.ack(None).await;
+                    acked = true;
+                    continue;
                 }
+                item = events.next() => item,
             };
             match item {
                 None => return (End::Lost("the event stream ended".into()), acked),
@@ -379,17 +425,20 @@ impl Flight {
         }
     }
 
-    /// Answers `cp/delegate`; `assigned_to` is `<peer>` or, when the
-    /// remote endpoint named its worker, `<peer>:<namespace>/<name>`.
+    /// Answers `cp/delegate`. `assigned_to` is the worker's `namespace/name`
+    /// as the remote endpoint named it (what the CP answers), or the peer
+    /// when the remote side has not answered within `admission_wait_ms`;
+    /// `assigned_peer` names the remote host either way.
     async fn ack(&self, worker: Option<&str>) {
         let assigned_to = match worker {
-            Some(w) => format!("{}:{w}", self.peer),
+            Some(w) => w.to_string(),
             None => self.peer.to_string(),
         };
         let ack = json!({
             "delegation_id": self.key.1,
             "admission": self.admission,
             "assigned_to": assigned_to,
+            "assigned_peer": self.peer.to_string(),
         });
         self.shared
             .send(self.conn, proto::response(self.rpc_id, ack))
@@ -398,7 +447,7 @@ impl Flight {
 
     async fn refuse(&self, e: RpcError) {
         info!(code = e.code, reason = %e.message, "delegation refused");
-        self.shared.flights.lock().remove(&self.key);
+        self.take_entry();
         self.shared
             .send(self.conn, proto::error_response(self.rpc_id, &e))
             .await;
@@ -504,16 +553,23 @@ fn verified_error(caller: &crate::Caller, handle: &DelegationHandle, t: &Termina
     }
 }
 
-/// The CP error code for a callee's signed refusal (`[rejected: ]code: message`).
-fn refusal_code(error: &str) -> RpcError {
+/// The CP error for a callee's signed refusal (`[rejected: ]code: message`):
+/// the remote endpoint's no-target, saturation and duplicate refusals are
+/// the CP's own, with its words; any other is POLICY_DENIED naming it.
+fn refusal_code(error: &str, delegation_id: &str) -> RpcError {
     let rest = error.strip_prefix("rejected: ").unwrap_or(error);
     let code = rest.split(':').next().unwrap_or_default().trim();
-    let cp = match code {
-        "saturated" => codes::SATURATED,
-        "no_target" => codes::NO_TARGET,
-        _ => codes::POLICY_DENIED,
-    };
-    RpcError::new(cp, format!("the remote side refused: {error}"))
+    match code {
+        "saturated" => RpcError::new(codes::SATURATED, texts::SATURATED),
+        "no_target" => RpcError::new(codes::NO_TARGET, texts::NO_TARGET),
+        "duplicate_delegation" => {
+            RpcError::new(codes::DUPLICATE_DELEGATION, texts::duplicate(delegation_id))
+        }
+        _ => RpcError::new(
+            codes::POLICY_DENIED,
+            format!("the remote side refused: {error}"),
+        ),
+    }
 }
 
 /// The CP error code for the relay's refusal of the delegation: the
@@ -537,12 +593,20 @@ mod tests {
             ("saturated: 4 running", codes::SATURATED),
             ("rejected: saturated: worker at capacity", codes::SATURATED),
             ("rejected: no_target: no worker", codes::NO_TARGET),
+            (
+                "rejected: duplicate_delegation: d-1 in flight",
+                codes::DUPLICATE_DELEGATION,
+            ),
             ("capability_denied: write:*", codes::POLICY_DENIED),
             ("", codes::POLICY_DENIED),
         ];
         for (error, want) in table {
-            assert_eq!(refusal_code(error).code, want, "{error}");
+            assert_eq!(refusal_code(error, "d-1").code, want, "{error}");
         }
+        assert_eq!(
+            refusal_code("rejected: no_target: x", "d-1").message,
+            texts::NO_TARGET
+        );
         assert_eq!(
             relay_refusal("route_denied", "x").code,
             codes::POLICY_DENIED

@@ -86,12 +86,20 @@ pub struct OpenAbSection {
     #[serde(default = "default_max_frame")]
     pub max_frame_bytes: usize,
     /// Upgraded connections at once (registered or not), and, separately,
-    /// connections waiting for their upgrade. An upgraded connection over
-    /// it is closed (1013 "too many connections"); a new TCP connection
-    /// when as many wait for their upgrade closes the one that has waited
-    /// longest, so silent connections cannot keep runtimes out.
+    /// connections waiting for their upgrade. An upgrade over it is refused
+    /// with HTTP 503 naming the limit (as the CP refuses an over-quota
+    /// upgrade); a new TCP connection when as many wait for their upgrade
+    /// closes the one that has waited longest, so silent connections
+    /// cannot keep runtimes out.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Connections one identity (`namespace/name`) may hold at once,
+    /// counted from the upgrade to the connection's end, registered or not
+    /// (OAB CP: `max_connections_per_identity`, 8). An upgrade over it is
+    /// refused with HTTP 503 "identity is at its connection quota
+    /// (max_connections_per_identity = N)", as on the CP.
+    #[serde(default = "default_max_connections_per_identity")]
+    pub max_connections_per_identity: usize,
     /// Frames queued towards one runtime. Full: back-pressure (the endpoint
     /// stops reading that runtime's frames, delegation tasks wait for
     /// room), never a disconnect for having many in flight (the CP as
@@ -103,11 +111,12 @@ pub struct OpenAbSection {
     /// runtimes together; beyond it `cp/delegate` is SATURATED.
     #[serde(default = "default_max_delegations")]
     pub max_delegations: usize,
-    /// Results whose primary instance was not connected when they ended are
-    /// kept this long for its reconnection (same instance_id), s; at most
-    /// `max_delegations` of them, the oldest dropped first.
-    #[serde(default = "default_result_retention")]
-    pub result_retention_secs: u64,
+    /// No longer used (results are not kept for a primary that left: its
+    /// delegations are cancelled, as on the CP). Accepted so that a
+    /// configuration written for an earlier version still loads; a warning
+    /// says it is ignored.
+    #[serde(default)]
+    pub result_retention_secs: Option<u64>,
     /// The runtimes allowed to register.
     #[serde(default)]
     pub runtimes: Vec<OpenAbRuntime>,
@@ -151,14 +160,14 @@ fn default_max_frame() -> usize {
 fn default_max_connections() -> usize {
     64
 }
+fn default_max_connections_per_identity() -> usize {
+    8
+}
 fn default_outbound_queue() -> usize {
     256
 }
 fn default_max_delegations() -> usize {
     1024
-}
-fn default_result_retention() -> u64 {
-    600
 }
 
 impl Default for OpenAbSection {
@@ -175,9 +184,10 @@ impl Default for OpenAbSection {
             max_prompt_bytes: default_max_prompt(),
             max_frame_bytes: default_max_frame(),
             max_connections: default_max_connections(),
+            max_connections_per_identity: default_max_connections_per_identity(),
             outbound_queue: default_outbound_queue(),
             max_delegations: default_max_delegations(),
-            result_retention_secs: default_result_retention(),
+            result_retention_secs: None,
             runtimes: Vec::new(),
             targets: Vec::new(),
             serve: Vec::new(),
@@ -235,6 +245,12 @@ pub struct OpenAbTarget {
     /// Whether the remote side must not change anything.
     #[serde(default = "yes")]
     pub read_only: bool,
+    /// Delegations this endpoint sends to this target at once; beyond it
+    /// `cp/delegate` is SATURATED (never queued). `cp/list_agents` reports
+    /// it as the target's `max_delegated_sessions`. Unset: no bound of its
+    /// own (`max_delegations` applies, and is what is reported).
+    #[serde(default)]
+    pub max_delegated_sessions: Option<u32>,
 }
 
 fn yes() -> bool {
@@ -303,6 +319,10 @@ impl OpenAbSection {
             ("max_prompt_bytes", self.max_prompt_bytes),
             ("max_frame_bytes", self.max_frame_bytes),
             ("max_connections", self.max_connections),
+            (
+                "max_connections_per_identity",
+                self.max_connections_per_identity,
+            ),
             ("outbound_queue", self.outbound_queue),
             ("max_delegations", self.max_delegations),
         ] {
@@ -340,6 +360,11 @@ impl OpenAbSection {
             }
         }
         for (i, t) in self.targets.iter().enumerate() {
+            if t.max_delegated_sessions == Some(0) {
+                errors.push(format!(
+                    "openab.targets[{i}].max_delegated_sessions: must be greater than 0"
+                ));
+            }
             if t.name.is_some() == t.labels.is_some() {
                 errors.push(format!(
                     "openab.targets[{i}]: set exactly one of name and labels"
@@ -404,6 +429,7 @@ listen = "0.0.0.0:9800"
 heartbeat_interval_secs = 30
 lease_expiry_secs = 30
 max_delegations = 0
+max_connections_per_identity = 0
 
 [[runtimes]]
 namespace = "prod"
@@ -413,6 +439,7 @@ type = "primary"
 [[targets]]
 peer = "acme/b"
 remote = { name = "w" }
+max_delegated_sessions = 0
 
 [[serve]]
 peer = "acme/a"
@@ -424,6 +451,8 @@ workers = ["prod/nobody"]
             "openab.listen",
             "openab.lease_expiry_secs",
             "openab.max_delegations",
+            "openab.max_connections_per_identity",
+            "openab.targets[0].max_delegated_sessions",
             "openab.runtimes[0]: set exactly one of key_file and key_env",
             "openab.targets[0]: set exactly one of name and labels",
             "openab.serve[0].workers[0]",

@@ -25,10 +25,9 @@ pub mod proto;
 pub mod server;
 
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -38,7 +37,7 @@ pub use config::OpenAbSection;
 pub use keys::{KeyError, RuntimeKeys};
 pub use server::serve;
 
-use crate::caller::{Caller, DelegationHandle};
+use crate::caller::Caller;
 use proto::{AgentType, DelegateResultParams};
 
 /// The endpoint: configuration, keys and the shared tables. Cloning shares
@@ -76,8 +75,8 @@ impl OpenAbEndpoint {
                 caller: OnceLock::new(),
                 conns: Mutex::new(HashMap::new()),
                 flights: Mutex::new(HashMap::new()),
-                undelivered: Mutex::new(VecDeque::new()),
                 serving: Mutex::new(HashMap::new()),
+                identities: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
                 next_admission: AtomicU64::new(seed),
             }),
@@ -125,31 +124,38 @@ pub(crate) struct Conn {
 pub(crate) type FlightKey = (String, String);
 
 /// The caller side's entry for one delegation, from `cp/delegate` until
-/// its `cp/delegate_result` is handed on (or kept in `undelivered`); at
-/// most `max_delegations` of them.
+/// its end: the terminal handed to the primary, its `cp/cancel`, or the
+/// primary's connection ending (whichever comes first removes it, so the
+/// `delegation_id` is free again at once, as in the CP); at most
+/// `max_delegations` of them.
 pub(crate) struct CallerFlight {
     pub(crate) admission: u64,
-    pub(crate) handle: Option<DelegationHandle>,
-    /// A `cp/cancel` that came before the delegation was handed to the link.
-    pub(crate) cancel_reason: Option<String>,
+    /// The connection that started it: only it may cancel it, its result
+    /// goes there, and its ending cancels the delegation.
+    pub(crate) conn: u64,
+    /// The `[[openab.targets]]` entry it went to (for `cp/list_agents`).
+    pub(crate) target: usize,
+    /// Removing the entry with a reason sent here cancels the delegation
+    /// across the relay; its end is then delivered to nobody.
+    pub(crate) cancel: oneshot::Sender<String>,
 }
 
-/// A result whose primary instance was not connected when it ended; kept
-/// for `result_retention_secs`, at most `max_delegations` (oldest dropped).
-pub(crate) struct Undelivered {
-    pub(crate) logical: String,
-    pub(crate) instance_id: String,
-    pub(crate) params: DelegateResultParams,
-    pub(crate) kept_at: Instant,
-}
+/// The callee side's key for one delegation forwarded to a worker: the
+/// worker's connection and the `delegation_id` the initiating runtime
+/// chose (forwarded unchanged). One worker never serves two delegations
+/// with the same id at once: a second one, from any calling host, is
+/// refused `duplicate_delegation`, so a worker's `cp/delegate_result`
+/// names exactly one.
+pub(crate) type ServingKey = (u64, String);
 
-/// The callee side's entry for one delegation forwarded to a worker, keyed
-/// by the forwarded `delegation_id`; removed by the worker's result, the
-/// cancel, or the worker's disconnection (which drops `result` and so ends
-/// the delegation target_disconnected). At most one per running executor,
-/// which `[policy].max_concurrent` bounds.
+/// The callee side's entry for one delegation forwarded to a worker;
+/// removed by the worker's result, the cancel, or the worker's
+/// disconnection (which drops `result` and so ends the delegation
+/// target_disconnected). At most one per running executor, which
+/// `[policy].max_concurrent` bounds.
 pub(crate) struct ServingFlight {
-    pub(crate) worker: u64,
+    /// The calling peer (the relay authenticated it).
+    pub(crate) caller: oab_wire::PeerId,
     pub(crate) admission: u64,
     pub(crate) result: oneshot::Sender<DelegateResultParams>,
 }
@@ -161,8 +167,12 @@ pub(crate) struct Shared {
     /// Registered connections by handle.
     pub(crate) conns: Mutex<HashMap<u64, Conn>>,
     pub(crate) flights: Mutex<HashMap<FlightKey, CallerFlight>>,
-    pub(crate) undelivered: Mutex<VecDeque<Undelivered>>,
-    pub(crate) serving: Mutex<HashMap<String, ServingFlight>>,
+    pub(crate) serving: Mutex<HashMap<ServingKey, ServingFlight>>,
+    /// Connections per identity (`namespace/name`), counted from the
+    /// upgrade to the connection's end (`server::IdentityPermit`), at most
+    /// `max_connections_per_identity` each; an entry is removed when its
+    /// count falls to zero.
+    pub(crate) identities: Mutex<HashMap<String, usize>>,
     next_id: AtomicU64,
     next_admission: AtomicU64,
 }
@@ -199,91 +209,40 @@ impl Shared {
         }
     }
 
-    /// Removes a connection and ends what it was serving: dropping each
-    /// serving entry's result sender ends that delegation
-    /// target_disconnected. Delegations it started go on (their results
-    /// wait for its instance to come back).
+    /// Removes a connection and ends what it touched, as the CP does: each
+    /// delegation it served ends target_disconnected (dropping its serving
+    /// entry's result sender), and each delegation it started is cancelled
+    /// across the relay (the remote worker gets `cp/cancel`), its end
+    /// delivered to nobody.
     pub(crate) fn deregister(&self, handle: u64) {
-        self.conns.lock().remove(&handle);
-        self.serving.lock().retain(|_, f| f.worker != handle);
+        let gone = self.conns.lock().remove(&handle);
+        self.serving
+            .lock()
+            .retain(|(worker, _), _| *worker != handle);
+        let started: Vec<CallerFlight> = {
+            let mut flights = self.flights.lock();
+            let keys: Vec<FlightKey> = flights
+                .iter()
+                .filter(|(_, f)| f.conn == handle)
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter().filter_map(|k| flights.remove(k)).collect()
+        };
+        let who = gone.map(|c| c.logical).unwrap_or_default();
+        for f in started {
+            let _ = f.cancel.send(format!("initiator {who} disconnected"));
+        }
     }
 
-    /// Hands a result to the primary instance that started the delegation,
-    /// or keeps it for that instance's reconnection.
-    pub(crate) async fn deliver(
-        &self,
-        logical: &str,
-        instance_id: &str,
-        params: DelegateResultParams,
-    ) {
-        let target = self
-            .conns
-            .lock()
-            .iter()
-            .find(|(_, c)| c.logical == logical && c.instance_id == instance_id)
-            .map(|(h, _)| *h);
+    /// Hands a result to the connection that started the delegation; when
+    /// it is gone the result is dropped (its delegations were cancelled
+    /// when it ended, as the CP does).
+    pub(crate) async fn deliver(&self, conn: u64, params: DelegateResultParams) -> bool {
         let frame = proto::request(
             self.next_id(),
             proto::methods::DELEGATE_RESULT,
             serde_json::to_value(&params).unwrap_or_default(),
         );
-        if let Some(h) = target
-            && self.send(h, frame).await
-        {
-            return;
-        }
-        let mut kept = self.undelivered.lock();
-        self.prune_undelivered(&mut kept);
-        if kept.len() >= self.cfg.max_delegations {
-            kept.pop_front();
-        }
-        kept.push_back(Undelivered {
-            logical: logical.to_string(),
-            instance_id: instance_id.to_string(),
-            params,
-            kept_at: Instant::now(),
-        });
-    }
-
-    fn prune_undelivered(&self, kept: &mut VecDeque<Undelivered>) {
-        let retention = Duration::from_secs(self.cfg.result_retention_secs);
-        while kept
-            .front()
-            .is_some_and(|u| u.kept_at.elapsed() > retention)
-        {
-            kept.pop_front();
-        }
-    }
-
-    /// Sends the results kept for `logical`'s `instance_id` to `handle`;
-    /// what could not be sent (the connection ended) is kept again.
-    pub(crate) async fn redeliver(&self, handle: u64, logical: &str, instance_id: &str) {
-        let mine: Vec<Undelivered> = {
-            let mut kept = self.undelivered.lock();
-            self.prune_undelivered(&mut kept);
-            let (mine, rest): (VecDeque<_>, VecDeque<_>) = kept
-                .drain(..)
-                .partition(|u| u.logical == logical && u.instance_id == instance_id);
-            *kept = rest;
-            mine.into_iter().collect()
-        };
-        let mut mine = mine.into_iter();
-        while let Some(u) = mine.next() {
-            let frame = proto::request(
-                self.next_id(),
-                proto::methods::DELEGATE_RESULT,
-                serde_json::to_value(&u.params).unwrap_or_default(),
-            );
-            if !self.send(handle, frame).await {
-                let mut kept = self.undelivered.lock();
-                for u in std::iter::once(u).chain(mine) {
-                    if kept.len() >= self.cfg.max_delegations {
-                        kept.pop_front();
-                    }
-                    kept.push_back(u);
-                }
-                return;
-            }
-        }
+        self.send(conn, frame).await
     }
 }

@@ -55,6 +55,39 @@ pub mod methods {
     pub const DELEGATE_RESULT: &str = "cp/delegate_result";
     /// Abort a delegation (initiator -> CP, CP -> worker).
     pub const CANCEL: &str = "cp/cancel";
+    /// What a runtime may target: the registered runtimes of its namespace
+    /// and the remote targets (any registered runtime may ask).
+    pub const LIST_AGENTS: &str = "cp/list_agents";
+}
+
+/// The CP's error texts, word for word, for the refusals whose cause is the
+/// same here (the code alone would do for a program; an operator reading a
+/// runtime's log sees the same sentence as with `openab-cp`).
+pub mod texts {
+    /// NO_TARGET: nothing matches the selector.
+    pub const NO_TARGET: &str = "no registered healthy runtime matches the target selector";
+    /// SATURATED: every match is at its capacity.
+    pub const SATURATED: &str =
+        "all matching runtimes are at capacity (CP does not queue; retry later)";
+    /// POLICY_DENIED: the deadline has passed.
+    pub const DEADLINE_PAST: &str = "deadline is in the past";
+
+    /// POLICY_DENIED: the deadline is further than `max_deadline_secs`.
+    pub fn deadline_too_long(max_secs: u64) -> String {
+        format!("deadline exceeds the CP cap of {max_secs}s")
+    }
+
+    /// SATURATED: `max_delegations` are in flight.
+    pub fn inflight_limit(max: usize) -> String {
+        format!(
+            "control plane is at its global in-flight limit (max_delegations = {max}); retry later"
+        )
+    }
+
+    /// DUPLICATE_DELEGATION: the id is in flight.
+    pub fn duplicate(delegation_id: &str) -> String {
+        format!("delegation {delegation_id} is already in flight")
+    }
 }
 
 /// Any incoming message; requests, responses and errors differ by fields.

@@ -5,9 +5,11 @@
 //! closes the one that has waited longest), the WebSocket upgrade with
 //! `Authorization: Bearer <key>` checked (a missing or unknown key is
 //! answered 401 and never upgraded) within `upgrade_timeout_ms` of the
-//! accept (else the TCP connection is closed), then a connection permit
-//! (`max_connections`; none free: close 1013 "too many connections"),
-//! `cp/register` within `register_timeout_secs` of the upgrade (else close
+//! accept (else the TCP connection is closed), a place in its identity's
+//! quota (`max_connections_per_identity`) and a connection permit
+//! (`max_connections`), both taken before the upgrade is answered (either
+//! full: HTTP 503 naming the limit, as the CP refuses an over-quota
+//! upgrade), `cp/register` within `register_timeout_secs` of the upgrade (else close
 //! 1008 "registration timeout"), then frames until the runtime leaves, its
 //! lease lapses (close 1008 "lease expired") or the endpoint stops. Its
 //! frames go out through one writer task over a bounded queue
@@ -51,8 +53,49 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// WebSocket close code "policy violation", with the CP's reasons.
 const POLICY: u16 = 1008;
 
-/// WebSocket close code "try again later": every connection permit is held.
-const TRY_AGAIN_LATER: u16 = 1013;
+/// One of an identity's `max_connections_per_identity` places, held from
+/// the upgrade to the connection's end; dropping it gives the place back
+/// (and removes the identity's count when it falls to zero).
+struct IdentityPermit {
+    shared: Arc<Shared>,
+    logical: String,
+}
+
+impl IdentityPermit {
+    /// A place for `logical`, or `None` when it holds its quota.
+    fn take(shared: &Arc<Shared>, logical: &str) -> Option<IdentityPermit> {
+        let mut held = shared.identities.lock();
+        let n = held.entry(logical.to_string()).or_insert(0);
+        if *n >= shared.cfg.max_connections_per_identity {
+            return None;
+        }
+        *n += 1;
+        Some(IdentityPermit {
+            shared: shared.clone(),
+            logical: logical.to_string(),
+        })
+    }
+}
+
+impl Drop for IdentityPermit {
+    fn drop(&mut self) {
+        let mut held = self.shared.identities.lock();
+        if let Some(n) = held.get_mut(&self.logical) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.logical);
+            }
+        }
+    }
+}
+
+/// An HTTP refusal of the upgrade.
+fn refusal(status: u16, body: String) -> ErrorResponse {
+    let mut err = ErrorResponse::new(Some(body));
+    *err.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::from_u16(status)
+        .unwrap_or(tokio_tungstenite::tungstenite::http::StatusCode::SERVICE_UNAVAILABLE);
+    err
+}
 
 /// The connections waiting for their upgrade: at most `cap`. A newcomer
 /// past it sheds the one that has waited longest (its task closes it), so
@@ -166,6 +209,8 @@ async fn connection(
 ) {
     let upgrade_by = Instant::now() + Duration::from_millis(shared.cfg.upgrade_timeout_ms);
     let mut who: Option<usize> = None;
+    // Taken before the upgrade is answered, held until the connection ends.
+    let mut places: Option<(IdentityPermit, OwnedSemaphorePermit)> = None;
     // tungstenite's callback signature fixes the error type.
     #[allow(clippy::result_large_err)]
     let callback = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
@@ -174,17 +219,40 @@ async fn connection(
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        match presented.and_then(|k| shared.keys.identify(k)) {
-            Some(index) => {
-                who = Some(index);
-                Ok(resp)
-            }
-            None => {
-                let mut err = ErrorResponse::new(Some("missing or unknown bearer key\n".into()));
-                *err.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::UNAUTHORIZED;
-                Err(err)
-            }
-        }
+        let Some((index, runtime)) = presented
+            .and_then(|k| shared.keys.identify(k))
+            .and_then(|i| shared.cfg.runtimes.get(i).map(|r| (i, r)))
+        else {
+            return Err(refusal(401, "missing or unknown bearer key\n".into()));
+        };
+        let logical = runtime.logical_id();
+        let Some(identity) = IdentityPermit::take(&shared, &logical) else {
+            warn!(runtime = %logical, max = shared.cfg.max_connections_per_identity,
+                "openab upgrade refused: identity is at its connection quota");
+            return Err(refusal(
+                503,
+                format!(
+                    "identity is at its connection quota (max_connections_per_identity = {})\n",
+                    shared.cfg.max_connections_per_identity
+                ),
+            ));
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            warn!(
+                max = shared.cfg.max_connections,
+                "openab upgrade refused: max_connections are open"
+            );
+            return Err(refusal(
+                503,
+                format!(
+                    "control plane is at its connection limit (max_connections = {})\n",
+                    shared.cfg.max_connections
+                ),
+            ));
+        };
+        who = Some(index);
+        places = Some((identity, permit));
+        Ok(resp)
     };
     let accepted = tokio::select! {
         biased;
@@ -199,7 +267,7 @@ async fn connection(
         ) => r,
     };
     drop(slot);
-    let mut ws = match accepted {
+    let ws = match accepted {
         Ok(Ok(ws)) => ws,
         Ok(Err(e)) => {
             debug!(error = %e, "openab upgrade refused");
@@ -210,15 +278,7 @@ async fn connection(
             return;
         }
     };
-    let Ok(_permit): Result<OwnedSemaphorePermit, _> = permits.try_acquire_owned() else {
-        warn!("openab connection refused: max_connections are open");
-        let close = CloseFrame {
-            code: TRY_AGAIN_LATER.into(),
-            reason: "too many connections".into(),
-        };
-        let _ = tokio::time::timeout(WRITE_TIMEOUT, ws.close(Some(close))).await;
-        return;
-    };
+    let Some(_places) = places else { return };
     let register_by = Instant::now() + Duration::from_secs(shared.cfg.register_timeout_secs);
     let Some(index) = who else { return };
     let Some(runtime) = shared.cfg.runtimes.get(index) else {
@@ -447,10 +507,6 @@ fn register(
         },
     );
     info!(runtime = %logical, instance = %instance_id, handle, r#type = %p.agent_type, "runtime registered");
-    let (shared, logical, instance_id) = (shared.clone(), logical, instance_id.to_string());
-    tokio::spawn(
-        async move { shared.redeliver(handle, &logical, &instance_id).await }.in_current_span(),
-    );
     Ok(handle)
 }
 
@@ -499,6 +555,7 @@ fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> (bool, Option<
             }
             Err(e) => reply(Err(e)),
         },
+        methods::LIST_AGENTS => reply(Ok(list_agents(shared, handle))),
         methods::REGISTER => reply(Err(RpcError::new(
             codes::INVALID_REQUEST,
             "this connection is already registered",
@@ -509,6 +566,57 @@ fn handle_frame(shared: &Arc<Shared>, handle: u64, text: &str) -> (bool, Option<
         ))),
     };
     (false, answer)
+}
+
+/// `cp/list_agents`: what a runtime may target, as the CP's roster
+/// (`{namespace, agents: [{name, type, instance_id, labels,
+/// active_sessions, max_delegated_sessions}]}`): the registered runtimes
+/// of the caller's namespace, as the CP lists them, then one entry per
+/// `[[openab.targets]]` entry, a worker served by a remote host: `name`
+/// what a selector names (the target's name, else its peer), `instance_id`
+/// and `peer` the remote host, `labels` the target's, `active_sessions`
+/// this endpoint's delegations to it in flight, `max_delegated_sessions`
+/// its bound here (`max_delegated_sessions`, else `max_delegations`), and
+/// `remote` the selector used on the remote host.
+fn list_agents(shared: &Shared, handle: u64) -> serde_json::Value {
+    let conns = shared.conns.lock();
+    let Some(me) = conns.get(&handle) else {
+        return serde_json::json!({ "namespace": "", "agents": [] });
+    };
+    let namespace = me.logical.split('/').next().unwrap_or_default().to_string();
+    let mut agents: Vec<serde_json::Value> = conns
+        .values()
+        .filter_map(|c| {
+            let (ns, name) = c.logical.split_once('/')?;
+            (ns == namespace).then(|| {
+                serde_json::json!({
+                    "name": name,
+                    "type": c.agent_type,
+                    "instance_id": c.instance_id,
+                    "labels": c.labels,
+                    "active_sessions": c.active,
+                    "max_delegated_sessions": c.max_sessions,
+                })
+            })
+        })
+        .collect();
+    drop(conns);
+    let in_flight: Vec<usize> = shared.flights.lock().values().map(|f| f.target).collect();
+    let all = u32::try_from(shared.cfg.max_delegations).unwrap_or(u32::MAX);
+    for (i, t) in shared.cfg.targets.iter().enumerate() {
+        let active = in_flight.iter().filter(|&&x| x == i).count();
+        agents.push(serde_json::json!({
+            "name": t.name.clone().unwrap_or_else(|| t.peer.to_string()),
+            "type": proto::AgentType::Worker,
+            "instance_id": t.peer.to_string(),
+            "labels": t.labels.clone().unwrap_or_default(),
+            "active_sessions": u32::try_from(active).unwrap_or(u32::MAX),
+            "max_delegated_sessions": t.max_delegated_sessions.unwrap_or(all),
+            "peer": t.peer.to_string(),
+            "remote": t.remote,
+        }));
+    }
+    serde_json::json!({ "namespace": namespace, "agents": agents })
 }
 
 #[cfg(test)]

@@ -108,6 +108,7 @@ fn section_a(setup: &Setup, max_in_flight: usize) -> anyhow::Result<OpenAbSectio
             },
             capabilities: vec!["read:repo".into()],
             read_only: true,
+            max_delegated_sessions: None,
         }],
         ..OpenAbSection::default()
     })
