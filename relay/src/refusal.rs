@@ -74,8 +74,8 @@ pub enum Refusal {
     PayloadTooLarge,
     /// A `Data` or `Cancel` the store refused because storing it would pass
     /// a byte budget (`store.max_delegation_bytes` for the delegation's
-    /// logs, `store.max_peer_bytes` for everything the peer holds in the
-    /// store). Nothing was stored.
+    /// logs, `store.max_peer_bytes` for what the peer holds in its open
+    /// delegations). Nothing was stored.
     OverBudget {
         /// Which budget.
         budget: Budget,

@@ -568,7 +568,9 @@ async fn peer_byte_budget<S: EventStore>(s: &S) {
         append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 1)).await,
         over
     );
-    // The relay ends ks[0]; once it is dropped, its 400 bytes are free.
+    // The relay ends ks[0]: its 400 bytes leave the callee's budget at
+    // once, though the delegation stays stored for its retention (a budget
+    // bounds what a peer holds open).
     assert_eq!(
         append1(
             s,
@@ -581,10 +583,10 @@ async fn peer_byte_budget<S: EventStore>(s: &S) {
         AppendOutcome::Appended { seq: 2 }
     );
     assert_eq!(
-        append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 400)).await,
-        over
+        entries(s, &ks[0], Direction::Up, 0, 1).await.len(),
+        1,
+        "the finished delegation is still readable"
     );
-    assert_eq!(s.expire_finished(10 + DAY_MS).await.unwrap(), 1);
     assert_eq!(
         append1(s, sized(peer_entry(&ks[1], Direction::Up, 2), 400)).await,
         AppendOutcome::Appended { seq: 2 }
@@ -592,6 +594,29 @@ async fn peer_byte_budget<S: EventStore>(s: &S) {
     assert_eq!(
         append1(s, sized(peer_entry(&ks[1], Direction::Up, 3), 1)).await,
         over
+    );
+    // Dropping it later gives nothing back a second time.
+    assert_eq!(s.expire_finished(10 + DAY_MS).await.unwrap(), 1);
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[1], Direction::Up, 3), 1)).await,
+        over
+    );
+    // A callee's own terminal frees what it charged, in the same call (an
+    // empty one: the callee is at exactly its budget).
+    assert_eq!(
+        append1(
+            s,
+            AppendRequest {
+                terminal: Some(Outcome::Completed),
+                ..sized(peer_entry(&ks[1], Direction::Up, 3), 0)
+            }
+        )
+        .await,
+        AppendOutcome::Appended { seq: 3 }
+    );
+    assert_eq!(
+        append1(s, sized(peer_entry(&ks[2], Direction::Up, 2), 800)).await,
+        AppendOutcome::Appended { seq: 2 }
     );
 }
 
@@ -2210,10 +2235,14 @@ async fn redis_peer_budget_and_index_keys_go_away_with_their_delegations() {
     };
     assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
     assert_eq!(held(raw.clone(), "acme/caller").await, Some(150));
-    // The relay ends them all; Redis drops them 100 ms later by itself.
+    // The relay ends them all: their bytes leave both budgets at once (the
+    // hashes go with their last member); Redis drops the delegations 100 ms
+    // later by itself.
     for k in &ks {
         append1(&s, relay_entry(k, Direction::Up, 2, Some(Outcome::Expired))).await;
     }
+    assert_eq!(held(raw.clone(), CALLEE).await, None);
+    assert_eq!(held(raw.clone(), "acme/caller").await, None);
     let gone = eventually(100, Duration::from_millis(20), || {
         let mut raw = raw.clone();
         let metas: Vec<String> = ks.iter().map(|k| format!("oab:d:{{{k}}}:meta")).collect();
@@ -2228,7 +2257,6 @@ async fn redis_peer_budget_and_index_keys_go_away_with_their_delegations() {
     })
     .await;
     assert!(gone, "Redis did not drop the finished delegations");
-    assert_eq!(held(raw.clone(), CALLEE).await, Some(300));
     assert_eq!(s.expire_finished(u64::MAX).await.unwrap(), 3);
     for p in [CALLEE, "acme/caller"] {
         let n: u64 = redis::cmd("EXISTS")

@@ -52,8 +52,8 @@ struct Delegation {
     down: Log,
     up: Log,
     /// Bytes counted against the caller's (down) and the callee's (up)
-    /// [`Retention::max_peer_bytes`]; given back when the delegation is
-    /// dropped.
+    /// [`Retention::max_peer_bytes`]; given back when the delegation
+    /// finishes (or is dropped, whichever comes first).
     charged: [u64; 2],
 }
 
@@ -92,8 +92,8 @@ struct Inner {
     finished: BTreeSet<(u64, DelegationKey)>,
     descriptors: HashMap<PeerId, Bytes>,
     /// Bytes charged per peer ([`Retention::max_peer_bytes`]): the sum of
-    /// `charged` over the delegations still stored; a peer's entry is
-    /// removed when its charge drops to zero (delegations dropped).
+    /// `charged` over its open delegations; a peer's entry is removed when
+    /// its charge drops to zero.
     peer_bytes: HashMap<PeerId, u64>,
 }
 
@@ -238,6 +238,17 @@ impl Inner {
             *total = (*total + len).saturating_sub(back);
         }
         if let Some((deadline, at, callee)) = finished {
+            // A finished delegation leaves its peers' budgets at once: they
+            // bound what a peer holds open, not what retention keeps.
+            let charged = std::mem::take(&mut d.charged);
+            for (peer, bytes) in [(&req.key.caller, charged[0]), (&callee, charged[1])] {
+                if let Some(total) = self.peer_bytes.get_mut(peer) {
+                    *total = total.saturating_sub(bytes);
+                    if *total == 0 {
+                        self.peer_bytes.remove(peer);
+                    }
+                }
+            }
             for peer in [&req.key.caller, &callee] {
                 if let Some(open) = self.open_by_peer.get_mut(peer) {
                     open.remove(&req.key);

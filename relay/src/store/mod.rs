@@ -93,10 +93,11 @@ pub struct Retention {
     /// is stored, and the sender gets an error frame; relay entries are not
     /// refused.
     pub max_delegation_bytes: u64,
-    /// Bytes one peer may hold in the store: the entries it appended
-    /// (`Data`, `Cancel`) to delegations still stored, open or retained
-    /// after their terminal, less those trimmed by `max_log_entries`. Freed
-    /// when a delegation is dropped (`finished_ttl_ms` after its terminal).
+    /// Bytes one peer may hold in its open delegations: the entries it
+    /// appended (`Data`, `Cancel`), less those trimmed by `max_log_entries`.
+    /// Freed when a delegation finishes (its terminal is stored), so what
+    /// `finished_ttl_ms` retains never counts: the budget bounds what a
+    /// peer holds open, not its traffic.
     /// Overflow: the entry that would pass it is refused
     /// ([`Budget::Peer`]), nothing is stored. `Open` frames are not counted
     /// here (they are bounded by the open-delegation caps times the payload

@@ -21,7 +21,7 @@
 //! | `oab:deadlines` | zset (all scores 0) | `<deadline, 20 digits>\|<caller>#<rid>` of open delegations |
 //! | `oab:finished` | zset (all scores 0) | `<terminal ms, 20 digits>\|<caller>#<rid>\|<callee>` |
 //! | `oab:desc:{<peer>}` | string | the peer's descriptor |
-//! | `oab:pb:{<peer>}` | hash | the peer's byte budget (`max_peer_bytes`): `total`, and per delegation it sent entries to, `<caller>#<rid>` = bytes charged; a member is removed when its delegation is dropped, the hash when `total` is zero |
+//! | `oab:pb:{<peer>}` | hash | the peer's byte budget (`max_peer_bytes`): `total`, and per delegation it sent entries to, `<caller>#<rid>` = bytes charged; a member is removed when its delegation finishes (or is dropped), the hash when `total` is zero |
 //! | `oab:epoch` | string | random non-zero u64, `SET NX` on first use |
 //!
 //! The two index zsets are ordered lexicographically (`ZRANGEBYLEX`) instead of

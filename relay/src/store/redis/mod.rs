@@ -1004,8 +1004,9 @@ impl EventStore for RedisStore {
                 }
             }
             // Fused, with the callee's terminal among the entries: the
-            // finished-index keys follow, and the script moves the
-            // delegation out of the open indexes itself (the callee's set
+            // finished-index keys and both peers' budget hashes follow, and
+            // the script moves the delegation out of the open indexes and
+            // its bytes out of both budgets itself (the callee's set
             // named by the terminal's sender, which the script checks
             // against the meta's callee; otherwise it leaves the index to
             // `index_finished` below).
@@ -1018,6 +1019,8 @@ impl EventStore for RedisStore {
                                 peer_open_key(peer),
                                 DEADLINES_KEY.to_string(),
                                 FINISHED_KEY.to_string(),
+                                peer_bytes_key(&first.key.caller),
+                                peer_bytes_key(peer),
                             ]),
                             _ => None,
                         }
@@ -1170,7 +1173,19 @@ impl EventStore for RedisStore {
             .await;
         }
         if !finished.is_empty() {
-            self.index_finished(&finished).await;
+            // A finished delegation leaves its peers' budgets at once (they
+            // bound what a peer holds open, not what retention keeps), in
+            // the same round trip as the index update (a callee's own
+            // terminal on a single server: the append script did both). An
+            // entry charged meanwhile and then refused `AlreadyTerminal`
+            // gives back only what its member still holds. A failure leaves
+            // the charge until the delegation is dropped.
+            let uncharge = self.uncharge(
+                finished
+                    .iter()
+                    .flat_map(|f| [(&f.key.caller, &f.key, None), (&f.callee, &f.key, None)]),
+            );
+            tokio::join!(self.index_finished(&finished), uncharge);
         }
         Ok(outcomes)
     }

@@ -31,7 +31,9 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// down log, up log, down and up size lists, then on a single server the byte budget hash of each
 /// sender among the entries, then (when ARGV 7 is `1`) the finished-index
 /// keys: the caller's and the callee's open-delegation sets,
-/// `oab:deadlines` and `oab:finished`; ARGV maxlen, ttl, the delegation's
+/// `oab:deadlines` and `oab:finished`, and the caller's and the callee's
+/// byte budget hashes (the terminal takes the delegation's member out of
+/// both); ARGV maxlen, ttl, the delegation's
 /// caller, `max_delegation_bytes`, `max_peer_bytes`, the delegation's
 /// budget member (`<caller>#<rid>`), whether the index keys follow (`1`,
 /// on a single server for a batch with the callee's terminal, or `0`),
@@ -88,8 +90,9 @@ const OPEN_LUA: &str = include_str!("lua/open.lua");
 /// cluster's give-back adds up), `R, count` for that many entries of a run
 /// appended whole before its last (appended, nothing trimmed: one pair
 /// where there were `count`), `I, trimmed` the same, and the script moved
-/// the delegation from the open indexes to the finished one itself (with
-/// the index keys, and the callee's set being the meta callee's), `D, sender_tail`, `H, tail`, `C, tail`,
+/// the delegation from the open indexes to the finished one and its bytes
+/// out of both peers' budgets itself (with the index keys, and the callee's
+/// set and budget being the meta callee's), `D, sender_tail`, `H, tail`, `C, tail`,
 /// `T, outcome or ''` (already terminal), `P, ''` or `B, 'd'|'p'`. The
 /// stream id of an entry is its sequence (`<seq>-0`), passed to `XADD` as a
 /// string the script builds (the decimal of the sequence's tens, formatted
@@ -267,7 +270,7 @@ mod tests {
             (
                 "append",
                 APPEND_LUA,
-                "3e20a037493eb2031597659660909b3bbdebab64",
+                "c98fdb4ea963d872e4ff6ba274f3d496781923b5",
             ),
             (
                 "charge",

@@ -402,13 +402,24 @@ elseif next(pushed) and m[7] then
 end
 if term_ms and ARGV[7] == '1' and m[7] and m[8] then
   local nk = #KEYS
-  if KEYS[nk - 2] == 'oab:p:{' .. m[8] .. '}:open' then
+  if KEYS[nk - 4] == 'oab:p:{' .. m[8] .. '}:open'
+      and KEYS[nk] == 'oab:pb:{' .. m[8] .. '}' then
     local member = ARGV[6]
     local function pad(d) return string.rep('0', 20 - #d) .. d end
-    redis.call('SREM', KEYS[nk - 3], member)
-    redis.call('SREM', KEYS[nk - 2], member)
-    redis.call('ZREM', KEYS[nk - 1], pad(m[7]) .. '|' .. member)
-    redis.call('ZADD', KEYS[nk], 0, pad(term_ms) .. '|' .. member .. '|' .. m[8])
+    redis.call('SREM', KEYS[nk - 5], member)
+    redis.call('SREM', KEYS[nk - 4], member)
+    redis.call('ZREM', KEYS[nk - 3], pad(m[7]) .. '|' .. member)
+    redis.call('ZADD', KEYS[nk - 2], 0, pad(term_ms) .. '|' .. member .. '|' .. m[8])
+    -- Its bytes leave both peers' budgets: they bound what a peer holds
+    -- open, not what retention keeps.
+    for _, key in ipairs({KEYS[nk - 1], KEYS[nk]}) do
+      local held = tonumber(redis.call('HGET', key, member) or '0')
+      if held > 0 then
+        local total = redis.call('HINCRBY', key, 'total', string.format('%.0f', -held))
+        redis.call('HDEL', key, member)
+        if total <= 0 then redis.call('DEL', key) end
+      end
+    end
     out[term_at] = 'I'
   end
 end
