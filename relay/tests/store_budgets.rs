@@ -23,7 +23,7 @@ use futures_util::{SinkExt as _, StreamExt as _};
 use oab_relay::store::{EventStore, MemoryStore, RedisStore, Retention};
 use oab_testkit::raw_client::RawClient;
 use oab_testkit::redis::{Persistence, RedisServer};
-use oab_wire::{DelegationKey, Direction, ErrorCode, Frame, encode};
+use oab_wire::{DelegationKey, Direction, ErrorCode, Frame, Outcome, encode};
 
 use tokio_tungstenite::tungstenite::Message;
 
@@ -222,4 +222,71 @@ async fn a_flooding_peer_is_held_to_its_budget_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_peer_is_held_to_its_budget_in_memory() {
     flooding_peer_hits_its_budgets(Arc::new(MemoryStore::new(budgets()))).await;
+}
+
+/// The callee finishes [`FLOOD`] delegations, eight at a time, each with
+/// one 1 MiB terminal frame: four times its 16 MiB budget in all, and every
+/// frame is stored, because a finished delegation's bytes leave the budget
+/// at once (the budget bounds what a peer holds open; what retention keeps
+/// for `finished_ttl_ms` never counts). The finished delegations stay
+/// readable.
+async fn finished_work_never_counts_against_the_budget<S: EventStore>(store: Arc<S>) {
+    let env = TestEnv::new("idle_timeout_ms = 600000");
+    let relay = TestRelay::start(&env, store.clone()).await;
+    let mut a = relay.client(&env.caller).await;
+    let callee = oab_wire::InstanceId::random();
+    let big = Bytes::from(vec![0x5a; FRAME]);
+    let mut all = Vec::new();
+    for round in 0..FLOOD / 8 {
+        let names: Vec<String> = (0..8).map(|i| format!("done-{round}-{i}")).collect();
+        for n in &names {
+            a.feed(&open_frame(n, b"{}")).await.unwrap();
+        }
+        a.flush().await.unwrap();
+        for n in &names {
+            await_ack(&mut a, n, Direction::Down, 1).await;
+        }
+        let b = relay.client_as(&env.callee, callee).await;
+        let frames = names
+            .iter()
+            .map(|n| {
+                let f = data(n, Direction::Up, 1, Some(Outcome::Completed), big.clone());
+                (key(n), Direction::Up, 1, f)
+            })
+            .collect();
+        let answers = flood(b, frames).await;
+        for n in &names {
+            assert_eq!(answers[&(key(n), 1)], Ok(()), "{n} (round {round})");
+        }
+        // The caller reads the results (a caller that does not read is
+        // closed as a slow consumer, which is not what this tests).
+        let mut left: std::collections::HashSet<DelegationKey> =
+            names.iter().map(|n| key(n)).collect();
+        while !left.is_empty() {
+            recv_until(&mut a, |f| match f {
+                Frame::Data(d) if d.terminal.is_some() => Some(left.remove(&d.key)),
+                _ => None,
+            })
+            .await;
+        }
+        all.extend(names);
+    }
+    for n in &all {
+        let m = store.meta(&key(n)).await.unwrap().unwrap();
+        assert_eq!(m.terminal, Some(Outcome::Completed), "{n}");
+        assert_eq!(m.up_tail, 1, "{n}");
+    }
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_work_never_counts_against_the_budget_on_redis() {
+    let server = RedisServer::start(Persistence::None).unwrap();
+    let store = RedisStore::connect(&server.url(), budgets()).await.unwrap();
+    finished_work_never_counts_against_the_budget(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_work_never_counts_against_the_budget_in_memory() {
+    finished_work_never_counts_against_the_budget(Arc::new(MemoryStore::new(budgets()))).await;
 }
