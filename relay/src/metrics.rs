@@ -57,6 +57,10 @@ pub struct Metrics {
     /// `instance_restarted` (a new process under its name within the
     /// lease), `instance_left` (a clean shutdown).
     pub resyncs: IntCounterVec,
+    /// How long each resynchronisation took: re-reading the logs read here
+    /// and the open delegations of the peers connected here (what
+    /// retention keeps of finished ones is not read).
+    pub resync_seconds: Histogram,
     /// 1 while this instance holds the fleet-wide sweeper lease.
     pub sweeper_leader: IntGauge,
     /// Live relay instances sharing the store, as last seen.
@@ -184,6 +188,16 @@ impl Metrics {
         for p in peers {
             peer_sessions.with_label_values(&[p.as_str()]).set(0);
         }
+        let resync_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "oab_resync_seconds",
+                "Time a resynchronisation from the store took.",
+            )
+            .buckets(latency_buckets()),
+        )
+        .expect("valid metric");
+        reg.register(Box::new(resync_seconds.clone()))
+            .expect("unique metric");
         let ack_latency = Histogram::with_opts(
             HistogramOpts::new(
                 "oab_ack_latency_seconds",
@@ -328,6 +342,7 @@ impl Metrics {
             ),
             peer_sessions,
             ack_latency,
+            resync_seconds,
             store_latency,
             registry: reg,
         };

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use oab_relay::store::{AppendOutcome, AppendRequest, EventStore, Origin, RedisStore, Retention};
+use oab_relay::store::{
+    AppendOutcome, AppendRequest, EventStore, OpenRequest, Origin, RedisStore, Retention,
+};
 use oab_testkit::raw_client::RawClient;
 use oab_testkit::raw_client::{ClientError, connect};
 use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
@@ -661,4 +663,112 @@ on_both_backends! {
 async fn instance_restarted_within_its_lease_is_a_new_incarnation() {
     let redis = RedisServer::start(Persistence::Aof).unwrap();
     Box::pin(instance_restarted_within_its_lease(&redis.url())).await;
+}
+
+/// `cmdstat_<name>` calls in Redis's `INFO commandstats`.
+async fn command_calls(raw: &mut redis::aio::MultiplexedConnection, name: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(raw)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{name}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A resync reads only the open delegations of the peers connected here:
+/// 5,000 finished delegations of the callee kept for their retention add no
+/// store reads to it (before, each one cost an `HGETALL` on every resync).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_does_not_read_what_retention_keeps() {
+    const RETAINED: usize = 5_000;
+    let server = RedisServer::start(Persistence::None).unwrap();
+    let url = server.url();
+    let env = TestEnv::new("");
+    let store = RedisStore::connect(&url, Retention::default())
+        .await
+        .unwrap();
+    let now = oab_wire::identity::now_ms();
+    for chunk in (0..RETAINED).collect::<Vec<_>>().chunks(500) {
+        let mut ends = Vec::new();
+        for &i in chunk {
+            let k = key(&format!("kept-{i}"));
+            let opened = store
+                .open(OpenRequest {
+                    key: k.clone(),
+                    callee: peer(CALLEE),
+                    deadline_ms: now + 3_600_000,
+                    digest: Digest::of(b"{}"),
+                    frame: Bytes::from_static(b"open"),
+                    now_ms: now,
+                    wake: None,
+                })
+                .await
+                .unwrap();
+            assert!(matches!(opened, oab_relay::store::OpenOutcome::Created(_)));
+            ends.push(AppendRequest {
+                key: k,
+                dir: Direction::Up,
+                seq: 1,
+                terminal: Some(Outcome::Completed),
+                origin: Origin::Relay,
+                frame: Bytes::from_static(b"done"),
+                now_ms: now,
+                wake: None,
+            });
+        }
+        for o in store.append(ends).await.unwrap() {
+            assert_eq!(o, AppendOutcome::Appended { seq: 1 });
+        }
+    }
+    let relay = RelayProcess::start_with(&env, &url, &[]).await;
+    // The callee is connected here, with one open delegation.
+    let mut a = relay.client_as(&env.caller, InstanceId::random()).await;
+    let mut b = relay.client_as(&env.callee, InstanceId::random()).await;
+    a.send(&open_frame("live", b"{}")).await.unwrap();
+    await_ack(&mut a, "live", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let before = command_calls(&mut raw, "hgetall").await;
+    // The wake subscriber's connection is cut: the relay resubscribes and
+    // resynchronises.
+    let _: u64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    // Counted when the round ends.
+    for _ in 0..400 {
+        if relay.metric("oab_resync_seconds_count").await >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(relay.metric("oab_resync_seconds_count").await, 1.0);
+    assert_eq!(resyncs(&relay, "subscriber_reconnected").await, 1.0);
+    let read = command_calls(&mut raw, "hgetall").await - before;
+    eprintln!("a resync with {RETAINED} retained delegations: {read} HGETALL");
+    assert!(
+        read < 100,
+        "the resync read {read} delegation records for 1 open and {RETAINED} retained"
+    );
+    // The session still works after it.
+    a.send(&data("live", Direction::Down, 2, None, payload(2)))
+        .await
+        .unwrap();
+    recv_until(&mut b, |f| {
+        matches!(f, Frame::Data(d) if d.seq == 2).then_some(())
+    })
+    .await;
 }

@@ -273,6 +273,7 @@ impl<S: EventStore> Hub<S> {
     /// queue overflowed): re-checks every log read here against the store,
     /// and subscribes local callees to delegations opened meanwhile.
     pub async fn resync(self: &Arc<Self>, cause: ResyncCause) {
+        let started = std::time::Instant::now();
         self.metrics.wakes.with_label_values(&["resync"]).inc();
         self.metrics
             .resyncs
@@ -294,9 +295,11 @@ impl<S: EventStore> Hub<S> {
                 }
             }
         }
+        // The index of open delegations only: what retention keeps of
+        // finished ones never adds to a resync's cost.
         let sessions: Vec<PeerId> = self.sessions.lock().keys().cloned().collect();
         for peer in sessions {
-            let Ok(metas) = self.store.delegations_of(&peer).await else {
+            let Ok(metas) = self.store.open_delegations_of(&peer).await else {
                 continue;
             };
             for m in metas
@@ -306,6 +309,9 @@ impl<S: EventStore> Hub<S> {
                 self.subscribe_callee(&m.key, None, m.down_tail).await;
             }
         }
+        self.metrics
+            .resync_seconds
+            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Records the live instances from a liveness renewal, and
