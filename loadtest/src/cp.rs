@@ -44,12 +44,13 @@ fn ws_config() -> WebSocketConfig {
         .max_frame_size(Some(MAX_MESSAGE))
 }
 
-/// Dials `addr` with `key` as the bearer.
-pub async fn connect(addr: SocketAddr, key: &str) -> anyhow::Result<Ws> {
+/// Dials `addr` with `key` as the bearer; `nagle`: leave Nagle's algorithm
+/// on (no `TCP_NODELAY`), as OpenAB's own CP client does.
+pub async fn connect(addr: SocketAddr, key: &str, nagle: bool) -> anyhow::Result<Ws> {
     let tcp = TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to the CP at {addr}"))?;
-    tcp.set_nodelay(true).context("TCP_NODELAY")?;
+    tcp.set_nodelay(!nagle).context("TCP_NODELAY")?;
     let mut req = format!("ws://{addr}/cp").into_client_request()?;
     req.headers_mut()
         .insert("authorization", format!("Bearer {key}").parse()?);
@@ -282,9 +283,14 @@ pub struct Primary {
 }
 
 impl Primary {
-    /// Dials `addr`, registers as `prod/koudu`.
-    pub async fn connect(addr: SocketAddr, key: &str, target: &str) -> anyhow::Result<Primary> {
-        let mut ws = connect(addr, key).await?;
+    /// Dials `addr` (`nagle` as [`connect`]), registers as `prod/koudu`.
+    pub async fn connect(
+        addr: SocketAddr,
+        key: &str,
+        target: &str,
+        nagle: bool,
+    ) -> anyhow::Result<Primary> {
+        let mut ws = connect(addr, key, nagle).await?;
         register(&mut ws, "prod", "koudu", "primary", "bench-primary", 1).await?;
         Ok(Primary {
             ws,

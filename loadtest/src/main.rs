@@ -567,6 +567,11 @@ struct DelegationsArgs {
     /// Relay store(s) to measure.
     #[arg(long, value_enum, default_value_t = StoreArg::Redis)]
     store: StoreArg,
+    /// cp mode: the CP clients (the primary and the worker) leave Nagle's
+    /// algorithm on, as OpenAB's own client does (it sets no TCP_NODELAY);
+    /// by default they set TCP_NODELAY.
+    #[arg(long)]
+    cp_nagle: bool,
 }
 
 #[derive(Debug, Args)]
@@ -904,6 +909,7 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 seconds: a.seconds,
                 max_delegations: a.max_delegations.max(1),
                 baseline_seconds: a.baseline_seconds,
+                cp_nagle: a.cp_nagle,
             };
             scenario::delegations::run(&opts, common).await
         }

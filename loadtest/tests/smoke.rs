@@ -211,6 +211,7 @@ async fn delegations_cp_smoke_completes_every_delegation_past_the_outbound_queue
         seconds: 0.3,
         max_delegations: 600,
         baseline_seconds: 0.1,
+        cp_nagle: false,
     };
     let report = delegations::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -230,6 +231,29 @@ async fn delegations_cp_smoke_completes_every_delegation_past_the_outbound_queue
     );
 }
 
+/// CP mode with the clients' Nagle's algorithm on (as OpenAB's client):
+/// the run says so and every delegation still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegations_cp_smoke_with_nagle_on_completes_every_delegation() {
+    let opts = DelegationsOptions {
+        mode: DelegationsMode::Cp,
+        stores: vec![StoreKind::Memory],
+        in_flight: vec![1],
+        events: 0,
+        seconds: 0.3,
+        max_delegations: 50,
+        baseline_seconds: 0.1,
+        cp_nagle: true,
+    };
+    let report = delegations::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!(report.json["params"]["cp_nagle"], true);
+    for l in report.json["levels"].as_array().unwrap() {
+        assert!(l["completed"].as_u64().unwrap() > 0, "{l}");
+        assert_eq!(l["failed"], 0, "{l}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegations_smoke_verifies_every_delegation() {
     let opts = DelegationsOptions {
@@ -240,6 +264,7 @@ async fn delegations_smoke_verifies_every_delegation() {
         seconds: 0.3,
         max_delegations: 200,
         baseline_seconds: 0.2,
+        cp_nagle: false,
     };
     let report = delegations::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);

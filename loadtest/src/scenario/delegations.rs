@@ -69,6 +69,10 @@ pub struct DelegationsOptions {
     pub max_delegations: u64,
     /// Time of the raw-frame baseline per store, seconds.
     pub baseline_seconds: f64,
+    /// CP mode: the CP clients (primary and worker) leave Nagle's
+    /// algorithm on, as OpenAB's own client does; else they set
+    /// `TCP_NODELAY`.
+    pub cp_nagle: bool,
 }
 
 /// One in-flight level's figures.

@@ -142,7 +142,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
 
     // The baseline: the primary straight to a worker.
     let direct = DirectCp::start().await?;
-    let mut primary = Primary::connect(direct.addr, PRIMARY_KEY, "reviewer").await?;
+    let mut primary = Primary::connect(direct.addr, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
     for &n in &opts.in_flight {
         let r = primary
             .run(
@@ -195,7 +195,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
         callee.connected().await.context("callee connect")?;
 
         // The worker takes as many at once as the callee runtime runs.
-        let mut ws = crate::cp::connect(addr_b, WORKER_KEY).await?;
+        let mut ws = crate::cp::connect(addr_b, WORKER_KEY, opts.cp_nagle).await?;
         let max_sessions = u32::try_from(CALLEE_MAX_CONCURRENT).unwrap_or(u32::MAX);
         let beat = crate::cp::register(
             &mut ws,
@@ -207,7 +207,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
         )
         .await?;
         tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
-        let mut primary = Primary::connect(addr_a, PRIMARY_KEY, "reviewer").await?;
+        let mut primary = Primary::connect(addr_a, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
         let path = format!("relay-{}", store.name());
         for &n in &opts.in_flight {
             let r = primary
