@@ -43,6 +43,8 @@ pub mod profile;
 pub mod server;
 #[cfg(feature = "a2a")]
 mod tasks;
+#[cfg(feature = "a2a")]
+pub mod write_deadline;
 
 pub use binding::AgentBinding;
 pub use defaults::DelegationDefaults;

@@ -9,7 +9,9 @@
 //! connection that does not send a request's headers in time, whether new,
 //! sending them a byte at a time, or idle between requests, is closed. So
 //! slow or silent local connections hold the facade's tasks and sockets for
-//! that long at most.
+//! that long at most. Its writes have a deadline too
+//! ([`super::write_deadline`]): a client that stops reading is cut once
+//! one write has waited 10 s, so the drain at shutdown is bounded.
 //!
 //! Never: binds a port or chooses an address: the caller hands in the listener
 //! (the `oab-connector` binary binds `a2a.facade_listen`, which its
@@ -27,6 +29,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, debug, warn};
 
 use super::facade::Facade;
+use super::write_deadline::{FACADE_WRITE_TIMEOUT, WriteDeadline};
 
 /// Pause after a failed `accept` (out of file descriptors and the like),
 /// so the loop does not spin while the condition lasts.
@@ -62,7 +65,11 @@ pub async fn serve(
                 let mut http = hyper::server::conn::http1::Builder::new();
                 http.timer(TokioTimer::new())
                     .header_read_timeout(header_timeout);
-                let mut conn = pin!(http.serve_connection(TokioIo::new(tcp), service));
+                // A client that stops reading is cut once one write has
+                // waited FACADE_WRITE_TIMEOUT: it cannot hold this task, or
+                // the drain below, longer than that.
+                let io = WriteDeadline::new(tcp, FACADE_WRITE_TIMEOUT);
+                let mut conn = pin!(http.serve_connection(TokioIo::new(io), service));
                 let done = tokio::select! {
                     r = conn.as_mut() => Some(r),
                     () = stop.cancelled() => None,
