@@ -377,3 +377,51 @@ fn check_config_warns_about_values_that_lock_peers_out() {
         "{stderr}"
     );
 }
+
+/// Where `program` is on this process's `PATH`.
+fn on_path(program: &str) -> std::path::PathBuf {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap())
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{program} is not on PATH"))
+}
+
+/// `scripts/test --help` says what the script installs and how arguments
+/// pass to `cargo test`, and installs and runs nothing: it is answered
+/// before the first install step, with a `PATH` that holds only `dirname`
+/// (no `apt-get`, `sudo`, `redis-server` or `cargo` for it to reach).
+#[test]
+fn the_test_script_answers_help_without_installing_anything() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/test");
+    let bin = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(on_path("dirname"), bin.path().join("dirname")).unwrap();
+    for flag in ["--help", "-h"] {
+        let out = std::process::Command::new(on_path("bash"))
+            .arg(&script)
+            .arg(flag)
+            .env("PATH", bin.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{flag}: {out:?}");
+        for needed in [
+            "installs nothing",
+            "cargo test",
+            "redis-server",
+            "haproxy",
+            "chromium",
+            "podman",
+            "prometheus",
+        ] {
+            assert!(
+                text.contains(needed),
+                "{flag}: {needed:?} missing from:\n{text}"
+            );
+        }
+        assert!(
+            out.stderr.is_empty(),
+            "{flag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
