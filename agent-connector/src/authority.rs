@@ -35,10 +35,14 @@
 //! ([`AuthorityError::WritesNotAllowed`]), and a `write:` capability under
 //! read-only is refused like any other capability that is not covered.
 //!
-//! **Depth is one.** A request deeper than the policy's `max_depth` (at most
-//! [`MAX_DEPTH`]) is refused, and code serving a delegation holds a
-//! [`DelegationContext`]; asking to delegate with one in hand is refused
-//! ([`AuthorityError::NestedDelegation`]).
+//! **Depth is one by default.** A request deeper than the policy's
+//! `max_depth` ([`DEFAULT_MAX_DEPTH`] unless configured, at most
+//! [`MAX_DEPTH`]) is refused, on both sides. Code serving a delegation in
+//! this process holds a [`DelegationContext`]; asking to delegate with one
+//! in hand is refused ([`AuthorityError::NestedDelegation`]) whatever the
+//! policy: only the OpenAB endpoint starts deeper delegations, for a worker
+//! runtime that names the delegation it serves as parent
+//! (`docs/openab.md`).
 //!
 //! **Budgets** (tokens, cost, risk, output bytes, deadline): see
 //! [`clamp_budgets`] for why the caller side refuses and the callee side
@@ -56,9 +60,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::profile::{Budgets, DelegationRequest, ProfileError};
 
-/// The only delegation depth this version allows (DESIGN §9: a callee
-/// serving a delegation cannot delegate further).
-pub const MAX_DEPTH: u8 = 1;
+/// The depth a policy allows unless configured otherwise (DESIGN §9: a
+/// callee serving a delegation cannot delegate further).
+pub const DEFAULT_MAX_DEPTH: u8 = 1;
+
+/// The deepest delegation any policy may allow. The OpenAB endpoint passes
+/// at most this many ancestors along (`task.context.openab.chain`), so a
+/// chain never grows past it.
+pub const MAX_DEPTH: u8 = 8;
 
 /// Longest capability name or pattern, in bytes. Route ceilings share the
 /// `Open` header with everything else, so names stay short.
@@ -87,7 +96,7 @@ pub enum AuthorityError {
         max: u8,
     },
     /// Code serving a delegation asked to delegate further.
-    #[error("a delegation cannot delegate further (depth is one)")]
+    #[error("code serving a delegation cannot delegate further")]
     NestedDelegation,
     /// The request asks for more than the caller has left, or than the
     /// caller's policy allows.
@@ -363,7 +372,7 @@ impl RouteCeiling {
 }
 
 fn default_max_depth() -> u8 {
-    MAX_DEPTH
+    DEFAULT_MAX_DEPTH
 }
 
 /// One side's policy for delegations with a given peer: the caller's for a
@@ -378,7 +387,7 @@ pub struct Policy {
     /// Whether this side allows delegations that are not read-only.
     #[serde(default)]
     pub allow_writes: bool,
-    /// Deepest delegation accepted; 1 (the only valid value in this version).
+    /// Deepest delegation accepted, and started (1 to [`MAX_DEPTH`]).
     #[serde(default = "default_max_depth")]
     pub max_depth: u8,
     /// Budget ceiling per delegation.
@@ -393,7 +402,7 @@ impl Policy {
         if self.max_depth == 0 || self.max_depth > MAX_DEPTH {
             return Err(AuthorityError::InvalidPolicy {
                 field: "max_depth",
-                reason: "must be 1: a delegation cannot delegate further",
+                reason: "must be 1 to 8",
             });
         }
         Ok(())
@@ -601,7 +610,7 @@ pub fn authorize_end_to_end(
 
 /// Held by code that serves a delegation (the callee's executor), for as
 /// long as it serves it. Delegating with one in hand is refused
-/// ([`AuthorityError::NestedDelegation`]): depth is one. Pass it to
+/// ([`AuthorityError::NestedDelegation`]), whatever the policy's depth. Pass it to
 /// [`authorize_outgoing`] as `serving`. Deliberately not `Clone`.
 #[derive(Debug)]
 pub struct DelegationContext {
@@ -625,13 +634,12 @@ impl DelegationContext {
         &self.authority
     }
 
-    /// Whether code holding this context may delegate further: never while
-    /// depth is one.
+    /// Whether code holding this context may delegate further: never. An
+    /// executor in this process cannot say which delegation a new one
+    /// belongs to, so it cannot carry the ancestry a deeper delegation
+    /// needs; the OpenAB endpoint's workers can (`docs/openab.md`).
     pub fn check_can_delegate(&self) -> Result<(), AuthorityError> {
-        if self.authority.depth >= MAX_DEPTH {
-            return Err(AuthorityError::NestedDelegation);
-        }
-        Ok(())
+        Err(AuthorityError::NestedDelegation)
     }
 }
 
@@ -1128,8 +1136,12 @@ mod tests {
         }
         assert!(serde_json::from_value::<Policy>(base).is_ok());
         let mut deep = p;
-        deep.max_depth = 2;
-        assert_eq!(deep.validate().unwrap_err().code(), "invalid_policy");
+        deep.max_depth = MAX_DEPTH;
+        deep.validate().unwrap();
+        for bad in [0, MAX_DEPTH + 1] {
+            deep.max_depth = bad;
+            assert_eq!(deep.validate().unwrap_err().code(), "invalid_policy");
+        }
     }
 
     fn name_strategy() -> impl Strategy<Value = String> {

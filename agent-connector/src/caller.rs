@@ -706,7 +706,22 @@ impl Caller {
         peer: &PeerId,
         spec: NewDelegation,
     ) -> Result<DelegationHandle, CallerError> {
-        // Depth one: an executor serving a delegation cannot delegate further.
+        self.delegate_at_depth(peer, spec, 1).await
+    }
+
+    /// [`Caller::delegate`] for a delegation `depth` deep (1: a direct
+    /// one). Deeper ones are what the OpenAB endpoint starts for a worker
+    /// runtime that names the delegation it serves as parent; this host's
+    /// `[policy] max_depth`, the relay route's and the callee's must all
+    /// allow the depth, else it is refused (`depth_exceeded`).
+    pub async fn delegate_at_depth(
+        &self,
+        peer: &PeerId,
+        spec: NewDelegation,
+        depth: u8,
+    ) -> Result<DelegationHandle, CallerError> {
+        // An executor serving a delegation in this process cannot delegate
+        // further, at any depth.
         if crate::callee::serving().is_some() {
             return Err(AuthorityError::NestedDelegation.into());
         }
@@ -751,7 +766,7 @@ impl Caller {
             issued_ms: now,
             task: spec.task.clone(),
             capabilities: spec.capabilities.clone(),
-            depth: 1,
+            depth,
             read_only: spec.read_only,
             deadline_ms,
             budgets: spec.budgets,
@@ -785,7 +800,7 @@ impl Caller {
             key: key.clone(),
             target: peer.clone(),
             deadline_ms,
-            depth: 1,
+            depth,
             digest: Digest::of(&payload),
             ceiling: String::new(),
             payload,

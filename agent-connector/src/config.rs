@@ -382,6 +382,12 @@ pub struct PolicySection {
     /// Longest deadline accepted, ms.
     #[serde(default = "default_max_deadline_ms")]
     pub max_deadline_ms: u64,
+    /// Deepest delegation served here, and started here (1: a delegation
+    /// is never delegated further; at most [`crate::authority::MAX_DEPTH`]).
+    /// Only the OpenAB endpoint starts deeper ones
+    /// (`[openab.namespaces]`), which it may not set deeper than this.
+    #[serde(default = "default_policy_max_depth")]
+    pub max_depth: u8,
     /// Requests remembered per calling peer against replays (each until it
     /// can no longer be accepted, at most `replay_window_ms`); beyond it
     /// new ones are refused `saturated`.
@@ -395,7 +401,7 @@ pub struct PolicySection {
 }
 
 impl PolicySection {
-    /// The policy these settings give: depth one, the deadline bound, and no
+    /// The policy these settings give: the depth, the deadline bound, and no
     /// budget bound of its own (budgets come from each request). Fails on a
     /// capability pattern that does not parse (`ConnectorConfig::load` has
     /// checked them already).
@@ -405,7 +411,7 @@ impl PolicySection {
                 &self.allowed_capabilities,
             )?,
             allow_writes: self.allow_writes,
-            max_depth: 1,
+            max_depth: self.max_depth,
             budgets: crate::profile::Budgets {
                 tokens: u64::MAX,
                 cost_micros: u64::MAX,
@@ -426,6 +432,9 @@ fn default_max_concurrent_per_peer() -> usize {
 fn default_max_deadline_ms() -> u64 {
     3_600_000
 }
+fn default_policy_max_depth() -> u8 {
+    crate::authority::DEFAULT_MAX_DEPTH
+}
 fn default_max_live_requests_per_peer() -> usize {
     crate::nonce::NonceCache::DEFAULT_PER_CALLER
 }
@@ -441,6 +450,7 @@ impl Default for PolicySection {
             max_concurrent: default_max_concurrent(),
             max_concurrent_per_peer: default_max_concurrent_per_peer(),
             max_deadline_ms: default_max_deadline_ms(),
+            max_depth: default_policy_max_depth(),
             max_live_requests_per_peer: default_max_live_requests_per_peer(),
             replay_window_ms: default_replay_window_ms(),
         }
@@ -587,6 +597,11 @@ impl ConnectorConfig {
             errors.push("a2a.driver_url: must be an http:// URL of a local A2A server".into());
         }
         errors.extend(self.openab.validate());
+        let max = crate::authority::MAX_DEPTH;
+        if self.policy.max_depth == 0 || self.policy.max_depth > max {
+            errors.push(format!("policy.max_depth: must be 1 to {max}"));
+        }
+        errors.extend(self.openab.depth_problems(self.policy.max_depth));
         if self.openab.serves() && self.a2a.driver_url.is_some() {
             errors.push(
                 "openab.serve: a2a.driver_url is set too; delegations are served by one of them"

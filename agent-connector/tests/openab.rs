@@ -46,14 +46,15 @@ fn write_private(path: &Path, text: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
-/// Host A's (`side` "a") or host B's connector configuration.
+/// Host A's (`side` "a") or host B's connector configuration, with
+/// `extra` in its `[openab]` section and `policy` in its `[policy]`.
 fn config(
     env: &Env,
     dir: &Path,
     relay: std::net::SocketAddr,
     side: &str,
     port: u16,
-    extra: &str,
+    (extra, policy): (&str, &str),
 ) -> std::path::PathBuf {
     let (me, other) = match side {
         "a" => (&env.caller, &env.callee),
@@ -144,6 +145,7 @@ keys = [{{ key_id = "k1", public_key = "{key}" }}]
 allowed_capabilities = ["read:*"]
 max_concurrent = 16
 max_concurrent_per_peer = 16
+{policy}
 {openab}"#,
         relay_port = relay.port(),
         identity = identity.display(),
@@ -199,7 +201,17 @@ impl World {
     /// With `a_extra` and `b_extra` added to host A's and host B's
     /// `[openab]` sections.
     async fn start_with_both(a_extra: &str, b_extra: &str) -> World {
-        let env = Env::new("");
+        Self::start_full("", (a_extra, b_extra), "").await
+    }
+
+    /// With `relay_extra` added to the relay's configuration, the
+    /// `[openab]` extras, and `policy` added to both hosts' `[policy]`.
+    async fn start_full(
+        relay_extra: &str,
+        (a_extra, b_extra): (&str, &str),
+        policy: &str,
+    ) -> World {
+        let env = Env::new(relay_extra);
         let redis =
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
         let store = Arc::new(
@@ -209,7 +221,15 @@ impl World {
         );
         let relay = Relay::start(&env, store).await;
         let addr = relay.addr;
-        Self::around(env, redis, addr, Some(relay), None, (a_extra, b_extra)).await
+        Self::around(
+            env,
+            redis,
+            addr,
+            (Some(relay), None),
+            (a_extra, b_extra),
+            policy,
+        )
+        .await
     }
 
     /// With the relay as an `oab-relay` process (in [`World::process`]),
@@ -220,21 +240,21 @@ impl World {
             oab_testkit::redis::RedisServer::start(oab_testkit::redis::Persistence::None).unwrap();
         let relay = RelayProcess::start(&env, &redis.url()).await;
         let addr = relay.addr;
-        Self::around(env, redis, addr, None, Some(relay), ("", "")).await
+        Self::around(env, redis, addr, (None, Some(relay)), ("", ""), "").await
     }
 
     async fn around(
         env: Env,
         redis: oab_testkit::redis::RedisServer,
         relay: std::net::SocketAddr,
-        in_process: Option<Relay>,
-        process: Option<RelayProcess>,
+        (in_process, process): (Option<Relay>, Option<RelayProcess>),
         (a_extra, b_extra): (&str, &str),
+        policy: &str,
     ) -> World {
         let dir = tempfile::tempdir().unwrap();
         let (pa, pb) = (free_port(), free_port());
-        let a = start_connector(&config(&env, dir.path(), relay, "a", pa, a_extra));
-        let b = start_connector(&config(&env, dir.path(), relay, "b", pb, b_extra));
+        let a = start_connector(&config(&env, dir.path(), relay, "a", pa, (a_extra, policy)));
+        let b = start_connector(&config(&env, dir.path(), relay, "b", pb, (b_extra, policy)));
         for port in [pa, pb] {
             let until = tokio::time::Instant::now() + STEP;
             while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
@@ -426,6 +446,25 @@ impl Cp {
                 "target": { "name": target },
                 "prompt": prompt,
                 "deadline": deadline,
+            }),
+        )
+        .await
+    }
+
+    /// `cp/delegate` naming `parent` (its delegation id and admission) as
+    /// the parent, with a deadline 30 s away.
+    async fn delegate_under(&mut self, id: &str, target: &str, parent: (&str, &Value)) -> Value {
+        let deadline =
+            oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() + 30_000);
+        self.call(
+            "cp/delegate",
+            json!({
+                "delegation_id": id,
+                "target": { "name": target },
+                "prompt": format!("child {id}"),
+                "deadline": deadline,
+                "parent_delegation_id": parent.0,
+                "parent_admission": parent.1,
             }),
         )
         .await
@@ -742,22 +781,25 @@ async fn refusals_carry_the_cps_error_codes() {
         .await;
     assert_eq!(error_code(&r), -32003, "{r}");
     assert_eq!(r["error"]["message"], "deadline is in the past");
-    // Depth two: a delegation naming a parent.
-    let deadline = oab_connector::a2a::model::iso_from_ms(oab_wire::identity::now_ms() + 60_000);
+    // A parent the primary does not serve (a primary serves none).
     let r = primary
-        .call(
-            "cp/delegate",
-            json!({ "delegation_id": "d-2", "target": { "name": "reviewer" }, "prompt": "x",
-                    "deadline": deadline, "parent_delegation_id": "d-1", "parent_admission": 1 }),
-        )
+        .delegate_under("d-2", "reviewer", ("d-1", &json!(1)))
         .await;
-    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(error_code(&r), -32602, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "parent delegation d-1 is not in flight for this instance"
+    );
     // A worker may not initiate.
     let mut helper = Cp::connect(w.pa, "k-helper-0123456789").await.unwrap();
     let reg = helper.register("prod", "helper", "worker", "i-h", 1).await;
     assert!(reg.get("result").is_some(), "{reg}");
     let r = helper.delegate("d-h", "reviewer", "x").await;
     assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "workers may not initiate delegations in this namespace"
+    );
 
     // Prompts past the CP's cap (256 KiB) within the frame limit (1 MiB):
     // invalid params, nothing sent; the primary's connection stays up. (A
@@ -1314,5 +1356,193 @@ async fn the_same_id_from_two_initiators_never_reaches_one_worker_twice() {
     complete(&mut w1, &fwd1).await;
     only_result_is(&mut koudu2, "d-same", "done: second", &[]).await;
     only_result_is(&mut koudu, "d-same", "done: first", &[]).await;
+    w.stop().await;
+}
+
+/// Host B's `[[openab.targets]]` entry towards host A's worker `helper`.
+const TARGET_HELPER_ON_A: &str = r#"
+[[openab.targets]]
+name = "helper-on-a"
+peer = "acme/caller"
+remote = { name = "helper" }
+capabilities = ["read:repo"]
+
+[[openab.targets]]
+name = "helper-docs"
+peer = "acme/caller"
+remote = { name = "helper" }
+capabilities = ["read:repo", "read:docs"]
+"#;
+
+/// A namespace policy that lets workers start delegations two deep.
+const PROD_DEPTH_TWO: &str = r#"
+[openab.namespaces.prod]
+max_depth = 2
+allow_worker_initiation = true
+"#;
+
+/// Host A serving host B with its worker `helper`.
+const A_SERVES_B: &str = r#"
+[[openab.serve]]
+peer = "acme/callee"
+workers = ["prod/helper"]
+"#;
+
+/// A relay route from host B back to host A, `max_depth` deep.
+fn route_back(max_depth: u8) -> String {
+    format!(
+        "[[routes]]\nfrom = \"{CALLEE}\"\nto = \"{CALLER}\"\nmax_depth = {max_depth}\nceiling = [\"read:*\"]\n"
+    )
+}
+
+impl World {
+    /// Host A's worker `helper`, registered.
+    async fn helper(&self) -> Cp {
+        let mut cp = Cp::connect(self.pa, HELPER_KEY).await.unwrap();
+        let r = cp.register("prod", "helper", "worker", "i-helper", 1).await;
+        assert!(r.get("result").is_some(), "{r}");
+        cp
+    }
+}
+
+/// openab-cp's defaults (`max_depth` 1, no worker initiation): a worker
+/// naming the delegation it serves as parent is refused with the CP's code
+/// and text, and nothing reaches the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_worker_may_not_start_a_delegation_under_the_one_it_serves() {
+    let w = World::start_with(TARGET_HELPER_ON_A).await;
+    let mut reviewer = w.worker("i-w1", 2).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-root", "reviewer", "root task").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = reviewer.request("cp/delegate").await;
+    assert_eq!(fwd["chain"], json!(["prod/koudu"]));
+
+    let r = reviewer
+        .delegate_under("d-child", "helper-on-a", ("d-root", &fwd["admission"]))
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "workers may not initiate delegations in this namespace"
+    );
+    // The root delegation is untouched by the refusal.
+    complete(&mut reviewer, &fwd).await;
+    only_result_is(&mut primary, "d-root", "done: root task", &[]).await;
+    w.stop().await;
+}
+
+/// With `[openab.namespaces.prod] max_depth = 2, allow_worker_initiation =
+/// true` on both hosts, `[policy] max_depth = 2` on both and a relay route
+/// back allowing depth 2: a worker naming the delegation it serves as
+/// parent starts a delegation across the relay whose worker gets the grown
+/// chain; a parent it does not serve (unknown id, stale admission) is
+/// refused; one level more is over the namespace's `max_depth`; results go
+/// back up the chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_opted_in_delegates_under_its_parent_and_the_chain_grows_to_the_cap() {
+    let a = format!("{PROD_DEPTH_TWO}{A_SERVES_B}");
+    let b = format!("{PROD_DEPTH_TWO}{TARGET_HELPER_ON_A}");
+    let w = World::start_full(&route_back(2), (&a, &b), "max_depth = 2").await;
+    let mut reviewer = w.worker("i-w1", 2).await;
+    let mut helper = w.helper().await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-root", "reviewer", "root task").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = reviewer.request("cp/delegate").await;
+    assert_eq!(fwd["chain"], json!(["prod/koudu"]));
+
+    // Parents this worker does not serve: one answer for all.
+    let stale = json!(fwd["admission"].as_u64().unwrap() + 1);
+    for (parent, admission) in [("d-nope", &fwd["admission"]), ("d-root", &stale)] {
+        let r = reviewer
+            .delegate_under("d-child", "helper-on-a", (parent, admission))
+            .await;
+        assert_eq!(error_code(&r), -32602, "{r}");
+        assert_eq!(
+            r["error"]["message"],
+            format!("parent delegation {parent} is not in flight for this instance")
+        );
+    }
+    let half = reviewer
+        .call(
+            "cp/delegate",
+            json!({ "delegation_id": "d-child", "target": { "name": "helper-on-a" },
+                    "prompt": "x", "deadline": fwd["deadline"], "parent_delegation_id": "d-root" }),
+        )
+        .await;
+    assert_eq!(error_code(&half), -32602, "{half}");
+
+    // A child asking for a capability its parent does not hold.
+    let r = reviewer
+        .delegate_under("d-child", "helper-docs", ("d-root", &fwd["admission"]))
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "the target asks for more than the parent delegation holds: read:docs"
+    );
+
+    // The child: accepted, its worker on host A sees the grown chain.
+    let ack = reviewer
+        .delegate_under("d-child", "helper-on-a", ("d-root", &fwd["admission"]))
+        .await;
+    assert_eq!(ack["result"]["assigned_to"], "prod/helper", "{ack}");
+    let child = helper.request("cp/delegate").await;
+    assert_eq!(child["delegation_id"], "d-child");
+    assert_eq!(child["admission"], ack["result"]["admission"]);
+    assert_eq!(child["from"], "prod/reviewer");
+    assert_eq!(child["from_peer"], CALLEE);
+    assert_eq!(child["chain"], json!(["prod/koudu", "prod/reviewer"]));
+
+    // One level more is over max_depth 2.
+    let r = helper
+        .delegate_under("d-grandchild", "reviewer", ("d-child", &child["admission"]))
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    assert_eq!(
+        r["error"]["message"],
+        "delegation depth 3 exceeds namespace max_depth 2"
+    );
+
+    // Results go back up: the child's to the reviewer, the root's to the
+    // primary.
+    complete(&mut helper, &child).await;
+    only_result_is(&mut reviewer, "d-child", "done: child d-child", &[]).await;
+    complete(&mut reviewer, &fwd).await;
+    only_result_is(&mut primary, "d-root", "done: root task", &[]).await;
+    w.stop().await;
+}
+
+/// The child crosses the relay at its depth: with the namespace and both
+/// hosts' `[policy]` opted in but the relay route back at its default
+/// depth (1), the relay refuses it and the worker gets POLICY_DENIED
+/// naming the relay's limit; nothing reaches host A's worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_deeper_than_the_relay_route_allows_is_refused_by_the_relay() {
+    let a = format!("{PROD_DEPTH_TWO}{A_SERVES_B}");
+    let b = format!("{PROD_DEPTH_TWO}{TARGET_HELPER_ON_A}");
+    let w = World::start_full(&route_back(1), (&a, &b), "max_depth = 2").await;
+    let mut reviewer = w.worker("i-w1", 2).await;
+    let mut helper = w.helper().await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-root", "reviewer", "root task").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = reviewer.request("cp/delegate").await;
+
+    let r = reviewer
+        .delegate_under("d-child", "helper-on-a", ("d-root", &fwd["admission"]))
+        .await;
+    assert_eq!(error_code(&r), -32003, "{r}");
+    let message = r["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("the relay refused: depth_exceeded"),
+        "{r}"
+    );
+    // Host A's worker got nothing.
+    let list = helper.call("cp/list_agents", json!({})).await;
+    assert_eq!(agent(&list, "helper")["active_sessions"], 0, "{list}");
+    complete(&mut reviewer, &fwd).await;
+    only_result_is(&mut primary, "d-root", "done: root task", &[]).await;
     w.stop().await;
 }

@@ -5,7 +5,10 @@
 //! request (`task.context.openab.target`). The worker sees what the CP
 //! would hand it: the initiator's `delegation_id` and `admission`
 //! unchanged, `from` and `chain` as the initiating runtime's
-//! `namespace/name`, and the calling host in `from_peer`. The worker's
+//! `namespace/name` (`chain` the whole ancestry of a deeper delegation),
+//! and the calling host in `from_peer`. The serving entry keeps the chain,
+//! the signed depth and the deadline, which a delegation the worker starts
+//! naming this one as parent inherits ([`super::caller_side`]). The worker's
 //! `cp/delegate_result` becomes the signed result. Once forwarded, a
 //! `TASK_STATE_WORKING` status with `{"openab": {"assigned_to", "admission"}}`
 //! tells the caller side that a worker took it.
@@ -88,7 +91,7 @@ fn read_context(run: &TaskRun) -> Option<Request> {
         .map(|c| {
             c.iter()
                 .filter_map(Value::as_str)
-                .take(8)
+                .take(usize::from(crate::authority::MAX_DEPTH))
                 .map(|e| e.chars().take(256).collect())
                 .collect()
         })
@@ -173,6 +176,11 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
                             ServingFlight {
                                 caller: caller.clone(),
                                 admission,
+                                chain: req.chain.clone(),
+                                depth: run.request.depth,
+                                deadline_ms: run.request.deadline_ms,
+                                capabilities: run.authority.capabilities.clone(),
+                                read_only: run.authority.read_only,
                                 result: tx,
                             },
                         );

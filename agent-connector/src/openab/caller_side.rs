@@ -15,6 +15,14 @@
 //! and cancelled as they are, `expired` as timeout, `unknown` as
 //! target_disconnected.
 //!
+//! Depth and initiation follow the initiator's namespace policy
+//! (`[openab.namespaces.<ns>]`, openab-cp's `max_depth` and
+//! `allow_worker_initiation`, checked in openab-cp's order): a runtime that
+//! names as parent (`parent_delegation_id` with `parent_admission`) a
+//! delegation it serves starts one a level deeper, carrying the parent's
+//! chain with the initiator appended, at the relay at that depth, and with
+//! a deadline no later than the parent's.
+//!
 //! As in the CP, whoever removes a delegation's entry owns its end: the
 //! terminal (delivered to the connection that started it), `cp/cancel`
 //! (cancelled across the relay, nothing delivered afterwards), or that
@@ -66,18 +74,6 @@ pub(crate) fn delegate(
             texts::duplicate(&p.delegation_id),
         ));
     }
-    if agent_type == AgentType::Worker {
-        return Err(RpcError::new(
-            codes::POLICY_DENIED,
-            "workers may not initiate delegations in this namespace",
-        ));
-    }
-    if p.parent_delegation_id.is_some() || p.parent_admission.is_some() {
-        return Err(RpcError::new(
-            codes::POLICY_DENIED,
-            "delegation depth 2 exceeds max_depth 1",
-        ));
-    }
     if p.delegation_id.is_empty() || p.delegation_id.len() > 256 {
         return Err(RpcError::new(
             codes::INVALID_PARAMS,
@@ -93,6 +89,7 @@ pub(crate) fn delegate(
             ),
         ));
     }
+    let parent = parent_of(shared, handle, &p)?;
     if !p.target.is_valid() {
         return Err(RpcError::new(
             codes::INVALID_PARAMS,
@@ -101,17 +98,6 @@ pub(crate) fn delegate(
     }
     let deadline_ms = crate::a2a::model::ms_from_iso(&p.deadline)
         .ok_or_else(|| RpcError::new(codes::INVALID_PARAMS, "deadline must be an RFC 3339 time"))?;
-    let now = oab_wire::identity::now_ms();
-    if deadline_ms <= now {
-        return Err(RpcError::new(codes::POLICY_DENIED, texts::DEADLINE_PAST));
-    }
-    let max = shared.cfg.max_deadline_secs;
-    if deadline_ms - now > max.saturating_mul(1000) {
-        return Err(RpcError::new(
-            codes::POLICY_DENIED,
-            texts::deadline_too_long(max),
-        ));
-    }
     let Some((target_index, target)) = shared
         .cfg
         .targets
@@ -124,6 +110,67 @@ pub(crate) fn delegate(
     let Some(caller) = shared.caller.get().cloned() else {
         return Err(RpcError::new(codes::NO_TARGET, texts::NO_TARGET));
     };
+    // The initiator's namespace's policy, in the CP's order: role, depth,
+    // deadline.
+    let namespace = logical.split('/').next().unwrap_or_default();
+    let policy = shared.cfg.policy_for(namespace);
+    if agent_type == AgentType::Worker && !policy.allow_worker_initiation {
+        return Err(RpcError::new(
+            codes::POLICY_DENIED,
+            texts::WORKER_INITIATION,
+        ));
+    }
+    let depth = parent.as_ref().map_or(1, |a| u32::from(a.depth) + 1);
+    let depth = match u8::try_from(depth) {
+        Ok(d) if d <= policy.max_depth => d,
+        _ => {
+            return Err(RpcError::new(
+                codes::POLICY_DENIED,
+                texts::depth_exceeded(depth, policy.max_depth),
+            ));
+        }
+    };
+    // Authority only shrinks down a chain: a child asks for nothing its
+    // parent does not hold, and writes only under a parent that may.
+    if let Some(a) = &parent {
+        let extra: Vec<&str> = target
+            .capabilities
+            .iter()
+            .filter(|c| !a.capabilities.contains(c))
+            .map(String::as_str)
+            .collect();
+        if !extra.is_empty() {
+            return Err(RpcError::new(
+                codes::POLICY_DENIED,
+                texts::beyond_parent(&extra),
+            ));
+        }
+        if a.read_only && !target.read_only {
+            return Err(RpcError::new(
+                codes::POLICY_DENIED,
+                texts::beyond_parent(&["writes"]),
+            ));
+        }
+    }
+    let now = oab_wire::identity::now_ms();
+    if deadline_ms <= now {
+        return Err(RpcError::new(codes::POLICY_DENIED, texts::DEADLINE_PAST));
+    }
+    let max = shared.cfg.max_deadline_secs;
+    if deadline_ms - now > max.saturating_mul(1000) {
+        return Err(RpcError::new(
+            codes::POLICY_DENIED,
+            texts::deadline_too_long(max),
+        ));
+    }
+    if parent.as_ref().is_some_and(|a| deadline_ms > a.deadline_ms) {
+        return Err(RpcError::new(
+            codes::POLICY_DENIED,
+            texts::DEADLINE_EXCEEDS_PARENT,
+        ));
+    }
+    let mut chain = parent.map(|a| a.chain).unwrap_or_default();
+    chain.push(logical.clone());
     let admission = shared.next_admission();
     let (cancel_tx, cancel_rx) = oneshot::channel();
     {
@@ -164,7 +211,13 @@ pub(crate) fn delegate(
         request_id: None,
         task: Task {
             text: p.prompt,
-            context: openab_context(&p.delegation_id, admission, &logical, &target.remote),
+            context: openab_context(
+                &p.delegation_id,
+                admission,
+                &logical,
+                &chain,
+                &target.remote,
+            ),
             a2a_message: None,
         },
         capabilities: target.capabilities.clone(),
@@ -184,11 +237,59 @@ pub(crate) fn delegate(
         rpc_id,
         conn: handle,
         peer: target.peer.clone(),
+        depth,
         cancel: cancel_rx,
     };
-    let span = tracing::info_span!("openab_delegation", runtime = %logical, delegation = %p.delegation_id, admission);
+    let span = tracing::info_span!("openab_delegation", runtime = %logical, delegation = %p.delegation_id, admission, depth);
     tokio::spawn(flight.run(caller, spec).instrument(span));
     Ok(())
+}
+
+/// What a delegation inherits from the parent its initiator names.
+struct Ancestry {
+    chain: Vec<String>,
+    depth: u8,
+    deadline_ms: u64,
+    capabilities: Vec<String>,
+    read_only: bool,
+}
+
+/// The parent `p` names, as the CP resolves it: both `parent_delegation_id`
+/// and `parent_admission`, naming a delegation this connection serves under
+/// that admission. An unknown parent, another connection's and a stale
+/// admission get the same answer, so nothing about other delegations can
+/// be learned from it.
+fn parent_of(
+    shared: &Shared,
+    handle: u64,
+    p: &DelegateParams,
+) -> Result<Option<Ancestry>, RpcError> {
+    match (&p.parent_delegation_id, p.parent_admission) {
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(RpcError::new(
+            codes::INVALID_PARAMS,
+            texts::PARENT_ID_WITHOUT_ADMISSION,
+        )),
+        (None, Some(_)) => Err(RpcError::new(
+            codes::INVALID_PARAMS,
+            texts::PARENT_ADMISSION_WITHOUT_ID,
+        )),
+        (Some(pid), Some(admission)) => shared
+            .serving
+            .lock()
+            .get(&(handle, pid.clone()))
+            .filter(|f| f.admission == admission)
+            .map(|f| {
+                Some(Ancestry {
+                    chain: f.chain.clone(),
+                    depth: f.depth,
+                    deadline_ms: f.deadline_ms,
+                    capabilities: f.capabilities.clone(),
+                    read_only: f.read_only,
+                })
+            })
+            .ok_or_else(|| RpcError::new(codes::INVALID_PARAMS, texts::parent_not_in_flight(pid))),
+    }
 }
 
 /// What the callee side reads from `task.context.openab`.
@@ -196,6 +297,7 @@ fn openab_context(
     delegation_id: &str,
     admission: u64,
     from: &str,
+    chain: &[String],
     remote: &proto::TargetSelector,
 ) -> serde_json::Map<String, Value> {
     let mut m = serde_json::Map::new();
@@ -205,7 +307,7 @@ fn openab_context(
             "delegation_id": delegation_id,
             "admission": admission,
             "from": from,
-            "chain": [from],
+            "chain": chain,
             "target": remote,
         }),
     );
@@ -258,6 +360,8 @@ struct Flight {
     /// there).
     conn: u64,
     peer: oab_wire::PeerId,
+    /// The delegation's depth (1, or its parent's + 1).
+    depth: u8,
     /// The cancel (the primary's `cp/cancel`, or its connection ending).
     cancel: oneshot::Receiver<String>,
 }
@@ -273,7 +377,7 @@ enum End {
 
 impl Flight {
     async fn run(mut self, caller: crate::Caller, spec: NewDelegation) {
-        let handle = match caller.delegate(&self.peer, spec).await {
+        let handle = match caller.delegate_at_depth(&self.peer, spec, self.depth).await {
             Ok(h) => h,
             Err(e) => {
                 let code = match &e {

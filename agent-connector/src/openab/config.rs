@@ -126,6 +126,42 @@ pub struct OpenAbSection {
     /// Callee side: which remote peers may reach which local workers.
     #[serde(default)]
     pub serve: Vec<OpenAbServe>,
+    /// Delegation policy per namespace (openab-cp's `[namespaces.<ns>]`);
+    /// a namespace not listed has the defaults: depth one, workers do not
+    /// initiate.
+    #[serde(default)]
+    pub namespaces: BTreeMap<String, NamespacePolicy>,
+}
+
+/// `[openab.namespaces.<ns>]`: how deep delegations started by this
+/// namespace's runtimes may go, and whether its workers may start any
+/// (openab-cp's names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespacePolicy {
+    /// Deepest delegation a runtime of the namespace may start: 1 is
+    /// primary -> worker only; 2 lets a worker name the delegation it
+    /// serves as parent. At most `[policy] max_depth`, since every
+    /// delegation this endpoint starts crosses the relay at its depth.
+    #[serde(default = "default_ns_max_depth")]
+    pub max_depth: u8,
+    /// Whether the namespace's workers may start delegations (the depth
+    /// still applies).
+    #[serde(default)]
+    pub allow_worker_initiation: bool,
+}
+
+fn default_ns_max_depth() -> u8 {
+    1
+}
+
+impl Default for NamespacePolicy {
+    fn default() -> Self {
+        NamespacePolicy {
+            max_depth: default_ns_max_depth(),
+            allow_worker_initiation: false,
+        }
+    }
 }
 
 fn default_heartbeat() -> u64 {
@@ -191,6 +227,7 @@ impl Default for OpenAbSection {
             runtimes: Vec::new(),
             targets: Vec::new(),
             serve: Vec::new(),
+            namespaces: BTreeMap::new(),
         }
     }
 }
@@ -282,6 +319,30 @@ pub struct OpenAbServe {
 }
 
 impl OpenAbSection {
+    /// The policy of `namespace` (the defaults when it is not listed).
+    pub fn policy_for(&self, namespace: &str) -> NamespacePolicy {
+        self.namespaces.get(namespace).copied().unwrap_or_default()
+    }
+
+    /// Namespaces that allow deeper delegations than `policy_max_depth`
+    /// (`[policy] max_depth`) would let through: refused at load rather
+    /// than promised and then refused at each delegation.
+    pub fn depth_problems(&self, policy_max_depth: u8) -> Vec<String> {
+        self.namespaces
+            .iter()
+            .filter(|(_, p)| p.max_depth > policy_max_depth)
+            .map(|(ns, p)| {
+                format!(
+                    "openab.namespaces.{ns}.max_depth: {} is deeper than policy.max_depth ({policy_max_depth}); \
+                     a delegation deeper than [policy] allows is refused before it is sent. Raise \
+                     policy.max_depth here (and the relay route's max_depth, and the callee's \
+                     policy.max_depth), or lower this",
+                    p.max_depth
+                )
+            })
+            .collect()
+    }
+
     /// Whether this host serves remote delegations through the endpoint.
     pub fn serves(&self) -> bool {
         self.listen.is_some() && !self.serve.is_empty()
@@ -376,6 +437,14 @@ impl OpenAbSection {
                 ));
             }
         }
+        for (ns, p) in &self.namespaces {
+            let max = crate::authority::MAX_DEPTH;
+            if p.max_depth == 0 || p.max_depth > max {
+                errors.push(format!(
+                    "openab.namespaces.{ns}.max_depth: must be 1 to {max}"
+                ));
+            }
+        }
         for (i, s) in self.serve.iter().enumerate() {
             if s.workers.is_empty() {
                 errors.push(format!("openab.serve[{i}].workers: list at least one"));
@@ -459,6 +528,50 @@ workers = ["prod/nobody"]
         ] {
             assert!(errors.contains(field), "{field} missing from:\n{errors}");
         }
+    }
+
+    #[test]
+    fn namespace_policies_default_to_depth_one_and_no_worker_initiation() {
+        let s = parse(
+            r#"
+[namespaces.prod]
+max_depth = 2
+allow_worker_initiation = true
+
+[namespaces.dev]
+
+[namespaces.bad]
+max_depth = 0
+"#,
+        );
+        assert_eq!(s.policy_for("other"), NamespacePolicy::default());
+        assert_eq!(s.policy_for("dev"), NamespacePolicy::default());
+        assert_eq!(
+            s.policy_for("prod"),
+            NamespacePolicy {
+                max_depth: 2,
+                allow_worker_initiation: true
+            }
+        );
+        let errors = s.validate().join("\n");
+        assert!(
+            errors.contains("openab.namespaces.bad.max_depth: must be 1 to 8"),
+            "{errors}"
+        );
+        // Deeper than [policy] lets through: refused at load, naming both.
+        let problems = s.depth_problems(1);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].starts_with(
+                "openab.namespaces.prod.max_depth: 2 is deeper than policy.max_depth (1)"
+            ),
+            "{problems:?}"
+        );
+        assert!(s.depth_problems(2).is_empty());
+        assert!(
+            toml::from_str::<OpenAbSection>("[namespaces.prod]\nmax_dept = 2").is_err(),
+            "unknown namespace fields are refused"
+        );
     }
 
     #[test]

@@ -14,8 +14,10 @@
 //!
 //! Never: logs or shows a bearer key; trusts a frame's identity claims
 //! (everything derives from the key the connection presented); queues a
-//! delegation it cannot serve now (SATURATED fails fast); or lets a
-//! delegation received from a remote peer start another one (depth one).
+//! delegation it cannot serve now (SATURATED fails fast); or starts a
+//! delegation deeper than one unless the initiator's namespace allows it
+//! (`[openab.namespaces]`) and the initiator serves the parent it names:
+//! then the new delegation carries the parent's chain and depth + 1.
 
 pub mod callee_side;
 pub mod caller_side;
@@ -157,6 +159,17 @@ pub(crate) struct ServingFlight {
     /// The calling peer (the relay authenticated it).
     pub(crate) caller: oab_wire::PeerId,
     pub(crate) admission: u64,
+    /// What a delegation the worker starts naming this one as parent
+    /// inherits: the ancestry as the calling peer sent it (root first, at
+    /// most `authority::MAX_DEPTH` entries), the signed depth, and the
+    /// signed deadline (a child may not outlive it).
+    pub(crate) chain: Vec<String>,
+    pub(crate) depth: u8,
+    pub(crate) deadline_ms: u64,
+    /// The authority it runs with: a child may ask for no capability
+    /// outside it, and must be read-only when it is.
+    pub(crate) capabilities: Vec<String>,
+    pub(crate) read_only: bool,
     pub(crate) result: oneshot::Sender<DelegateResultParams>,
 }
 

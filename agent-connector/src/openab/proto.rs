@@ -88,6 +88,45 @@ pub mod texts {
     pub fn duplicate(delegation_id: &str) -> String {
         format!("delegation {delegation_id} is already in flight")
     }
+
+    /// POLICY_DENIED: a worker initiating where its namespace does not
+    /// allow it.
+    pub const WORKER_INITIATION: &str = "workers may not initiate delegations in this namespace";
+
+    /// POLICY_DENIED: the new delegation would be deeper than the
+    /// namespace's `max_depth`.
+    pub fn depth_exceeded(would_be: u32, max: u8) -> String {
+        format!("delegation depth {would_be} exceeds namespace max_depth {max}")
+    }
+
+    /// POLICY_DENIED: a child asking for more than its parent holds (not
+    /// a CP text: openab-cp has no capabilities).
+    pub fn beyond_parent(what: &[&str]) -> String {
+        format!(
+            "the target asks for more than the parent delegation holds: {}",
+            what.join(", ")
+        )
+    }
+
+    /// POLICY_DENIED: a child's deadline after its parent's.
+    pub const DEADLINE_EXCEEDS_PARENT: &str =
+        "child deadline exceeds the parent's remaining budget";
+
+    /// INVALID_PARAMS: the named parent is not a delegation this
+    /// connection serves under that admission (unknown, another's, or
+    /// stale: one answer for all).
+    pub fn parent_not_in_flight(parent: &str) -> String {
+        format!("parent delegation {parent} is not in flight for this instance")
+    }
+
+    /// INVALID_PARAMS: a parent id without its admission.
+    pub const PARENT_ID_WITHOUT_ADMISSION: &str = "parent_delegation_id requires parent_admission: name the \
+         admission token this instance was forwarded for that parent \
+         (a delegation id alone is reusable and cannot identify it)";
+
+    /// INVALID_PARAMS: a parent admission without its id.
+    pub const PARENT_ADMISSION_WITHOUT_ID: &str = "parent_admission is meaningless without parent_delegation_id: \
+         omit both for a root delegation, or send both";
 }
 
 /// Any incoming message; requests, responses and errors differ by fields.
