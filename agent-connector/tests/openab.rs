@@ -1546,3 +1546,99 @@ async fn a_child_deeper_than_the_relay_route_allows_is_refused_by_the_relay() {
     only_result_is(&mut primary, "d-root", "done: root task", &[]).await;
     w.stop().await;
 }
+
+/// An endpoint run in this process with one worker identity, `prod/reviewer`
+/// under `WORKER_KEY`: what a host embedding the connector sees of it.
+async fn in_process_worker_endpoint() -> (
+    oab_connector::openab::OpenAbEndpoint,
+    u16,
+    tokio_util::sync::CancellationToken,
+) {
+    use oab_connector::openab::config::OpenAbRuntime;
+    use oab_connector::openab::proto::AgentType;
+    use oab_connector::openab::{OpenAbEndpoint, OpenAbSection, RuntimeKeys};
+    let section = OpenAbSection {
+        runtimes: vec![OpenAbRuntime {
+            namespace: "prod".into(),
+            name: "reviewer".into(),
+            agent_type: AgentType::Worker,
+            key_file: None,
+            key_env: None,
+            max_delegated_sessions_cap: Some(3),
+        }],
+        ..OpenAbSection::default()
+    };
+    let endpoint = OpenAbEndpoint::new(
+        section,
+        RuntimeKeys::from_secrets([(WORKER_KEY, 0)]).expect("the key is usable"),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(oab_connector::openab::serve(
+        listener,
+        endpoint.clone(),
+        stop.clone(),
+    ));
+    (endpoint, port, stop)
+}
+
+#[tokio::test]
+async fn the_registry_lists_each_registration_and_expiring_the_leases_drops_and_closes_them() {
+    let (endpoint, port, stop) = in_process_worker_endpoint().await;
+    assert!(endpoint.registrations().is_empty());
+
+    // A connection counts against its identity from the upgrade on.
+    let mut w = Cp::connect(port, WORKER_KEY).await.unwrap();
+    assert_eq!(endpoint.connection_count("prod/reviewer"), 1);
+    assert!(endpoint.registrations().is_empty(), "not registered yet");
+    let r = w.register("prod", "reviewer", "worker", "i-reg", 5).await;
+    assert!(r.get("result").is_some(), "{r}");
+    let regs = endpoint.registrations();
+    assert_eq!(regs.len(), 1, "{regs:?}");
+    assert_eq!(
+        (regs[0].namespace.as_str(), regs[0].name.as_str()),
+        ("prod", "reviewer")
+    );
+    assert_eq!(regs[0].instance_id, "i-reg");
+    assert_eq!(regs[0].max_delegated_sessions, 3, "clamped by the cap");
+    assert_eq!(regs[0].active_sessions, 0);
+    let first = regs[0].handle;
+
+    // Expiring the leases drops the registration before it returns, then
+    // closes the connection as a lapsed lease does.
+    assert_eq!(endpoint.expire_leases(), 1);
+    assert!(endpoint.registrations().is_empty());
+    match tokio::time::timeout(STEP, w.ws.next()).await.unwrap() {
+        Some(Ok(Message::Close(Some(f)))) => {
+            assert_eq!(u16::from(f.code), 1008);
+            assert_eq!(f.reason.as_str(), "lease expired");
+        }
+        other => panic!("expected a 1008 close, got {other:?}"),
+    }
+    drop(w);
+
+    // The identity's place is given back when the connection ends, and the
+    // runtime registers again on a new connection.
+    let mut again = tokio::time::timeout(STEP, async {
+        loop {
+            match Cp::connect(port, WORKER_KEY).await {
+                Ok(cp) => break cp,
+                Err(status) => {
+                    assert_eq!(status, 503, "only the quota may refuse");
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the identity's place is given back");
+    let r = again
+        .register("prod", "reviewer", "worker", "i-reg", 5)
+        .await;
+    assert!(r.get("result").is_some(), "{r}");
+    let regs = endpoint.registrations();
+    assert_eq!(regs.len(), 1);
+    assert_ne!(regs[0].handle, first, "a new connection, a new handle");
+    stop.cancel();
+}

@@ -96,6 +96,89 @@ impl OpenAbEndpoint {
             shared: self.shared.clone(),
         }
     }
+
+    /// The registered runtimes, one per connection, in no particular order:
+    /// what openab-cp's registry lists (`Registry::list`), for every
+    /// namespace.
+    pub fn registrations(&self) -> Vec<Registration> {
+        self.shared
+            .conns
+            .lock()
+            .iter()
+            .map(|(handle, c)| {
+                let (namespace, name) = c.logical.split_once('/').unwrap_or(("", &c.logical));
+                Registration {
+                    handle: *handle,
+                    namespace: namespace.to_string(),
+                    name: name.to_string(),
+                    agent_type: c.agent_type,
+                    instance_id: c.instance_id.clone(),
+                    labels: c.labels.clone(),
+                    max_delegated_sessions: c.max_sessions,
+                    active_sessions: c.active,
+                }
+            })
+            .collect()
+    }
+
+    /// The connections open for the identity `namespace/name`, registered
+    /// or not (what counts against `max_connections_per_identity`).
+    pub fn connection_count(&self, identity: &str) -> usize {
+        self.shared
+            .identities
+            .lock()
+            .get(identity)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Ends every registration at once as a lapsed lease does: each one is
+    /// dropped from the registry before this returns (the delegations its
+    /// worker served end target_disconnected, the ones its primary started
+    /// are cancelled) and its connection is closed 1008 "lease expired".
+    /// Returns how many there were. The operator's lever, and the
+    /// counterpart of openab-cp's lease sweep with a zero window.
+    pub fn expire_leases(&self) -> usize {
+        let conns: Vec<(u64, mpsc::Sender<Outbound>, CancellationToken)> = self
+            .shared
+            .conns
+            .lock()
+            .iter()
+            .map(|(h, c)| (*h, c.tx.clone(), c.close.clone()))
+            .collect();
+        for (handle, tx, close) in &conns {
+            self.shared.deregister(*handle);
+            if tx
+                .try_send(Outbound::Close(server::POLICY, "lease expired"))
+                .is_err()
+            {
+                close.cancel();
+            }
+        }
+        conns.len()
+    }
+}
+
+/// One registered runtime connection, as [`OpenAbEndpoint::registrations`]
+/// lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// This endpoint's handle for the connection (new on every connection).
+    pub handle: u64,
+    /// The namespace of the identity it registered as.
+    pub namespace: String,
+    /// The name of the identity it registered as.
+    pub name: String,
+    /// Primary or worker.
+    pub agent_type: AgentType,
+    /// The runtime process's id, as it registered.
+    pub instance_id: String,
+    /// The labels it registered with.
+    pub labels: BTreeMap<String, String>,
+    /// The effective `max_delegated_sessions` (after the cap).
+    pub max_delegated_sessions: u32,
+    /// Delegations the runtime serves right now (workers).
+    pub active_sessions: u32,
 }
 
 /// A frame towards one runtime.

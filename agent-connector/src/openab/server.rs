@@ -51,7 +51,7 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// WebSocket close code "policy violation", with the CP's reasons.
-const POLICY: u16 = 1008;
+pub(crate) const POLICY: u16 = 1008;
 
 /// One of an identity's `max_connections_per_identity` places, held from
 /// the upgrade to the connection's end; dropping it gives the place back
