@@ -47,11 +47,29 @@ fn ws_config() -> WebSocketConfig {
 /// Dials `addr` with `key` as the bearer; `nagle`: leave Nagle's algorithm
 /// on (no `TCP_NODELAY`), as OpenAB's own CP client does.
 pub async fn connect(addr: SocketAddr, key: &str, nagle: bool) -> anyhow::Result<Ws> {
-    let tcp = TcpStream::connect(addr)
+    connect_url(&format!("ws://{addr}/cp"), key, nagle).await
+}
+
+/// Dials the CP at `url` (`ws://host:port/path`; the path is the server's
+/// own, e.g. openab-cp's `/cp`) with `key` as the bearer; `nagle` as
+/// [`connect`]. `wss://` is refused: the clients here speak plain TCP.
+pub async fn connect_url(url: &str, key: &str, nagle: bool) -> anyhow::Result<Ws> {
+    let uri: tokio_tungstenite::tungstenite::http::Uri = url
+        .parse()
+        .with_context(|| format!("--cp-url {url:?} is not a URL"))?;
+    anyhow::ensure!(
+        uri.scheme_str() == Some("ws"),
+        "--cp-url {url:?}: only ws:// is supported"
+    );
+    let host = uri
+        .host()
+        .with_context(|| format!("--cp-url {url:?} names no host"))?;
+    let port = uri.port_u16().unwrap_or(80);
+    let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port))
         .await
-        .with_context(|| format!("connecting to the CP at {addr}"))?;
+        .with_context(|| format!("connecting to the CP at {url}"))?;
     tcp.set_nodelay(!nagle).context("TCP_NODELAY")?;
-    let mut req = format!("ws://{addr}/cp").into_client_request()?;
+    let mut req = url.into_client_request()?;
     req.headers_mut()
         .insert("authorization", format!("Bearer {key}").parse()?);
     let (ws, _) = tokio_tungstenite::client_async_with_config(req, tcp, Some(ws_config()))
@@ -290,7 +308,17 @@ impl Primary {
         target: &str,
         nagle: bool,
     ) -> anyhow::Result<Primary> {
-        let mut ws = connect(addr, key, nagle).await?;
+        Self::connect_url(&format!("ws://{addr}/cp"), key, target, nagle).await
+    }
+
+    /// [`Primary::connect`] to the CP at `url` (see [`connect_url`]).
+    pub async fn connect_url(
+        url: &str,
+        key: &str,
+        target: &str,
+        nagle: bool,
+    ) -> anyhow::Result<Primary> {
+        let mut ws = connect_url(url, key, nagle).await?;
         register(&mut ws, "prod", "koudu", "primary", "bench-primary", 1).await?;
         Ok(Primary {
             ws,

@@ -572,6 +572,16 @@ struct DelegationsArgs {
     /// by default they set TCP_NODELAY.
     #[arg(long)]
     cp_nagle: bool,
+    /// cp mode: measure the external CP server at this URL
+    /// (`ws://host:port/path`, e.g. an openab-cp's `ws://127.0.0.1:9800/cp`)
+    /// instead of the direct and relay paths. The primary and the worker
+    /// both connect to it, as OAB runtimes do to openab-cp; its config must
+    /// bind the key `bench-primary-key-0123456789` to the primary
+    /// `prod/koudu` and `bench-worker-key-0123456789` to the worker
+    /// `prod/reviewer` (with a `max_delegated_sessions_cap` at least the
+    /// largest --in-flight).
+    #[arg(long, value_name = "URL")]
+    cp_url: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -910,7 +920,11 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 max_delegations: a.max_delegations.max(1),
                 baseline_seconds: a.baseline_seconds,
                 cp_nagle: a.cp_nagle,
+                cp_url: a.cp_url.clone(),
             };
+            if opts.cp_url.is_some() && opts.mode != DelegationsMode::Cp {
+                anyhow::bail!("--cp-url needs --mode cp");
+            }
             scenario::delegations::run(&opts, common).await
         }
         Command::CancelRace(a) => {

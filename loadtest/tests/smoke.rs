@@ -212,6 +212,7 @@ async fn delegations_cp_smoke_completes_every_delegation_past_the_outbound_queue
         max_delegations: 600,
         baseline_seconds: 0.1,
         cp_nagle: false,
+        cp_url: None,
     };
     let report = delegations::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -244,6 +245,7 @@ async fn delegations_cp_smoke_with_nagle_on_completes_every_delegation() {
         max_delegations: 50,
         baseline_seconds: 0.1,
         cp_nagle: true,
+        cp_url: None,
     };
     let report = delegations::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -265,6 +267,7 @@ async fn delegations_smoke_verifies_every_delegation() {
         max_delegations: 200,
         baseline_seconds: 0.2,
         cp_nagle: false,
+        cp_url: None,
     };
     let report = delegations::run(&opts, &common()).await.unwrap();
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -314,4 +317,135 @@ async fn slow_consumer_smoke_resumes_every_frame_exactly_once() {
     // Whether the relay cut it or only replayed, the outcome is recorded.
     assert!(res["stalled_disconnect"].as_str().is_some(), "{res}");
     assert!(res["rss"]["samples"].as_u64().unwrap() > 0, "{res}");
+}
+
+/// A stand-in for an external CP server such as openab-cp, only as much as
+/// `--cp-url` needs: every connection registers; a primary's `cp/delegate`
+/// is acked (with an admission and the worker's name) and forwarded to the
+/// registered worker, whose `cp/delegate_result` goes back to the primary.
+/// Counts the delegations it routed.
+async fn stub_cp_hub(
+    listener: tokio::net::TcpListener,
+    routed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use serde_json::{Value, json};
+    use std::sync::atomic::Ordering;
+    use tokio::sync::mpsc;
+    use tokio_tungstenite::tungstenite::Message;
+
+    type Tx = mpsc::UnboundedSender<String>;
+    let worker: std::sync::Arc<tokio::sync::Mutex<Option<Tx>>> = Default::default();
+    let primary: std::sync::Arc<tokio::sync::Mutex<Option<Tx>>> = Default::default();
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            return;
+        };
+        let (worker, primary, routed) = (worker.clone(), primary.clone(), routed.clone());
+        tokio::spawn(async move {
+            let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
+                return;
+            };
+            let (mut sink, mut stream) = ws.split();
+            let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+            tokio::spawn(async move {
+                while let Some(t) = rx.recv().await {
+                    if sink.send(Message::text(t)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut admission = 0u64;
+            while let Some(Ok(msg)) = stream.next().await {
+                let Message::Text(t) = msg else { continue };
+                let m: Value = serde_json::from_str(t.as_str()).unwrap();
+                let (id, params) = (m["id"].clone(), m["params"].clone());
+                let answer = |result: Value| json!({"jsonrpc": "2.0", "id": id, "result": result});
+                match m["method"].as_str() {
+                    Some("cp/register") => {
+                        let slot = if params["type"] == "worker" {
+                            &worker
+                        } else {
+                            &primary
+                        };
+                        *slot.lock().await = Some(tx.clone());
+                        let ack = answer(json!({
+                            "protocol_version": 1, "heartbeat_interval_secs": 15,
+                            "lease_expiry_secs": 45,
+                            "effective_max_delegated_sessions": params["max_delegated_sessions"],
+                        }));
+                        let _ = tx.send(ack.to_string());
+                    }
+                    Some("cp/delegate") => {
+                        admission += 1;
+                        let d = params["delegation_id"].clone();
+                        let ack = answer(json!({
+                            "delegation_id": d, "admission": admission,
+                            "assigned_to": "prod/reviewer",
+                        }));
+                        let _ = tx.send(ack.to_string());
+                        let fwd = json!({"jsonrpc": "2.0", "id": admission, "method": "cp/delegate",
+                            "params": {"delegation_id": d, "admission": admission,
+                                "prompt": params["prompt"], "deadline": params["deadline"],
+                                "from": "prod/koudu", "chain": ["prod/koudu"]}});
+                        if let Some(w) = worker.lock().await.as_ref() {
+                            let _ = w.send(fwd.to_string());
+                        }
+                    }
+                    Some("cp/delegate_result") => {
+                        let _ = tx.send(answer(json!({"ok": true})).to_string());
+                        routed.fetch_add(1, Ordering::Relaxed);
+                        let out = json!({"jsonrpc": "2.0", "id": 0, "method": "cp/delegate_result",
+                            "params": params});
+                        if let Some(p) = primary.lock().await.as_ref() {
+                            let _ = p.send(out.to_string());
+                        }
+                    }
+                    Some(_) => {
+                        let _ = tx.send(answer(json!({"ok": true})).to_string());
+                    }
+                    None => {}
+                }
+            }
+        });
+    }
+}
+
+/// CP mode against an external CP server (`--cp-url`): the primary and the
+/// worker both connect to it, every delegation completes through it, and
+/// the run reports that one path only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegations_cp_smoke_against_an_external_cp_url() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let routed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    tokio::spawn(stub_cp_hub(listener, routed.clone()));
+    let opts = DelegationsOptions {
+        mode: DelegationsMode::Cp,
+        stores: vec![StoreKind::Memory],
+        in_flight: vec![1, 16],
+        events: 0,
+        seconds: 0.3,
+        max_delegations: 200,
+        baseline_seconds: 0.1,
+        cp_nagle: false,
+        cp_url: Some(format!("ws://{addr}/cp")),
+    };
+    let report = delegations::run(&opts, &common()).await.unwrap();
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert_eq!(report.json["params"]["cp_url"], format!("ws://{addr}/cp"));
+    let levels = report.json["levels"].as_array().unwrap();
+    let paths: Vec<_> = levels.iter().map(|l| l["path"].as_str().unwrap()).collect();
+    assert_eq!(paths, ["external", "external"]);
+    let mut completed = 0;
+    for l in levels {
+        assert!(l["completed"].as_u64().unwrap() > 0, "{l}");
+        assert_eq!(l["failed"], 0, "{l}");
+        completed += l["completed"].as_u64().unwrap();
+    }
+    assert_eq!(
+        routed.load(std::sync::atomic::Ordering::Relaxed),
+        completed,
+        "every completed round trip went through the external CP"
+    );
 }

@@ -73,6 +73,10 @@ pub struct DelegationsOptions {
     /// algorithm on, as OpenAB's own client does; else they set
     /// `TCP_NODELAY`.
     pub cp_nagle: bool,
+    /// CP mode: measure an external CP server at this URL instead (the
+    /// primary and the worker both connect to it, as to openab-cp), in
+    /// place of the direct and relay paths.
+    pub cp_url: Option<String>,
 }
 
 /// One in-flight level's figures.

@@ -36,8 +36,10 @@ use crate::relay::RelayUnderTest;
 use crate::report::{Percentiles, Report, Table, fmt_count, fmt_us};
 use crate::setup::Setup;
 
-const PRIMARY_KEY: &str = "bench-primary-key-0123456789";
-const WORKER_KEY: &str = "bench-worker-key-0123456789";
+/// The primary's key (`prod/koudu`); an external CP (`--cp-url`) binds it.
+pub const PRIMARY_KEY: &str = "bench-primary-key-0123456789";
+/// The worker's key (`prod/reviewer`); an external CP (`--cp-url`) binds it.
+pub const WORKER_KEY: &str = "bench-worker-key-0123456789";
 
 /// One level's figures on one path.
 #[derive(Debug, Clone, Serialize)]
@@ -133,6 +135,50 @@ fn section_b(setup: &Setup) -> OpenAbSection {
     }
 }
 
+/// The same primary and worker against an external CP server at `url`:
+/// both connect to it, as OAB runtimes do to openab-cp, and it routes the
+/// delegations between them.
+async fn run_external(
+    url: &str,
+    opts: &DelegationsOptions,
+    common: &Common,
+) -> anyhow::Result<Vec<CpLevel>> {
+    let stop = CancellationToken::new();
+    let max_n = opts.in_flight.iter().copied().max().unwrap_or(1);
+    let mut ws = crate::cp::connect_url(url, WORKER_KEY, opts.cp_nagle)
+        .await
+        .context("the worker's connection to --cp-url")?;
+    let beat = crate::cp::register(
+        &mut ws,
+        "prod",
+        "reviewer",
+        "worker",
+        "bench-worker",
+        u32::try_from(max_n).unwrap_or(u32::MAX),
+    )
+    .await?;
+    tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
+    let mut primary = Primary::connect_url(url, PRIMARY_KEY, "reviewer", opts.cp_nagle)
+        .await
+        .context("the primary's connection to --cp-url")?;
+    let mut levels = Vec::new();
+    for &n in &opts.in_flight {
+        let r = primary
+            .run(
+                &format!("external-{n}"),
+                n,
+                opts.seconds,
+                opts.max_delegations,
+                common.drain,
+            )
+            .await?;
+        levels.push(level_of("external", n, r));
+    }
+    drop(primary);
+    stop.cancel();
+    Ok(levels)
+}
+
 /// Runs the CP mode.
 pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<Report> {
     let common = &crate::connectors::connector_common(common);
@@ -140,95 +186,103 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
     let max_n = opts.in_flight.iter().copied().max().unwrap_or(1);
     let mut levels = Vec::new();
 
-    // The baseline: the primary straight to a worker.
-    let direct = DirectCp::start().await?;
-    let mut primary = Primary::connect(direct.addr, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
-    for &n in &opts.in_flight {
-        let r = primary
-            .run(
-                &format!("direct-{n}"),
-                n,
-                opts.seconds,
-                opts.max_delegations,
-                common.drain,
-            )
-            .await?;
-        levels.push(level_of("direct", n, r));
-    }
-    drop(primary);
-    drop(direct);
-
-    for &store in &opts.stores {
-        let relay = RelayUnderTest::start(&setup, &common.relay, store, common.redis_persistence)
-            .await
-            .with_context(|| format!("starting the relay on the {} store", store.name()))?;
-        let stop = CancellationToken::new();
-        // Host B: the callee connector serving through its CP endpoint.
-        let endpoint_b = OpenAbEndpoint::new(
-            section_b(&setup),
-            RuntimeKeys::from_secrets([(WORKER_KEY, 0)])?,
-        );
-        let audit = Arc::new(WatchedAudit::new(AUDIT_CAPACITY));
-        let callee = start_callee(&setup, relay.addr(), Arc::new(endpoint_b.executor()), audit)?;
-        let listener_b = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr_b = listener_b.local_addr()?;
-        tokio::spawn(oab_connector::openab::serve(
-            listener_b,
-            endpoint_b,
-            stop.clone(),
-        ));
-        // Host A: the caller connector behind its CP endpoint.
-        let caller = start_caller(&setup, relay.addr())?;
-        let endpoint_a = OpenAbEndpoint::new(
-            section_a(&setup, max_n)?,
-            RuntimeKeys::from_secrets([(PRIMARY_KEY, 0)])?,
-        );
-        endpoint_a.set_caller(caller.caller().clone());
-        let listener_a = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr_a = listener_a.local_addr()?;
-        tokio::spawn(oab_connector::openab::serve(
-            listener_a,
-            endpoint_a,
-            stop.clone(),
-        ));
-        caller.connected().await.context("caller connect")?;
-        callee.connected().await.context("callee connect")?;
-
-        // The worker takes as many at once as the callee runtime runs.
-        let mut ws = crate::cp::connect(addr_b, WORKER_KEY, opts.cp_nagle).await?;
-        let max_sessions = u32::try_from(CALLEE_MAX_CONCURRENT).unwrap_or(u32::MAX);
-        let beat = crate::cp::register(
-            &mut ws,
-            "prod",
-            "reviewer",
-            "worker",
-            "bench-worker",
-            max_sessions,
-        )
-        .await?;
-        tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
-        let mut primary = Primary::connect(addr_a, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
-        let path = format!("relay-{}", store.name());
+    if let Some(url) = &opts.cp_url {
+        levels.extend(run_external(url, opts, common).await?);
+    } else {
+        // The baseline: the primary straight to a worker.
+        let direct = DirectCp::start().await?;
+        let mut primary =
+            Primary::connect(direct.addr, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
         for &n in &opts.in_flight {
             let r = primary
                 .run(
-                    &format!("{path}-{n}"),
+                    &format!("direct-{n}"),
                     n,
                     opts.seconds,
                     opts.max_delegations,
                     common.drain,
                 )
                 .await?;
-            let l = level_of(&path, n, r);
-            tracing::info!(path = %path, in_flight = n, per_sec = l.round_trips_per_sec.round(),
-                failed = l.failed, "cp level done");
-            levels.push(l);
+            levels.push(level_of("direct", n, r));
         }
         drop(primary);
-        stop.cancel();
-        caller.shutdown().await;
-        callee.shutdown().await;
-        relay.stop().await;
+        drop(direct);
+
+        for &store in &opts.stores {
+            let relay =
+                RelayUnderTest::start(&setup, &common.relay, store, common.redis_persistence)
+                    .await
+                    .with_context(|| format!("starting the relay on the {} store", store.name()))?;
+            let stop = CancellationToken::new();
+            // Host B: the callee connector serving through its CP endpoint.
+            let endpoint_b = OpenAbEndpoint::new(
+                section_b(&setup),
+                RuntimeKeys::from_secrets([(WORKER_KEY, 0)])?,
+            );
+            let audit = Arc::new(WatchedAudit::new(AUDIT_CAPACITY));
+            let callee =
+                start_callee(&setup, relay.addr(), Arc::new(endpoint_b.executor()), audit)?;
+            let listener_b = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr_b = listener_b.local_addr()?;
+            tokio::spawn(oab_connector::openab::serve(
+                listener_b,
+                endpoint_b,
+                stop.clone(),
+            ));
+            // Host A: the caller connector behind its CP endpoint.
+            let caller = start_caller(&setup, relay.addr())?;
+            let endpoint_a = OpenAbEndpoint::new(
+                section_a(&setup, max_n)?,
+                RuntimeKeys::from_secrets([(PRIMARY_KEY, 0)])?,
+            );
+            endpoint_a.set_caller(caller.caller().clone());
+            let listener_a = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr_a = listener_a.local_addr()?;
+            tokio::spawn(oab_connector::openab::serve(
+                listener_a,
+                endpoint_a,
+                stop.clone(),
+            ));
+            caller.connected().await.context("caller connect")?;
+            callee.connected().await.context("callee connect")?;
+
+            // The worker takes as many at once as the callee runtime runs.
+            let mut ws = crate::cp::connect(addr_b, WORKER_KEY, opts.cp_nagle).await?;
+            let max_sessions = u32::try_from(CALLEE_MAX_CONCURRENT).unwrap_or(u32::MAX);
+            let beat = crate::cp::register(
+                &mut ws,
+                "prod",
+                "reviewer",
+                "worker",
+                "bench-worker",
+                max_sessions,
+            )
+            .await?;
+            tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
+            let mut primary =
+                Primary::connect(addr_a, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
+            let path = format!("relay-{}", store.name());
+            for &n in &opts.in_flight {
+                let r = primary
+                    .run(
+                        &format!("{path}-{n}"),
+                        n,
+                        opts.seconds,
+                        opts.max_delegations,
+                        common.drain,
+                    )
+                    .await?;
+                let l = level_of(&path, n, r);
+                tracing::info!(path = %path, in_flight = n, per_sec = l.round_trips_per_sec.round(),
+                failed = l.failed, "cp level done");
+                levels.push(l);
+            }
+            drop(primary);
+            stop.cancel();
+            caller.shutdown().await;
+            callee.shutdown().await;
+            relay.stop().await;
+        }
     }
 
     let mut violations = Vec::new();
