@@ -130,7 +130,18 @@ pub async fn register(
 
 /// A worker: answers every `cp/delegate` with `completed` and
 /// `done: <prompt>`, heartbeats, until `stop` or the connection ends.
-pub async fn run_worker(mut ws: Ws, heartbeat: Duration, stop: CancellationToken) {
+///
+/// `one_write_per_frame`: write the ack and the result each on its own, as
+/// OpenAB's client does (its serve loop sends the ack when the request
+/// arrives and the result when the turn ends); else both go in one write.
+/// With Nagle's algorithm on, the second of two back-to-back small writes
+/// waits for the peer's (delayed) ACK of the first.
+pub async fn run_worker(
+    mut ws: Ws,
+    heartbeat: Duration,
+    stop: CancellationToken,
+    one_write_per_frame: bool,
+) {
     let mut beat = tokio::time::interval(heartbeat);
     beat.tick().await;
     let mut next = 1u64;
@@ -162,15 +173,30 @@ pub async fn run_worker(mut ws: Ws, heartbeat: Duration, stop: CancellationToken
                     "status": "completed", "result": format!("done: {prompt}") }),
         );
         let sent = async {
-            ws.feed(ok(&msg["id"])).await?;
-            ws.feed(result).await?;
-            ws.flush().await
+            if one_write_per_frame {
+                ws.send(ok(&msg["id"])).await?;
+                ws.send(result).await
+            } else {
+                ws.feed(ok(&msg["id"])).await?;
+                ws.feed(result).await?;
+                ws.flush().await
+            }
         };
         if sent.await.is_err() {
             break;
         }
     }
     let _ = ws.close(None).await;
+}
+
+/// Queues `m`, or writes it at once when each frame goes on its own.
+async fn put(ws: &mut Ws, one_write_per_frame: bool, m: Message) -> anyhow::Result<()> {
+    if one_write_per_frame {
+        ws.send(m).await?;
+    } else {
+        ws.feed(m).await?;
+    }
+    Ok(())
 }
 
 /// The baseline: a CP worker the primary dials directly. Serves one
@@ -298,6 +324,9 @@ pub struct Primary {
     ws: Ws,
     /// The `target.name` its delegations name.
     target: String,
+    /// Write each frame on its own (as OpenAB's client), set with Nagle's
+    /// algorithm on: see [`run_worker`].
+    one_write_per_frame: bool,
 }
 
 impl Primary {
@@ -323,6 +352,7 @@ impl Primary {
         Ok(Primary {
             ws,
             target: target.into(),
+            one_write_per_frame: nagle,
         })
     }
 
@@ -337,6 +367,7 @@ impl Primary {
         max: u64,
         drain: Duration,
     ) -> anyhow::Result<PrimaryRun> {
+        let one_write = self.one_write_per_frame;
         let mut out = PrimaryRun::default();
         let mut rtt = latency_histogram();
         let t0 = Instant::now();
@@ -376,7 +407,7 @@ impl Primary {
         for (id, (rpc_id, frame)) in first {
             open.insert(id.clone(), Instant::now());
             unanswered.insert(rpc_id, id);
-            self.ws.feed(frame).await?;
+            put(&mut self.ws, one_write, frame).await?;
         }
         self.ws.flush().await?;
         let stop_at = until + drain;
@@ -393,7 +424,7 @@ impl Primary {
                 Some("cp/delegate_result") => {
                     let p = &msg["params"];
                     let id = p["delegation_id"].as_str().unwrap_or_default().to_string();
-                    self.ws.feed(ok(&msg["id"])).await?;
+                    put(&mut self.ws, one_write, ok(&msg["id"])).await?;
                     let Some(sent) = open.remove(&id) else {
                         let what = if ended.contains_key(&id) {
                             "a second"
@@ -418,7 +449,7 @@ impl Primary {
                         let (id, (rpc_id, frame)) = start_one(&mut started, &mut next_rpc);
                         open.insert(id.clone(), Instant::now());
                         unanswered.insert(rpc_id, id);
-                        self.ws.feed(frame).await?;
+                        put(&mut self.ws, one_write, frame).await?;
                     }
                     self.ws.flush().await?;
                 }

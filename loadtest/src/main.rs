@@ -567,9 +567,11 @@ struct DelegationsArgs {
     /// Relay store(s) to measure.
     #[arg(long, value_enum, default_value_t = StoreArg::Redis)]
     store: StoreArg,
-    /// cp mode: the CP clients (the primary and the worker) leave Nagle's
-    /// algorithm on, as OpenAB's own client does (it sets no TCP_NODELAY);
-    /// by default they set TCP_NODELAY.
+    /// cp mode: the CP clients (the primary and the worker) behave as
+    /// OpenAB's own client does: Nagle's algorithm on (no TCP_NODELAY) and
+    /// each frame in a write of its own (the worker's ack, then its result;
+    /// the primary's ack of a result, then its next cp/delegate). By default
+    /// they set TCP_NODELAY and write what they have at once together.
     #[arg(long)]
     cp_nagle: bool,
     /// cp mode: measure the external CP server at this URL

@@ -69,9 +69,9 @@ pub struct DelegationsOptions {
     pub max_delegations: u64,
     /// Time of the raw-frame baseline per store, seconds.
     pub baseline_seconds: f64,
-    /// CP mode: the CP clients (primary and worker) leave Nagle's
-    /// algorithm on, as OpenAB's own client does; else they set
-    /// `TCP_NODELAY`.
+    /// CP mode: the CP clients (primary and worker) behave as OpenAB's own
+    /// client: Nagle's algorithm on and each frame in a write of its own;
+    /// else they set `TCP_NODELAY` and batch what they have into one write.
     pub cp_nagle: bool,
     /// CP mode: measure an external CP server at this URL instead (the
     /// primary and the worker both connect to it, as to openab-cp), in

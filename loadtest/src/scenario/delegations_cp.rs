@@ -157,7 +157,7 @@ async fn run_external(
         u32::try_from(max_n).unwrap_or(u32::MAX),
     )
     .await?;
-    tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
+    tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone(), opts.cp_nagle));
     let mut primary = Primary::connect_url(url, PRIMARY_KEY, "reviewer", opts.cp_nagle)
         .await
         .context("the primary's connection to --cp-url")?;
@@ -258,7 +258,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
                 max_sessions,
             )
             .await?;
-            tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone()));
+            tokio::spawn(crate::cp::run_worker(ws, beat, stop.clone(), opts.cp_nagle));
             let mut primary =
                 Primary::connect(addr_a, PRIMARY_KEY, "reviewer", opts.cp_nagle).await?;
             let path = format!("relay-{}", store.name());
@@ -346,8 +346,17 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
                 .into(),
             "relay path: a signed delegation per round trip (sign, verify, the relay's store), \
              over TLS; direct: one plain WebSocket, the worker answers the ack and the result \
-             itself. TCP_NODELAY on every socket."
+             itself; external: the server at --cp-url routes between the primary and the worker."
                 .into(),
+            if opts.cp_nagle {
+                "--cp-nagle: the CP clients (primary, worker) keep Nagle's algorithm on and \
+                 write each frame on its own, as OpenAB's client does; the endpoints' and the \
+                 relay's sockets set TCP_NODELAY."
+                    .into()
+            } else {
+                "TCP_NODELAY on every socket; the CP clients batch what they have into one write."
+                    .into()
+            },
         ],
         json,
         violations,
