@@ -652,17 +652,25 @@ impl Caller {
     /// Records that the application finished processing `event`: after a
     /// restart, events resume after it. Returns once that is durable (the
     /// state writer syncs it, together with whatever other delegations
-    /// committed meanwhile; no runtime thread waits on the disk). Needs a
-    /// state folder (a no-op without).
+    /// committed meanwhile; no runtime thread waits on the disk). Without a
+    /// state folder nothing is recorded.
+    ///
+    /// Committing the terminal also releases the delegation at the relay
+    /// ([`LinkHandle::release`]): it keeps only the outcome from then on,
+    /// so commit the terminal once nothing more is needed from the
+    /// delegation's events.
     pub async fn commit(
         &self,
         handle: &DelegationHandle,
         event: &DelegationEvent,
     ) -> Result<(), CallerError> {
+        let finished = matches!(event.kind, EventKind::Terminal(_));
         let Some(state) = &self.state else {
+            if finished {
+                self.release(handle, event).await;
+            }
             return Ok(());
         };
-        let finished = matches!(event.kind, EventKind::Terminal(_));
         let saved = self
             .records
             .lock()
@@ -683,7 +691,21 @@ impl Caller {
         state
             .save_and_remove(&saved, &gone)
             .await
-            .map_err(|e| CallerError::State(e.to_string()))
+            .map_err(|e| CallerError::State(e.to_string()))?;
+        if finished {
+            self.release(handle, event).await;
+        }
+        Ok(())
+    }
+
+    /// The terminal `event` is processed (and recorded, with a state
+    /// folder): the relay may compact the delegation
+    /// ([`LinkHandle::release`]). Best effort: a stopped link changes
+    /// nothing (retention drops the delegation whole).
+    async fn release(&self, handle: &DelegationHandle, event: &DelegationEvent) {
+        if let Err(e) = self.link.release(&handle.key, event.seq).await {
+            tracing::debug!(key = %handle.key, error = %e, "release not sent");
+        }
     }
 
     /// How many delegations the caller holds a record of (open ones, and

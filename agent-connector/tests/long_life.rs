@@ -304,3 +304,86 @@ async fn facade_keeps_recent_tasks_and_bounded_state() {
     b.shutdown().await;
     relay.stop().await;
 }
+
+/// A caller that commits each terminal releases its delegation at the
+/// relay, which compacts it: Redis keeps one small hash per finished
+/// delegation (its outcome and tails) instead of its two logs, and the
+/// peers' delegation sets no longer list it. A delegation whose terminal
+/// the application did not commit keeps its logs for the retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_terminals_leave_only_their_outcomes_in_redis() {
+    const N: usize = 200;
+    let env = Env::new("");
+    let (redis, relay) = relay_on_redis(&env).await;
+    let dir = tempfile::tempdir().unwrap();
+    let b = callee(&env, &relay);
+    b.connected().await.unwrap();
+    let a = pair(&env, &relay, dir.path(), 25).await;
+
+    run_many(a.caller(), N).await;
+    // One more, read to its terminal and not committed.
+    let kept = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("kept"))
+        .await
+        .unwrap();
+    let t = a
+        .caller()
+        .wait(&kept, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(t.outcome, Outcome::Completed);
+
+    let mut raw = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let kept_prefix = format!("oab:d:{{{}}}:", kept.key);
+    let mut last = Vec::new();
+    let compacted = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("oab:d:*")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            let others: Vec<&String> = keys
+                .iter()
+                .filter(|k| !k.starts_with(&kept_prefix))
+                .collect();
+            if others.len() == N && others.iter().all(|k| k.ends_with(":meta")) {
+                return keys;
+            }
+            last = keys.clone();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("still not compacted after 60 s: {} keys", last.len()));
+    let mut of_kept: Vec<&String> = compacted
+        .iter()
+        .filter(|k| k.starts_with(&kept_prefix))
+        .collect();
+    of_kept.sort();
+    assert_eq!(
+        of_kept,
+        vec![
+            &format!("{kept_prefix}down"),
+            &format!("{kept_prefix}meta"),
+            &format!("{kept_prefix}up"),
+        ],
+        "the uncommitted delegation keeps its logs"
+    );
+    for p in [CALLER, CALLEE] {
+        let members: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(format!("oab:p:{{{p}}}:dlg"))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(members, vec![kept.key.to_string()], "delegations of {p}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}

@@ -73,6 +73,11 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// Frames dropped by rate limiting.
     pub rate_limited: IntCounterVec,
+    /// Callers' releases of finished delegations, by result: `compacted`
+    /// (both logs dropped), `ignored` (the store found nothing to compact:
+    /// a relay-originated terminal, or already gone), `dropped` (the
+    /// queue was full or the store failed; retention drops it later).
+    pub releases: IntCounterVec,
     /// Connections refused before the handshake, by reason.
     pub refused: IntCounterVec,
     /// Hot-path handles, resolved once: frames in by type (indexed by the
@@ -333,6 +338,12 @@ impl Metrics {
                 "oab_rate_limited_total",
                 "Frames or connections refused by rate limits.",
                 &["scope"],
+            ),
+            releases: counter_vec(
+                &reg,
+                "oab_releases_total",
+                "Callers' releases of finished delegations, by result.",
+                &["result"],
             ),
             refused: counter_vec(
                 &reg,

@@ -216,6 +216,12 @@ pub async fn run_reloadable<S: EventStore>(
         );
     }
 
+    tracker.spawn(
+        hub.clone()
+            .run_releases()
+            .instrument(tracing::info_span!("releases")),
+    );
+
     let nonces = Arc::new(Mutex::new(NonceLedger::new(
         config.relay.max_handshakes,
         config.relay.handshake_timeout_ms,

@@ -1116,6 +1116,12 @@ impl<S: EventStore> Session<S> {
                 Box::pin(self.settle()).await;
                 Box::pin(self.opens(vec![(raw, open)])).await;
             }
+            // A caller's release of a finished delegation: queued for the
+            // store, answered with nothing (it has everything).
+            Frame::Resume(r)
+                if self
+                    .hub
+                    .take_release(&r.key, &self.me.peer, r.direction, r.after) => {}
             Frame::Resume(r) => {
                 self.flush();
                 Box::pin(self.settle()).await;
@@ -1642,6 +1648,9 @@ impl<S: EventStore> Session<S> {
                     return;
                 }
             };
+            if hub.release_with(&view, &key, &self.me.peer, dir, after) {
+                return;
+            }
             match hub.subscribe(&view, &key, dir, &self.me, after) {
                 Subscribed::Yes => return,
                 // The sweep dropped the view since the lookup: look it up again.

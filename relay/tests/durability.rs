@@ -131,3 +131,81 @@ async fn redis_restart_without_persistence_is_reported_as_gap() {
     assert_eq!(gap.reason, GapReason::EpochChanged);
     relay.stop().await;
 }
+
+/// A caller's release (a `Resume` of the up log after its terminal) is
+/// recognised whether or not the relay still has the delegation in memory:
+/// here it comes after a restart. The relay answers nothing, compacts the
+/// delegation in Redis (only its meta hash is left), and a later `Resume`
+/// from before the tail gets `Gap trimmed` with nothing available and the
+/// outcome: the entries are gone, the outcome is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_restart_compacts_and_keeps_the_outcome() {
+    let env = TestEnv::new("");
+    let redis = RedisServer::start(Persistence::Aof).unwrap();
+    let mut relay = RelayProcess::start(&env, &redis.url()).await;
+    let (ia, ib) = (InstanceId::random(), InstanceId::random());
+    let mut b = relay.client_as(&env.callee, ib).await;
+    let mut a = relay.client_as(&env.caller, ia).await;
+    a.send(&open_frame("r1", b"{}")).await.unwrap();
+    await_ack(&mut a, "r1", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    send_until_acked(&mut b, "r1", 0, 5, true).await;
+    read_to_terminal(&mut a, "r1", 0, 5).await;
+
+    relay.restart().await;
+    let mut a = relay.client_as(&env.caller, ia).await;
+    let mut raw = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let prefix = format!("oab:d:{{{}}}:", key("r1"));
+    let logs = |raw: &mut redis::aio::MultiplexedConnection| {
+        let (mut raw, prefix) = (raw.clone(), prefix.clone());
+        async move {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{prefix}*"))
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            keys.into_iter().filter(|k| !k.ends_with(":meta")).count()
+        }
+    };
+    assert_eq!(
+        logs(&mut raw).await,
+        2,
+        "both logs are kept until the release"
+    );
+    a.send(&Frame::Resume(Resume {
+        key: key("r1"),
+        direction: Direction::Up,
+        after: 5,
+    }))
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while logs(&mut raw).await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the release compacts the delegation");
+
+    a.send(&Frame::Resume(Resume {
+        key: key("r1"),
+        direction: Direction::Up,
+        after: 2,
+    }))
+    .await
+    .unwrap();
+    let gap = recv_until(&mut a, |f| match f {
+        Frame::Gap(g) if g.key == key("r1") => Some(g.clone()),
+        Frame::Data(d) if d.key == key("r1") => panic!("replayed {} after the release", d.seq),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        (gap.reason, gap.first_available, gap.terminal),
+        (GapReason::Trimmed, 0, Some(oab_wire::Outcome::Completed))
+    );
+}

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use oab_relay::store::{
     AppendOutcome, AppendRequest, Budget, DelegationMeta, EventStore, MemoryStore, OpenOutcome,
-    OpenRequest, Origin, ReadOutcome, RedisStore, Retention, StoreError,
+    OpenRequest, Origin, ReadOutcome, RedisStore, Release, Retention, StoreError,
 };
 use oab_testkit::redis::{Persistence, RedisCluster, RedisServer};
 use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, RequestId};
@@ -255,6 +255,7 @@ conformance! {
     peer_byte_budget => budgets(100, 1 << 30, 1_000);
     peer_byte_budget_gives_back_trimmed_entries => budgets(2, 1 << 30, 1_000);
     held_bytes_follow_a_long_stream_of_varied_sizes => budgets(STREAM_CAP, STREAM_BUDGET, 1 << 30);
+    a_released_delegation_keeps_only_its_outcome => retention(100);
 }
 
 // ---------------------------------------------------------------------------
@@ -1516,6 +1517,111 @@ async fn a_terminal_leaves_the_open_indexes_whoever_wrote_it<S: EventStore>(s: &
     assert!(s.meta(&open).await.unwrap().is_some());
 }
 
+fn release(key: &DelegationKey, callee: &str, after: u64) -> Release {
+    Release {
+        key: key.clone(),
+        callee: peer(callee),
+        after,
+    }
+}
+
+/// A caller's release compacts a delegation the callee ended, once the
+/// caller's cursor is the up log's tail: both logs go, the outcome and the
+/// tails stay (a read before the tail is `Trimmed` with nothing available
+/// and the outcome; a resent open is `Existing`; resends are duplicates),
+/// and the peers' delegation lists no longer name it. Any other release
+/// (no terminal, a relay-originated one, another cursor or callee, no such
+/// delegation) changes nothing.
+async fn a_released_delegation_keeps_only_its_outcome<S: EventStore>(s: &S) {
+    let done = key("acme/caller", "done");
+    let expired = key("acme/caller", "expired");
+    let open = key("acme/caller", "open");
+    for k in [&done, &expired, &open] {
+        created(s, open_req(k, CALLEE, 5_000, 100)).await;
+    }
+    let out = s
+        .append(vec![
+            peer_entry(&done, Direction::Down, 2),
+            peer_entry(&done, Direction::Up, 1),
+            terminal_entry(&done, 2, Outcome::Completed, 10_000),
+            peer_entry(&expired, Direction::Up, 1),
+            AppendRequest {
+                now_ms: 10_000,
+                ..relay_entry(&expired, Direction::Up, 2, Some(Outcome::Expired))
+            },
+            peer_entry(&open, Direction::Up, 1),
+        ])
+        .await
+        .unwrap();
+    assert!(
+        out.iter()
+            .all(|o| matches!(o, AppendOutcome::Appended { .. })),
+        "{out:?}"
+    );
+    let not_yet = vec![
+        release(&done, CALLEE, 1),
+        release(&done, "acme/other", 2),
+        release(&expired, CALLEE, 2),
+        release(&open, CALLEE, 1),
+        release(&key("acme/caller", "never"), CALLEE, 1),
+    ];
+    assert_eq!(s.release(not_yet).await.unwrap(), 0);
+    for (k, n) in [(&done, 2), (&expired, 2), (&open, 1)] {
+        assert_eq!(entries(s, k, Direction::Up, 0, 10).await.len(), n, "{k}");
+    }
+    let before = s.meta(&done).await.unwrap().unwrap();
+
+    assert_eq!(s.release(vec![release(&done, CALLEE, 2)]).await.unwrap(), 1);
+    assert_eq!(s.meta(&done).await.unwrap(), Some(before.clone()));
+    for (dir, after) in [(Direction::Up, 0), (Direction::Up, 1), (Direction::Down, 0)] {
+        assert_eq!(
+            s.read(&done, dir, after, 10).await.unwrap(),
+            ReadOutcome::Trimmed {
+                first_available: 0,
+                terminal: Some(Outcome::Completed)
+            },
+            "{dir:?} after {after}"
+        );
+    }
+    assert_eq!(
+        s.read(&done, Direction::Up, 2, 10).await.unwrap(),
+        ReadOutcome::Entries {
+            entries: vec![],
+            tail: 2,
+            terminal: Some(Outcome::Completed)
+        }
+    );
+    assert!(matches!(
+        s.read(&done, Direction::Up, 3, 10).await.unwrap(),
+        ReadOutcome::Lost { tail: 2, .. }
+    ));
+    assert!(matches!(
+        s.open(open_req(&done, CALLEE, 5_000, 100)).await.unwrap(),
+        OpenOutcome::Existing(_)
+    ));
+    assert_eq!(
+        append1(s, peer_entry(&done, Direction::Up, 1)).await,
+        AppendOutcome::Duplicate { tail: 2 }
+    );
+    assert_eq!(
+        append1(s, peer_entry(&done, Direction::Up, 3)).await,
+        AppendOutcome::AlreadyTerminal {
+            outcome: Outcome::Completed
+        }
+    );
+    let keys = |v: Vec<DelegationMeta>| v.into_iter().map(|m| m.key).collect::<Vec<_>>();
+    for p in ["acme/caller", CALLEE] {
+        assert_eq!(
+            keys(s.delegations_of(&peer(p)).await.unwrap()),
+            vec![expired.clone(), open.clone()],
+            "delegations of {p}"
+        );
+    }
+    // The others are untouched.
+    assert_eq!(entries(s, &expired, Direction::Up, 0, 10).await.len(), 2);
+    assert_eq!(entries(s, &open, Direction::Up, 0, 10).await.len(), 1);
+}
+
 async fn descriptors<S: EventStore>(s: &S) {
     let a = peer("acme/a");
     assert_eq!(s.descriptor(&a).await.unwrap(), None);
@@ -1792,6 +1898,84 @@ async fn redis_keys_share_one_hash_tag_and_finished_ones_get_a_ttl() {
         .await
         .unwrap();
     assert!(ttl > 0, "up log created after the terminal: PTTL {ttl}");
+}
+
+/// A released delegation leaves one key behind: its meta hash, written so
+/// that Redis keeps it in its compact encoding, with the TTL its terminal
+/// gave it; the logs, the size lists and the index entries are gone.
+#[tokio::test]
+async fn redis_a_released_delegation_is_one_compact_hash() {
+    let (server, s) = redis_store(retention(2)).await;
+    let mut raw = raw(&server).await;
+    let k = key("acme/caller", "req-1");
+    created(&s, open_req(&k, CALLEE, 5_000, 100)).await;
+    // Past the log cap, so the size lists exist too.
+    let mut batch: Vec<AppendRequest> = (1..=4)
+        .map(|seq| peer_entry(&k, Direction::Up, seq))
+        .collect();
+    batch.push(terminal_entry(&k, 5, Outcome::Completed, 1_000));
+    s.append(batch).await.unwrap();
+    let mut all: Vec<String> = redis::cmd("KEYS")
+        .arg("oab:d:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    all.sort();
+    assert!(all.len() > 3, "{all:?}");
+    let encoding = |raw: &mut redis::aio::MultiplexedConnection| {
+        let mut raw = raw.clone();
+        async move {
+            let e: String = redis::cmd("OBJECT")
+                .arg("ENCODING")
+                .arg("oab:d:{acme/caller#req-1}:meta")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            e
+        }
+    };
+    assert_eq!(
+        encoding(&mut raw).await,
+        "hashtable",
+        "the sha256: digest is 71 bytes"
+    );
+
+    assert_eq!(s.release(vec![release(&k, CALLEE, 5)]).await.unwrap(), 1);
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg("oab:d:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(left, vec!["oab:d:{acme/caller#req-1}:meta"]);
+    // `listpack` (Redis 7), `ziplist` (Redis 6).
+    assert_ne!(encoding(&mut raw).await, "hashtable");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&left[0])
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= DAY_MS as i64, "PTTL {ttl}");
+    let finished: u64 = redis::cmd("ZCARD")
+        .arg("oab:finished")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(finished, 0);
+    for p in ["acme/caller", CALLEE] {
+        let n: u64 = redis::cmd("SCARD")
+            .arg(format!("oab:p:{{{p}}}:dlg"))
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "delegations of {p}");
+    }
+    assert_eq!(
+        s.meta(&k)
+            .await
+            .unwrap()
+            .map(|m| (m.up_tail, m.terminal, m.digest)),
+        Some((5, Some(Outcome::Completed), Digest::of(b"payload")))
+    );
 }
 
 #[tokio::test]

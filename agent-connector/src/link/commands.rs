@@ -257,6 +257,21 @@ impl Link {
                     .collect();
                 let _ = reply.send((list, total));
             }
+            Command::Release { key, after } => {
+                // Only for a delegation this caller holds and saw end there.
+                let ended = self
+                    .delegations
+                    .get(&key)
+                    .is_none_or(|d| d.is_caller && d.terminal.is_some() && d.cursor >= after);
+                if self.online && ended {
+                    super::resume::queue_resume(
+                        &key,
+                        oab_wire::Direction::Up,
+                        after,
+                        &mut self.control_frames,
+                    );
+                }
+            }
             Command::Publish { descriptor } => {
                 // Not sequenced: sent now if connected, and on every connect.
                 let sent = self.online

@@ -372,6 +372,10 @@ pub(crate) enum Command {
     Held {
         reply: oneshot::Sender<usize>,
     },
+    Release {
+        key: DelegationKey,
+        after: u64,
+    },
     OpenList {
         max: usize,
         reply: oneshot::Sender<(Vec<OpenDelegation>, usize)>,
@@ -543,6 +547,20 @@ impl LinkHandle {
         self.command(Command::Held { reply }).await?;
         rx.await
             .map_err(|_| LinkError::Stopped(self.stopped_reason()))
+    }
+
+    /// Tells the relay that this caller has processed `key`'s up log
+    /// through `after`, its terminal (a `Resume` after the tail, protocol
+    /// §8.10), so the relay may drop the delegation's logs and keep only
+    /// its outcome for the rest of the retention. Best effort: sent at once
+    /// when the link is up, else not at all (retention then drops the
+    /// delegation whole). Nothing answers it.
+    pub async fn release(&self, key: &DelegationKey, after: u64) -> Result<(), LinkError> {
+        self.command(Command::Release {
+            key: key.clone(),
+            after,
+        })
+        .await
     }
 
     /// A snapshot of a delegation.

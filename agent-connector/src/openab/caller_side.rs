@@ -39,7 +39,7 @@ use futures_util::StreamExt as _;
 use oab_wire::Outcome;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
-use tracing::{Instrument as _, info, warn};
+use tracing::{Instrument as _, debug, info, warn};
 
 use super::proto::{
     self, AgentType, CancelParams, DelegateParams, DelegateResultParams, DelegationStatus,
@@ -47,7 +47,9 @@ use super::proto::{
 };
 use super::{CallerFlight, FlightKey, Shared};
 use crate::a2a::DelegationDefaults;
-use crate::caller::{CallerError, DelegationHandle, EventKind, NewDelegation, Terminal};
+use crate::caller::{
+    CallerError, DelegationEvent, DelegationHandle, EventKind, NewDelegation, Terminal,
+};
 use crate::link::EventError;
 use crate::profile::{ParentContext, Task};
 
@@ -366,6 +368,14 @@ struct Flight {
     cancel: oneshot::Receiver<String>,
 }
 
+/// Commits a delegation's terminal, which releases it at the relay (only
+/// its outcome is kept from then on). A failure only costs retention.
+async fn release(caller: &crate::Caller, handle: &DelegationHandle, terminal: &DelegationEvent) {
+    if let Err(e) = caller.commit(handle, terminal).await {
+        debug!(key = %handle.key, error = %e, "terminal not committed");
+    }
+}
+
 /// How the wait for a terminal ended.
 enum End {
     Terminal(Terminal),
@@ -410,6 +420,7 @@ impl Flight {
                 if let Ok(mut events) = caller.events(&handle, 0).await {
                     while let Some(Ok(ev)) = events.next().await {
                         if matches!(ev.kind, EventKind::Terminal(_)) {
+                            release(&caller, &handle, &ev).await;
                             break;
                         }
                     }
@@ -498,7 +509,12 @@ impl Flight {
             match item {
                 None => return (End::Lost("the event stream ended".into()), acked),
                 Some(Ok(ev)) => match ev.kind {
-                    EventKind::Terminal(t) => return (End::Terminal(t), acked),
+                    EventKind::Terminal(ref t) => {
+                        // Read for good (the result goes to the primary
+                        // from here): the relay may keep only the outcome.
+                        release(caller, handle, &ev).await;
+                        return (End::Terminal(t.clone()), acked);
+                    }
                     // Acceptance alone is not admission: the remote side
                     // accepts before it looks for a worker. Its first
                     // progress event is the worker taking the task.

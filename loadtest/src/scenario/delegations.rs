@@ -549,14 +549,17 @@ async fn one(
     let wait = async {
         while let Some(item) = stream.next().await {
             let ev = item.context("event stream")?;
-            match ev.kind {
+            match &ev.kind {
                 EventKind::Status { .. } => statuses += 1,
                 EventKind::Terminal(t) => {
                     terminals += 1;
                     if t.outcome != oab_wire::Outcome::Completed {
                         anyhow::bail!("{}: outcome {:?}", h.key, t.outcome);
                     }
-                    caller.caller().verify(&h, &t).context("verify")?;
+                    caller.caller().verify(&h, t).context("verify")?;
+                    // Processed: as an application does, commit it, which
+                    // releases the delegation at the relay (compacted).
+                    caller.caller().commit(&h, &ev).await.context("commit")?;
                 }
                 _ => {}
             }

@@ -286,16 +286,34 @@ impl Load {
             .delegate(&self.callee, spec)
             .await
             .map_err(|e| format!("library #{i}: delegate: {e}"))?;
-        let t = caller
-            .wait(&h, self.timeout)
+        let mut events = caller
+            .events(&h, 0)
             .await
-            .map_err(|e| format!("library {}: {e}", h.key))?;
+            .map_err(|e| format!("library {}: events: {e}", h.key))?;
+        let terminal = async {
+            while let Some(item) = futures_util::StreamExt::next(&mut events).await {
+                let ev = item.map_err(|e| format!("library {}: {e}", h.key))?;
+                if let oab_connector::EventKind::Terminal(t) = &ev.kind {
+                    return Ok((ev.clone(), t.clone()));
+                }
+            }
+            Err(format!("library {}: the event stream ended", h.key))
+        };
+        let (ev, t) = tokio::time::timeout(self.timeout, terminal)
+            .await
+            .map_err(|_| format!("library {}: no terminal within {:?}", h.key, self.timeout))??;
         if t.outcome != Outcome::Completed {
             return Err(format!("library {}: ended {:?}", h.key, t.outcome));
         }
         caller
             .verify(&h, &t)
             .map_err(|e| format!("library {}: verify: {e}", h.key))?;
+        // Processed, as an application does: committing the terminal
+        // releases the delegation at the relay, which compacts it.
+        caller
+            .commit(&h, &ev)
+            .await
+            .map_err(|e| format!("library {}: commit: {e}", h.key))?;
         Ok(())
     }
 

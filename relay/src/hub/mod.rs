@@ -58,6 +58,7 @@ mod party;
 mod peers;
 mod reconfigure;
 mod registry;
+mod releases;
 #[cfg(test)]
 mod test_support;
 mod views;
@@ -67,6 +68,7 @@ pub use caps::InFlightOpens;
 use caps::OpenCounts;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
+pub use releases::{MAX_PENDING_RELEASES, RELEASE_BATCH};
 pub use views::{DelegationView, ViewRef};
 pub use wakeups::ResyncCause;
 
@@ -209,6 +211,9 @@ pub struct Hub<S> {
     /// waiting in its queue); one entry per configured peer that ever got
     /// one, so bounded by the directory.
     peers_pushes: Mutex<HashMap<PeerId, peers::PeersPush>>,
+    /// Callers' releases waiting for the store (bounded,
+    /// [`releases::MAX_PENDING_RELEASES`]).
+    releases: releases::Releases,
 }
 
 /// Gauges of what the hub keeps per delegation (`/metrics`), kept up to
@@ -289,6 +294,7 @@ impl<S: EventStore> Hub<S> {
             generations: std::sync::atomic::AtomicU64::new(1),
             epoch: std::sync::atomic::AtomicU64::new(epoch),
             epoch_changed: AtomicBool::new(false),
+            releases: releases::Releases::default(),
         })
     }
 

@@ -346,6 +346,13 @@ impl EventStore for MemoryStore {
             return Ok(ReadOutcome::Lost { tail, terminal });
         }
         let log = d.log(dir);
+        if log.entries.is_empty() && after < tail {
+            // Compacted: the entries went with the caller's release.
+            return Ok(ReadOutcome::Trimmed {
+                first_available: 0,
+                terminal,
+            });
+        }
         if !log.entries.is_empty() && after + 1 < log.first {
             return Ok(ReadOutcome::Trimmed {
                 first_available: log.first,
@@ -388,6 +395,39 @@ impl EventStore for MemoryStore {
     async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
         Ok(inner.metas_in(inner.open_by_peer.get(peer)))
+    }
+
+    async fn release(&self, releases: Vec<super::Release>) -> Result<u64, StoreError> {
+        let mut inner = self.lock();
+        let mut compacted = 0;
+        for r in releases {
+            let Some(d) = inner.delegations.get_mut(&r.key) else {
+                continue;
+            };
+            let m = &d.meta;
+            if m.terminal.is_none()
+                || m.callee != r.callee
+                || m.up_sender_tail != m.up_tail
+                || r.after != m.up_tail
+            {
+                continue;
+            }
+            // The logs go; `first` stays, so nothing else changes meaning.
+            for log in [&mut d.down, &mut d.up] {
+                log.entries = VecDeque::new();
+                log.bytes = 0;
+            }
+            for peer in [&r.key.caller, &r.callee] {
+                if let Some(set) = inner.by_peer.get_mut(peer) {
+                    set.remove(&r.key);
+                    if set.is_empty() {
+                        inner.by_peer.remove(peer);
+                    }
+                }
+            }
+            compacted += 1;
+        }
+        Ok(compacted)
     }
 
     async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {

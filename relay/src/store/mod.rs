@@ -26,7 +26,10 @@
 //!   instance's view of the delegation said;
 //! - logs are capped at `max_log_entries` (oldest trimmed; a reader asking
 //!   for trimmed entries gets a `Gap`), finished delegations are dropped
-//!   `finished_ttl_ms` after their terminal;
+//!   `finished_ttl_ms` after their terminal, and **compacted** as soon as
+//!   their caller releases them (it processed the callee's terminal): the
+//!   logs go, the meta record stays for the rest of the retention
+//!   ([`EventStore::release`]);
 //! - bytes are budgeted ([`Retention::max_delegation_bytes`],
 //!   [`Retention::max_peer_bytes`]): a peer's entry that would take either
 //!   over its budget gets [`AppendOutcome::OverBudget`] and nothing is
@@ -314,6 +317,18 @@ pub enum Budget {
     Peer,
 }
 
+/// A caller's release of a finished delegation ([`EventStore::release`]):
+/// it has processed the up log through `after`, the terminal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    /// The delegation (its caller is the releasing peer).
+    pub key: DelegationKey,
+    /// Its callee, as the relay's view has it (the store checks it).
+    pub callee: PeerId,
+    /// The caller's cursor on the up log.
+    pub after: u64,
+}
+
 /// What a read found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadOutcome {
@@ -385,7 +400,7 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<PeerId>, StoreError>> + Send;
 
     /// Delegations where `peer` is caller or callee that still exist (open, or
-    /// finished and not yet expired).
+    /// finished and neither expired nor compacted by a release).
     fn delegations_of(
         &self,
         peer: &PeerId,
@@ -406,6 +421,25 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
             all.retain(|m| m.terminal.is_none());
             Ok(all)
         }
+    }
+
+    /// Compacts finished delegations whose caller has processed their
+    /// terminal (the caller's release, [`Release`]): both logs are dropped
+    /// and the meta record stays, with the outcome and the tails, until its
+    /// retention ends, leaving the peer and retention indexes. Done only
+    /// when the terminal is the callee's own (a relay-originated `expired`
+    /// or `unknown` may still owe the callee its cancel) and `after` is the
+    /// up log's tail; any other release is ignored. A read of a compacted
+    /// log before its tail is [`ReadOutcome::Trimmed`] with
+    /// `first_available` 0 and the terminal. Returns how many were
+    /// compacted. The default compacts nothing (retention drops the
+    /// delegation as before).
+    fn release(
+        &self,
+        releases: Vec<Release>,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        let _ = releases;
+        async { Ok(0) }
     }
 
     /// Open delegations whose deadline is at or before `now_ms` (at most `limit`).

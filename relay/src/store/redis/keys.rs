@@ -12,7 +12,7 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest, `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` the down / up log's tail when its size list was last in step with it |
+//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest (`sha256:<hex>`; bare hex once compacted), `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` the down / up log's tail when its size list was last in step with it |
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
 //! | `oab:d:{<caller>#<rid>}:down:sizes`, `…:up:sizes` | list | from the log's first append batch at `max_log_entries` on, the byte length of each of its newest entries, oldest first: what a trim gives back to the budgets, read without reading the frames; the entries older than the list are read from the log. Used only while meta `dz`/`uz` (the log's tail when the list was last in step) is the log's tail; TTL: the delegation's, or while it is open its deadline plus `finished_ttl_ms` |
@@ -23,6 +23,14 @@
 //! | `oab:desc:{<peer>}` | string | the peer's descriptor |
 //! | `oab:pb:{<peer>}` | hash | the peer's byte budget (`max_peer_bytes`): `total`, and per delegation it sent entries to, `<caller>#<rid>` = bytes charged; a member is removed when its delegation finishes (or is dropped), the hash when `total` is zero |
 //! | `oab:epoch` | string | random non-zero u64, `SET NX` on first use |
+//!
+//! A delegation its caller released (`compact` script) is its meta hash
+//! alone, written anew with the digest as bare hex (so every value fits
+//! Redis's compact hash encoding: `sha256:<hex>` is 71 bytes, over the
+//! default `hash-max-listpack-value` of 64) and `db`/`ub` 0, keeping the
+//! TTL its terminal gave it; its logs and size lists are deleted and it is
+//! no longer a member of the `dlg` sets or `oab:finished` (Redis expires
+//! it by itself).
 //!
 //! The two index zsets are ordered lexicographically (`ZRANGEBYLEX`) instead of
 //! by score: a zero-padded decimal prefix orders exactly like the u64 it

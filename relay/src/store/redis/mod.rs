@@ -957,7 +957,15 @@ impl EventStore for RedisStore {
             Some("E") => {
                 let fields = hash_fields(Value::Array(items.collect()))?;
                 let meta = parse_meta(&req.key, &fields)?;
-                self.ensure_indexed(&meta).await?;
+                // A compacted delegation (its digest rewritten as bare hex)
+                // left the indexes on purpose.
+                let compacted = fields
+                    .get(meta_field::DIGEST)
+                    .and_then(str_of)
+                    .is_some_and(|d| !d.starts_with("sha256:"));
+                if !compacted {
+                    self.ensure_indexed(&meta).await?;
+                }
                 Ok(if meta.digest == req.digest {
                     OpenOutcome::Existing(meta)
                 } else {
@@ -1246,6 +1254,78 @@ impl EventStore for RedisStore {
 
     async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         self.delegations_in(&peer_open_key(peer), peer, true).await
+    }
+
+    async fn release(&self, releases: Vec<super::Release>) -> Result<u64, StoreError> {
+        if releases.is_empty() {
+            return Ok(0);
+        }
+        let fused = !self.is_cluster();
+        let mut scripts = pipeline();
+        for r in &releases {
+            let keys = DelegationKeys::new(&r.key);
+            let member = r.key.to_string();
+            let (caller_set, callee_set) = (peer_set_key(&r.key.caller), peer_set_key(&r.callee));
+            let [meta, down, up, down_sizes, up_sizes] = keys.script_keys();
+            let mut cmd = if fused {
+                evalsha(
+                    &self.scripts.compact,
+                    &[
+                        meta,
+                        down,
+                        up,
+                        down_sizes,
+                        up_sizes,
+                        &caller_set,
+                        &callee_set,
+                        FINISHED_KEY,
+                    ],
+                )
+            } else {
+                evalsha(&self.scripts.compact, &keys.script_keys())
+            };
+            cmd.arg(r.after)
+                .arg(member)
+                .arg(r.callee.as_str())
+                .arg(self.retention.finished_ttl_ms.min(MAX_TTL_MS));
+            scripts.add_command(cmd);
+        }
+        let replies = self
+            .eval_batch(&self.scripts.compact, scripts, true, "compact")
+            .await?;
+        let mut compacted = 0u64;
+        // On a cluster the indexes live in other slots: taken out here.
+        let mut indexes = pipeline();
+        for (r, reply) in releases.iter().zip(replies) {
+            if let Value::ServerError(e) = &reply {
+                return Err(StoreError::unavailable("redis compact", e));
+            }
+            let items = reply_array(reply, "compact")?;
+            if items.first().and_then(u64_of) != Some(1) {
+                continue;
+            }
+            compacted += 1;
+            if items.get(2).and_then(u64_of) == Some(1) {
+                continue;
+            }
+            let terminal_ms = items
+                .get(1)
+                .and_then(u64_of)
+                .ok_or_else(|| corrupt("compact: no terminal time"))?;
+            let k = r.key.to_string();
+            indexes
+                .srem(peer_set_key(&r.key.caller), &k)
+                .srem(peer_set_key(&r.callee), &k)
+                .zrem(
+                    FINISHED_KEY,
+                    finished_member(terminal_ms, &r.key, &r.callee),
+                );
+        }
+        if !indexes.is_empty() {
+            let removed = self.query_pipeline(indexes, true, "compact").await?;
+            first_error(&removed, "compact")?;
+        }
+        Ok(compacted)
     }
 
     async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<DelegationKey>, StoreError> {

@@ -137,7 +137,13 @@ pub(super) fn parse_meta(
         key: key.clone(),
         callee: PeerId::new(text(meta_field::CALLEE)?).map_err(|_| bad(meta_field::CALLEE))?,
         deadline_ms: number(meta_field::DEADLINE)?,
-        digest: Digest::parse(text(meta_field::DIGEST)?).ok_or_else(|| bad(meta_field::DIGEST))?,
+        // `sha256:<hex>`, or the bare hex of a compacted delegation.
+        digest: {
+            let dg = text(meta_field::DIGEST)?;
+            Digest::parse(dg)
+                .or_else(|| Digest::parse(&format!("sha256:{dg}")))
+                .ok_or_else(|| bad(meta_field::DIGEST))?
+        },
         created_ms: number(meta_field::CREATED)?,
         down_tail: number(meta_field::DOWN_TAIL)?,
         up_tail: number(meta_field::UP_TAIL)?,

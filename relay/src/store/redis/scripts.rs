@@ -136,6 +136,22 @@ const READ_LUA: &str = include_str!("lua/read.lua");
 /// `oab:finished`.
 const EXPIRE_LUA: &str = include_str!("lua/expire.lua");
 
+/// `compact` (a caller's release of a finished delegation): KEYS meta, down
+/// log, up log, down and up size lists, and on a single server the caller's
+/// and the callee's delegation sets and `oab:finished`; ARGV the caller's
+/// up cursor, the index member (`<caller>#<rid>`), the callee, the
+/// finished TTL (used only if the meta has lost its own). When the
+/// meta has a terminal, its up tail is the cursor and also the callee's
+/// last entry (not a relay-originated terminal), and its callee is the one
+/// given, it deletes both logs and their size lists, writes the meta anew
+/// (the same fields, the digest as bare hex so that every value fits
+/// Redis's compact hash encoding, the held bytes 0) with the TTL the
+/// terminal gave it and, given the index keys, takes the
+/// member out of the two sets and the finished index: `{1, <terminal ms>,
+/// 1}`; without them `{1, <terminal ms>, 0}` (the caller does that in the
+/// index's own slots). Otherwise nothing: `{0}`.
+const COMPACT_LUA: &str = include_str!("lua/compact.lua");
+
 /// `claim`: KEYS presence; ARGV node, session, floor, incarnation, connector
 /// instance (hex), `Hello` time (ms), window (ms). Returns `S` without a
 /// change when the stored claim is the same connector instance's with a
@@ -176,6 +192,7 @@ pub(super) struct Scripts {
     pub(super) append: Script,
     pub(super) read: Script,
     pub(super) expire: Script,
+    pub(super) compact: Script,
     pub(super) charge: Script,
     pub(super) uncharge: Script,
 }
@@ -187,6 +204,7 @@ impl Scripts {
             append: Script::new(APPEND_LUA),
             read: Script::new(READ_LUA),
             expire: Script::new(EXPIRE_LUA),
+            compact: Script::new(COMPACT_LUA),
             charge: Script::new(CHARGE_LUA),
             uncharge: Script::new(UNCHARGE_LUA),
         }
@@ -243,6 +261,7 @@ impl RedisStore {
             &self.scripts.append,
             &self.scripts.read,
             &self.scripts.expire,
+            &self.scripts.compact,
             &self.scripts.charge,
             &self.scripts.uncharge,
         ] {
@@ -282,7 +301,12 @@ mod tests {
                 UNCHARGE_LUA,
                 "e6220f8204f3e0f0575c91cb3380492f46fa0fa1",
             ),
-            ("read", READ_LUA, "f9d709c25643464a26e803ebdd14e33ad4f36b11"),
+            ("read", READ_LUA, "56750e75b4699ea95f566561b1af0b143a13809f"),
+            (
+                "compact",
+                COMPACT_LUA,
+                "4eaad3a582d5f1ae4676d6fabe33c3f2016e3553",
+            ),
             (
                 "expire",
                 EXPIRE_LUA,

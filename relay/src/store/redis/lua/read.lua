@@ -8,6 +8,9 @@ local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
 if #first > 0 then
   local fseq = string.match(first[1][1], '^(%d+)')
   if after + 1 < tonumber(fseq) then return {'T', fseq, term} end
+elseif after < tonumber(m[1]) then
+  -- Compacted: the caller released the finished delegation.
+  return {'T', '0', term}
 end
 local out = {'E', m[1], term}
 if tonumber(ARGV[4]) > 0 then
