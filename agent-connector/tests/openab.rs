@@ -1642,3 +1642,48 @@ async fn the_registry_lists_each_registration_and_expiring_the_leases_drops_and_
     assert_ne!(regs[0].handle, first, "a new connection, a new handle");
     stop.cancel();
 }
+
+/// The endpoint releases each delegation at the relay once the primary's
+/// result is read from it: the relay's Redis keeps only the delegation's
+/// record (its outcome), not its logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_delegation_leaves_only_its_outcome_at_the_relay() {
+    let w = World::start().await;
+    let mut worker = w.worker("i-w1", 4).await;
+    let mut primary = w.primary().await;
+    let ack = primary.delegate("d-1", "reviewer", "review PR 7").await;
+    assert!(ack.get("result").is_some(), "{ack}");
+    let fwd = worker.request("cp/delegate").await;
+    let done = worker
+        .call(
+            "cp/delegate_result",
+            json!({ "delegation_id": fwd["delegation_id"], "admission": fwd["admission"],
+                    "status": "completed", "result": "LGTM" }),
+        )
+        .await;
+    assert_eq!(done["result"]["ok"], true);
+    assert_eq!(primary.result_for("d-1").await["status"], "completed");
+
+    let mut raw = redis::Client::open(w._redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut keys: Vec<String> = Vec::new();
+    let compacted = tokio::time::timeout(STEP, async {
+        loop {
+            keys = redis::cmd("KEYS")
+                .arg("oab:d:*")
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            if keys.len() == 1 && keys[0].ends_with(":meta") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(compacted.is_ok(), "the delegation's keys: {keys:?}");
+    w.stop().await;
+}
