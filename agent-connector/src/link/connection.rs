@@ -55,6 +55,9 @@ fn jitter(max: Duration) -> Duration {
 impl Link {
     pub(super) async fn run(mut self, shutdown: CancellationToken) {
         let mut attempt: u32 = 0;
+        // Until the first session, a failure is an operator's problem (a
+        // wrong URL, port or trust): said at WARN with the URL.
+        let mut ever_connected = false;
         loop {
             let _ = self.state.send(LinkState::Connecting { attempt });
             let connected = tokio::select! {
@@ -64,6 +67,7 @@ impl Link {
             let exit = match connected {
                 Ok(Ok((ws, welcome_list))) => {
                     attempt = 0;
+                    ever_connected = true;
                     self.online = true;
                     let exit = self.session(ws, welcome_list, &shutdown).await;
                     self.online = false;
@@ -105,8 +109,11 @@ impl Link {
                         // Retrying will not help until the configuration
                         // or the relay's certificate changes: say so loudly.
                         warn!(%reason, attempt, wait_ms = wait.as_millis() as u64, hint = CERTIFICATE_HINT, "the relay's certificate was refused; reconnecting");
+                    } else if !ever_connected {
+                        let url = &self.settings.url;
+                        warn!(%url, %reason, attempt, wait_ms = wait.as_millis() as u64, "cannot reach the relay at {url}: {reason}; retrying");
                     } else {
-                        info!(%reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
+                        info!(url = %self.settings.url, %reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
                     }
                     let _ = self.state.send(LinkState::Connecting { attempt });
                     if !self.wait_offline(wait, &shutdown).await {
@@ -153,7 +160,14 @@ impl Link {
         let (mut req, url) = relay_request(&self.settings.url).map_err(Exit::Fatal)?;
         let tcp = TcpStream::connect((url.host.as_str(), url.port))
             .await
-            .map_err(|e| reconnect(&e))?;
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::ConnectionRefused => Exit::Reconnect(
+                    "connection refused (is the relay running, and is connector.relay_url \
+                     its relay.listen?)"
+                        .into(),
+                ),
+                _ => reconnect(&e),
+            })?;
         let _ = tcp.set_nodelay(true);
         let (io, binding) = if url.tls {
             let name = rustls::pki_types::ServerName::try_from(url.host.clone())
@@ -161,7 +175,29 @@ impl Link {
             let tls = tokio_rustls::TlsConnector::from(self.tls.load_full())
                 .connect(name, tcp)
                 .await
-                .map_err(|e| reconnect(&format!("TLS: {e}")))?;
+                .map_err(|e| {
+                    let corrupt = e
+                        .get_ref()
+                        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                        .is_some_and(|r| {
+                            matches!(
+                                r,
+                                rustls::Error::InvalidMessage(
+                                    rustls::InvalidMessage::InvalidContentType
+                                )
+                            )
+                        });
+                    if corrupt {
+                        // An HTTP answer (or any plain bytes) to the TLS hello.
+                        Exit::Reconnect(format!(
+                            "{}:{} does not speak TLS (is it the relay's admin port? \
+                             connector.relay_url must name the relay's relay.listen)",
+                            url.host, url.port
+                        ))
+                    } else {
+                        reconnect(&format!("TLS: {e}"))
+                    }
+                })?;
             let binding = if self.settings.challenge_only {
                 ChannelBinding::ChallengeOnly
             } else {
@@ -216,7 +252,17 @@ impl Link {
             now_ms(),
             &binding,
         )
-        .map_err(|e| Exit::Fatal(e.to_string()))?;
+        .map_err(|e| match e {
+            oab_wire::handshake::HandshakeError::RelayMismatch { expected, got } => {
+                Exit::Fatal(format!(
+                    "connector.relay_id is {expected:?}, but the relay at {} names itself \
+                     {got:?}; set connector.relay_id = {got:?} if that is the relay meant, \
+                     or point connector.relay_url at the relay {expected:?}",
+                    self.settings.url
+                ))
+            }
+            other => Exit::Fatal(other.to_string()),
+        })?;
         let bytes = encode(&Frame::Hello(hello)).map_err(|e| Exit::Fatal(e.to_string()))?;
         ws.send(Message::Binary(bytes))
             .await
