@@ -540,16 +540,19 @@ impl ConnectorConfig {
         overrides: &[(String, String)],
     ) -> Result<Self, ConfigError> {
         let checked = oab_ops::config_check::Checked::<ConnectorConfig>::read(text, overrides);
-        let mut errors: Vec<String> = checked.problems.iter().map(ToString::to_string).collect();
-        if let Some(c) = &checked.value
-            && let Err(invalid) = c.validate()
-        {
-            let invalid = invalid.into_iter().map(|e| match e.split_once(": ") {
-                Some((field, message)) => (field.to_string(), message.to_string()),
-                None => (String::new(), e),
-            });
-            errors.extend(checked.validation(invalid).iter().map(ToString::to_string));
-        }
+        let invalid = match &checked.value {
+            Some(c) => c.validate().err().unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let invalid = invalid.into_iter().map(|e| match e.split_once(": ") {
+            Some((field, message)) => (field.to_string(), message.to_string()),
+            None => (String::new(), e),
+        });
+        let errors: Vec<String> = checked
+            .all_problems(invalid)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
         match checked.value {
             Some(c) if errors.is_empty() => Ok(c),
             _ => Err(ConfigError::Invalid {

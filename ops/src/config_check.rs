@@ -525,9 +525,11 @@ impl<T: DeserializeOwned> Checked<T> {
             let path = path_string(&inner.path);
             let (field, at, note) = in_override(&path);
             // Which entry of a list it is in, by its id (`[[peers]]`).
+            let is_id = matches!(inner.path.last(), Some(Seg::Key(k)) if k == "id");
             let entry = found
                 .iter()
                 .find_map(|f| f.id.as_ref().filter(|_| f.path.len() < inner.path.len()))
+                .filter(|_| !is_id)
                 .map(|id| format!(" (in the entry of {id})"))
                 .unwrap_or_default();
             checked.problems.push(Problem {
@@ -591,6 +593,16 @@ impl<T> Checked<T> {
         }
         out.push_str(rest);
         out
+    }
+
+    /// Every problem: those found reading and those of the value's own
+    /// validation ([`Checked::validation`]), in the file's order (those
+    /// without a line last).
+    pub fn all_problems(&self, errors: impl IntoIterator<Item = (String, String)>) -> Vec<Problem> {
+        let mut all = self.problems.clone();
+        all.extend(self.validation(errors));
+        all.sort_by_key(|p| (p.line.is_none(), p.line));
+        all
     }
 
     /// The problems of the value's own validation (field, message), with
@@ -692,6 +704,13 @@ mod tests {
         assert_eq!(v.len(), 2, "{v:?}");
         assert_eq!(v[0].to_string(), "items[2].size (line 16): too big");
         assert_eq!(v[1].to_string(), "main.name (line 2): bad");
+        // All of them together, in the file's order.
+        let all: Vec<Option<usize>> = c
+            .all_problems([("main.name".to_string(), "bad".to_string())])
+            .iter()
+            .map(|p| p.line)
+            .collect();
+        assert_eq!(all, [Some(2), Some(3), Some(4), Some(12)]);
     }
 
     #[test]

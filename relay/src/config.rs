@@ -647,22 +647,15 @@ impl Config {
         overrides: &[(String, String)],
     ) -> Result<Config, ConfigError> {
         let checked = oab_ops::config_check::Checked::<Config>::read(text, overrides);
-        let mut errors: Vec<FieldError> = checked
-            .problems
-            .iter()
-            .cloned()
+        let invalid = match &checked.value {
+            Some(config) => config.validate().err().unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let errors: Vec<FieldError> = checked
+            .all_problems(invalid.into_iter().map(|e| (e.field, e.message)))
+            .into_iter()
             .map(FieldError::from)
             .collect();
-        if let Some(config) = &checked.value
-            && let Err(invalid) = config.validate()
-        {
-            errors.extend(
-                checked
-                    .validation(invalid.into_iter().map(|e| (e.field, e.message)))
-                    .into_iter()
-                    .map(FieldError::from),
-            );
-        }
         match checked.value {
             Some(config) if errors.is_empty() => Ok(config),
             _ => Err(ConfigError::Invalid {
