@@ -404,3 +404,66 @@ fn a_relay_id_mismatch_names_connector_relay_id_and_the_relays_id() {
     drop(running);
     runtime.block_on(relay.stop());
 }
+
+/// A relay whose certificate (from the private CA of `connector.relay_ca`)
+/// has expired: the warning says it is the relay's to renew, with its
+/// notAfter, not that the connector's trust settings are wrong.
+#[test]
+fn an_expired_relay_certificate_is_named_as_the_relays_to_renew() {
+    oab_relay::tls::install_crypto_provider();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let mut leaf_params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    leaf_params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    leaf_params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let leaf = leaf_params.signed_by(&leaf_key, &ca).unwrap();
+    let key: rustls::pki_types::PrivateKeyDer<'static> =
+        rustls::pki_types::pem::PemObject::from_pem_slice(leaf_key.serialize_pem().as_bytes())
+            .unwrap();
+    let tls = oab_relay::tls::server_config(vec![leaf.der().clone()], key).unwrap();
+
+    let env = common::Env::new("");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relay = runtime.spawn(oab_relay::run(
+        listener,
+        None,
+        std::sync::Arc::new(env.config.clone()),
+        std::sync::Arc::new(oab_relay::store::MemoryStore::new(
+            oab_relay::store::Retention::default(),
+        )),
+        Some(tls),
+        stop.clone(),
+    ));
+
+    let dir = tempfile::tempdir().unwrap();
+    let identity = dir.path().join("callee.identity.toml");
+    oab_connector::keyfile::save(&env.callee, &identity).unwrap();
+    let ca_file = dir.path().join("relay-ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let config = connector_config(
+        dir.path(),
+        &identity,
+        &format!("wss://localhost:{port}/"),
+        &format!("relay_ca = {:?}", ca_file.display().to_string()),
+    );
+    let mut running = Running::start(&config, &[]);
+    let line = running.line_with("the relay's certificate was refused");
+    assert!(line.contains("WARN"), "{line}");
+    assert!(
+        line.contains("the relay's certificate expired at 2021-01-01T00:00:00Z (its notAfter)")
+            && line.contains("renewed on the relay (relay.tls_cert"),
+        "{line}"
+    );
+    assert!(!line.contains("subjectAltName"), "{line}");
+    drop(running);
+    stop.cancel();
+    let _ = runtime.block_on(relay);
+}

@@ -32,6 +32,37 @@ use super::{EventError, Link, LinkError, LinkState};
 /// What to check when the relay's certificate is refused.
 const CERTIFICATE_HINT: &str = "check connector.relay_ca (the PEM of the CA that signed the relay's certificate) or relay_pin_sha256; the relay's certificate must be an end-entity certificate (CA:FALSE) naming the relay's host in subjectAltName";
 
+/// What to do about a refused relay certificate, from rustls' reason: an
+/// expired (or not yet valid) certificate is the relay's to renew (its
+/// date is named), anything else is this side's trust settings.
+fn certificate_hint(reason: &str) -> String {
+    // rustls: "... is not valid after <unix secs> ..." / "... before ...".
+    let date_after = |marker: &str| {
+        let rest = reason.split(marker).nth(1)?;
+        let secs: i64 = rest.split_whitespace().next()?.parse().ok()?;
+        Some(oab_ops::time::utc_rfc3339(secs))
+    };
+    if reason.contains("certificate expired") || reason.contains("Expired") {
+        let when = date_after("not valid after ")
+            .map(|d| format!(" at {d} (its notAfter)"))
+            .unwrap_or_default();
+        format!(
+            "the relay's certificate expired{when}: it must be renewed on the relay \
+             (relay.tls_cert, then a reload); nothing in this connector's configuration is wrong"
+        )
+    } else if reason.contains("not valid yet") || reason.contains("NotValidYet") {
+        let when = date_after("not valid before ")
+            .map(|d| format!(" before {d} (its notBefore)"))
+            .unwrap_or_default();
+        format!(
+            "the relay's certificate is not valid{when}: check the clocks of this host and \
+             of the relay"
+        )
+    } else {
+        CERTIFICATE_HINT.to_string()
+    }
+}
+
 /// How long the close frame sent at shutdown may take to leave.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
@@ -108,7 +139,8 @@ impl Link {
                     if reason.contains("certificate") {
                         // Retrying will not help until the configuration
                         // or the relay's certificate changes: say so loudly.
-                        warn!(%reason, attempt, wait_ms = wait.as_millis() as u64, hint = CERTIFICATE_HINT, "the relay's certificate was refused; reconnecting");
+                        let hint = certificate_hint(&reason);
+                        warn!(url = %self.settings.url, %reason, attempt, wait_ms = wait.as_millis() as u64, %hint, "the relay's certificate was refused; reconnecting");
                     } else if !ever_connected {
                         let url = &self.settings.url;
                         warn!(%url, %reason, attempt, wait_ms = wait.as_millis() as u64, "cannot reach the relay at {url}: {reason}; retrying");
