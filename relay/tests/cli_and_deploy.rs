@@ -753,7 +753,51 @@ fn an_expired_certificate_is_warned_about_at_start_with_its_not_after() {
             seen.iter().any(|l| l.contains("relay listening")),
             "{seen:#?}"
         );
+        // check-config says the same, as a warning (exit 0).
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("check-config")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(
+            err.contains(&format!("warning: relay.tls_cert ({})", cert.display()))
+                && err.contains(want),
+            "{err}"
+        );
     }
+}
+
+/// `check-config` warns (exit 0) about TLS files this host cannot use: the
+/// file may be checked elsewhere than where the relay runs.
+#[test]
+fn check_config_warns_about_tls_files_it_cannot_use_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("fullchain.pem");
+    let key = dir.path().join("privkey.pem");
+    let (_, key_pem, _) = cert_and_key(None);
+    oab_relay::tls::write_file(&key, &key_pem, true).unwrap();
+    let file = tls_relay_config(dir.path(), &missing, &key, "memory");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(": ok ("),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "warning: relay.tls_cert ({}): no such file; check the path (on this host; the \
+             relay does not start without it)",
+            missing.display()
+        )),
+        "{err}"
+    );
 }
 
 /// With Redis unreachable the relay does not say it listens: it names the
