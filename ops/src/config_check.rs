@@ -60,6 +60,8 @@ pub struct Checked<T> {
     /// The `id` values of array elements taken out (`[[peers]]`), so that
     /// "peer x is not configured" does not follow a bad peer entry.
     removed_ids: Vec<String>,
+    /// The paths set by overrides.
+    overridden: Vec<String>,
 }
 
 /// A path segment.
@@ -417,6 +419,7 @@ impl<T: DeserializeOwned> Checked<T> {
             lines: HashMap::new(),
             removed: BTreeSet::new(),
             removed_ids: Vec::new(),
+            overridden: overrides.iter().map(|(p, _)| p.clone()).collect(),
         };
         let (root, errors) = DeTable::parse_recoverable(text);
         if !errors.is_empty() {
@@ -449,6 +452,8 @@ impl<T: DeserializeOwned> Checked<T> {
                 .and_then(|i| overrides.get(i))
                 .map(|(p, _)| p.clone())
         };
+        // The error before, to stop if taking a field out changed nothing.
+        let mut previous: Option<(Option<Range<usize>>, String)> = None;
         for _ in 0..256 {
             let de = ValueDeserializer::from(Spanned::new(
                 root_span.clone(),
@@ -461,6 +466,11 @@ impl<T: DeserializeOwned> Checked<T> {
                 }
                 Err(e) => e,
             };
+            let this = (e.span(), e.message().to_string());
+            if previous.as_ref() == Some(&this) {
+                break;
+            }
+            previous = Some(this);
             let pos = e.span().map_or(0, |s| s.start);
             let mut found = Vec::new();
             entries_at(&original, pos, &mut Vec::new(), &mut found);
@@ -499,10 +509,18 @@ impl<T: DeserializeOwned> Checked<T> {
                     } else {
                         field
                     };
+                    let (line, message) = if holder.is_none() {
+                        (
+                            None,
+                            format!("the [{name}] section is required and missing; add it"),
+                        )
+                    } else {
+                        (at, "is required and missing; add it".to_string())
+                    };
                     checked.problems.push(Problem {
                         field,
-                        line: at,
-                        message: "is required and missing; add it".into(),
+                        line,
+                        message,
                     });
                 }
                 let Some(holder) = holder else { break };
@@ -513,7 +531,13 @@ impl<T: DeserializeOwned> Checked<T> {
                 }
                 continue;
             }
-            let Some(inner) = found.last() else {
+            // The innermost entry around it not yet taken out (an empty list
+            // spans where its taken-out element was).
+            let Some(inner) = found
+                .iter()
+                .rev()
+                .find(|f| !checked.removed.contains(&path_string(&f.path)))
+            else {
                 let (field, at, note) = in_override("");
                 checked.problems.push(Problem {
                     field,
@@ -523,6 +547,20 @@ impl<T: DeserializeOwned> Checked<T> {
                 break;
             };
             let path = path_string(&inner.path);
+            // A table or list that fails only because something in it was
+            // taken out (`invalid length 0`): taken out in turn, unsaid.
+            let holds_removed = checked.removed.iter().any(|r| {
+                r.strip_prefix(path.as_str())
+                    .is_some_and(|rest| rest.starts_with(['.', '[']))
+            });
+            if holds_removed {
+                checked.removed.insert(path);
+                match remove(&mut doc, &inner.entry) {
+                    Some(id) => checked.removed_ids.extend(id),
+                    None => break,
+                }
+                continue;
+            }
             let (field, at, note) = in_override(&path);
             // Which entry of a list it is in, by its id (`[[peers]]`).
             let is_id = matches!(inner.path.last(), Some(Seg::Key(k)) if k == "id");
@@ -633,10 +671,28 @@ impl<T> Checked<T> {
                 });
                 !under_removed && !about_removed_id
             })
-            .map(|(field, message)| Problem {
-                line: self.line_of(&field),
-                field,
-                message,
+            .map(|(field, message)| {
+                let overridden = self.overridden.iter().any(|o| {
+                    field == *o
+                        || field
+                            .strip_prefix(o.as_str())
+                            .is_some_and(|rest| rest.starts_with(['.', '[']))
+                });
+                if overridden {
+                    Problem {
+                        field,
+                        line: None,
+                        message: format!(
+                            "{message} (set by an override: --set or the environment)"
+                        ),
+                    }
+                } else {
+                    Problem {
+                        line: self.line_of(&field),
+                        field,
+                        message,
+                    }
+                }
             })
             .collect()
     }
@@ -738,6 +794,16 @@ mod tests {
             shown.starts_with("main.count: ") && shown.contains("override"),
             "{shown}"
         );
+        let c = Checked::<Doc>::read("", &[]);
+        assert_eq!(
+            c.problems[0].to_string(),
+            "main: the [main] section is required and missing; add it"
+        );
+        let c = Checked::<Doc>::read("[[main]]\nname = \"x\"\n", &[]);
+        assert_eq!(c.problems.len(), 1, "{:?}", c.problems);
+        // A list left empty by what was taken out is not a problem again.
+        let c = Checked::<Doc>::read("[main]\nname = \"x\"\n[[items]]\nid = 1\nsize = 1\n", &[]);
+        assert_eq!(c.problems.len(), 1, "{:?}", c.problems);
         let c = Checked::<Doc>::read(
             "[main]\nname = \"x\"\n",
             &[("main.count".into(), "7".into())],
