@@ -248,6 +248,20 @@ fn run_command() -> anyhow::Result<()> {
                         }
                     }
                 }
+                // The files it finds on this host (the file may be checked
+                // elsewhere than where the connector runs: a file that is
+                // not here is not said): warnings.
+                let here = "(the connector does not start with it)";
+                if c.connector.identity.exists()
+                    && let Err(e) = load_identity(&c.connector.identity)
+                {
+                    warnings.push(format!("{e:#} {here}"));
+                }
+                if let Some(ca) = c.connector.relay_ca.as_ref().filter(|ca| ca.exists())
+                    && let Err(e) = load_ca_certs(ca)
+                {
+                    warnings.push(format!("{e:#} {here}"));
+                }
                 for w in warnings {
                     eprintln!("warning: {w}");
                 }

@@ -281,6 +281,32 @@ fn missing_files_are_named_by_their_field() {
         "{err}"
     );
 
+    // check-config checks the files it finds here (a CA file without a
+    // certificate: a warning, exit 0), and says nothing of those not here.
+    let out = connector()
+        .arg("check-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("relay_ca"), "{err}");
+    std::fs::write(&ca, "not a certificate\n").unwrap();
+    let out = connector()
+        .arg("check-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "warning: connector.relay_ca ({}): no CERTIFICATE block; give the PEM certificate \
+             of the CA that signed the relay's certificate (the connector does not start with it)",
+            ca.display()
+        )),
+        "{err}"
+    );
+
     let gone = dir.path().join("gone.toml");
     let (code, err) = exits(&["run", "--config", &gone.display().to_string()]);
     assert_eq!(code, Some(2), "{err}");

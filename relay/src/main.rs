@@ -242,15 +242,16 @@ fn run_command() -> anyhow::Result<()> {
                 for w in oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms()) {
                     eprintln!("warning: {w}");
                 }
-                // The TLS files as this host sees them (the file may be
-                // checked elsewhere than where the relay runs): warnings.
+                // The TLS files when it finds them on this host (the file
+                // may be checked elsewhere than where the relay runs: files
+                // that are not here are not said): warnings.
                 if c.relay.tls_mode == TlsMode::Terminate
                     && let (Some(cert), Some(key)) = (&c.relay.tls_cert, &c.relay.tls_key)
+                    && cert.exists()
+                    && key.exists()
                 {
                     match oab_relay::tls::load_server_config(cert, key) {
-                        Err(e) => eprintln!(
-                            "warning: {e} (on this host; the relay does not start without it)"
-                        ),
+                        Err(e) => eprintln!("warning: {e} (the relay does not start with it)"),
                         Ok(_) => {
                             let now = i64::try_from(oab_wire::identity::now_ms() / 1_000)
                                 .unwrap_or(i64::MAX);

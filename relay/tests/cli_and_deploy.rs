@@ -769,35 +769,45 @@ fn an_expired_certificate_is_warned_about_at_start_with_its_not_after() {
     }
 }
 
-/// `check-config` warns (exit 0) about TLS files this host cannot use: the
-/// file may be checked elsewhere than where the relay runs.
+/// `check-config` warns (exit 0) about TLS files it finds on this host and
+/// cannot use (here a key that is not the certificate's), and says nothing
+/// of files that are not here (the file may be checked on another host).
 #[test]
 fn check_config_warns_about_tls_files_it_cannot_use_here() {
     let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("fullchain.pem");
+    let cert = dir.path().join("fullchain.pem");
     let key = dir.path().join("privkey.pem");
-    let (_, key_pem, _) = cert_and_key(None);
-    oab_relay::tls::write_file(&key, &key_pem, true).unwrap();
-    let file = tls_relay_config(dir.path(), &missing, &key, "memory");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
-        .arg("check-config")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(": ok ("),
-        "{err}"
-    );
+    let (cert_pem, _, _) = cert_and_key(None);
+    let (_, other_key_pem, _) = cert_and_key(None);
+    std::fs::write(&cert, cert_pem).unwrap();
+    oab_relay::tls::write_file(&key, &other_key_pem, true).unwrap();
+    let check = |file: &Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("check-config")
+            .arg(file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(": ok ("),
+            "{err}"
+        );
+        err
+    };
+    let err = check(&tls_relay_config(dir.path(), &cert, &key, "memory"));
     assert!(
         err.contains(&format!(
-            "warning: relay.tls_cert ({}): no such file; check the path (on this host; the \
-             relay does not start without it)",
-            missing.display()
-        )),
+            "warning: relay.tls_key ({}) is not the private key of the certificate in \
+             relay.tls_cert ({})",
+            key.display(),
+            cert.display()
+        )) && err.contains("(the relay does not start with it)"),
         "{err}"
     );
+    let elsewhere = dir.path().join("elsewhere").join("fullchain.pem");
+    let err = check(&tls_relay_config(dir.path(), &elsewhere, &key, "memory"));
+    assert!(!err.contains("relay.tls_"), "{err}");
 }
 
 /// With Redis unreachable the relay does not say it listens: it names the
