@@ -461,12 +461,12 @@ impl Default for PolicySection {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// Reading failed.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Read {
         /// File.
         path: String,
         /// Error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// Parsing failed (the message names line and field).
     #[error("{path}: {message}")]
@@ -525,9 +525,9 @@ impl ConnectorConfig {
         overrides: &[(String, String)],
     ) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: shown.clone(),
-            source,
+            error,
         })?;
         Self::from_toml_with_overrides(&text, &shown, overrides)
     }
@@ -539,19 +539,27 @@ impl ConnectorConfig {
         origin: &str,
         overrides: &[(String, String)],
     ) -> Result<Self, ConfigError> {
-        let parse = |message: String| ConfigError::Parse {
-            path: origin.to_string(),
-            message,
+        let checked = oab_ops::config_check::Checked::<ConnectorConfig>::read(text, overrides);
+        let invalid = match &checked.value {
+            Some(c) => c.validate().err().unwrap_or_default(),
+            None => Vec::new(),
         };
-        let doc = oab_ops::overrides::document_with_overrides(text, overrides).map_err(parse)?;
-        let c: ConnectorConfig = doc
-            .try_into()
-            .map_err(|e: toml::de::Error| parse(e.to_string()))?;
-        c.validate().map_err(|errors| ConfigError::Invalid {
-            path: origin.to_string(),
-            errors,
-        })?;
-        Ok(c)
+        let invalid = invalid.into_iter().map(|e| match e.split_once(": ") {
+            Some((field, message)) => (field.to_string(), message.to_string()),
+            None => (String::new(), e),
+        });
+        let errors: Vec<String> = checked
+            .all_problems(invalid)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        match checked.value {
+            Some(c) if errors.is_empty() => Ok(c),
+            _ => Err(ConfigError::Invalid {
+                path: origin.to_string(),
+                errors,
+            }),
+        }
     }
 
     /// Checks every value.
@@ -884,7 +892,10 @@ mod tests {
             match ConnectorConfig::from_toml_with_overrides(&text, "t", &[]) {
                 Err(ConfigError::Invalid { errors, .. }) => {
                     assert_eq!(errors.len(), 1, "{line}: {errors:?}");
-                    assert!(errors[0].starts_with(want), "{line}: {errors:?}");
+                    // The field, its line (the fifth), the message.
+                    let (field, message) = want.split_once(": ").unwrap();
+                    let want = format!("{field} (line 5): {message}");
+                    assert!(errors[0].starts_with(&want), "{line}: {errors:?}");
                 }
                 other => panic!("{line}: {other:?}"),
             }

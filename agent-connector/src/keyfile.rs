@@ -22,12 +22,21 @@ use oab_wire::identity::{Identity, IdentityError};
 #[derive(Debug, thiserror::Error)]
 pub enum KeyFileError {
     /// The file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: String,
         /// The I/O error.
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+    /// `save` found a file there already.
+    #[error(
+        "{path} already exists; an identity file is never overwritten: give another --out, \
+         or move the old file away first"
+    )]
+    Exists {
+        /// The file.
+        path: String,
     },
     /// The secret file is readable by group or others.
     #[error(
@@ -47,9 +56,9 @@ pub enum KeyFileError {
 
 /// Writes `identity` to a new file with mode 0600. Refuses to overwrite.
 pub fn save(identity: &Identity, path: &Path) -> Result<(), KeyFileError> {
-    let io = |source| KeyFileError::Io {
+    let io = |error| KeyFileError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     };
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);
@@ -58,7 +67,12 @@ pub fn save(identity: &Identity, path: &Path) -> Result<(), KeyFileError> {
         use std::os::unix::fs::OpenOptionsExt as _;
         opts.mode(0o600);
     }
-    let mut f = opts.open(path).map_err(io)?;
+    let mut f = opts.open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AlreadyExists => KeyFileError::Exists {
+            path: path.display().to_string(),
+        },
+        _ => io(e),
+    })?;
     f.write_all(identity.to_file_string().as_bytes())
         .map_err(io)?;
     f.sync_all().map_err(io)
@@ -68,9 +82,9 @@ pub fn save(identity: &Identity, path: &Path) -> Result<(), KeyFileError> {
 /// group can read while it is not owned by root.
 pub fn load(path: &Path) -> Result<Identity, KeyFileError> {
     let shown = path.display().to_string();
-    let io = |source| KeyFileError::Io {
+    let io = |error| KeyFileError::Io {
         path: shown.clone(),
-        source,
+        error,
     };
     #[cfg(unix)]
     {

@@ -98,13 +98,17 @@ enum Cmd {
     /// descriptor, open delegations) from its admin endpoint's `/status`
     /// (`[admin] listen` in its configuration).
     Status {
-        /// The connector's admin address (`admin.listen`).
-        #[arg(
-            long,
-            env = "OAB_CONNECTOR_ADMIN_URL",
-            default_value = "http://127.0.0.1:9444"
-        )]
-        admin: String,
+        /// The connector's admin address (`admin.listen`): `host:port` or
+        /// `http://host:port`. Default: `admin.listen` of --config, else
+        /// 127.0.0.1:9444.
+        #[arg(long, env = "OAB_CONNECTOR_ADMIN_URL")]
+        admin: Option<String>,
+        /// The connector's configuration file: its `admin.listen` is asked.
+        #[arg(long, short, env = "OAB_CONNECTOR_CONFIG")]
+        config: Option<PathBuf>,
+        /// Override any value of --config: `section.field=value` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        set: Vec<String>,
         /// Print the JSON as served instead of tables.
         #[arg(long)]
         json: bool,
@@ -170,8 +174,28 @@ fn parse_threads(s: &str) -> Result<usize, String> {
         .map_err(|_| format!("expected a number of threads, got {s:?}"))
 }
 
+/// Runs the command; an error is printed once, as one line of causes
+/// (`oab_ops::logging::error_line`, never a backtrace, whatever `RUST_BACKTRACE` says), with exit
+/// code 2 when the configuration was refused (unreadable or invalid) and 1
+/// otherwise.
+fn main() -> std::process::ExitCode {
+    match run_command() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("oab-connector: {}", oab_ops::logging::error_line(e.chain()));
+            if e.downcast_ref::<oab_connector::config::ConfigError>()
+                .is_some()
+            {
+                std::process::ExitCode::from(2)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
+        }
+    }
+}
+
 #[allow(clippy::print_stdout)]
-fn main() -> anyhow::Result<()> {
+fn run_command() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let _ = rustls::crypto::ring::default_provider().install_default();
     match cli.command {
@@ -190,8 +214,15 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Cmd::Status { admin, json } => {
-            if let Err(e) = print_status(&admin, json) {
+        Cmd::Status {
+            admin,
+            config,
+            set,
+            json,
+        } => {
+            let done = status_target(admin, config.as_deref(), &set)
+                .and_then(|(admin, hint)| print_status(&admin, &hint, json));
+            if let Err(e) = done {
                 eprintln!("oab-connector status: {e:#}");
                 std::process::exit(1);
             }
@@ -216,6 +247,20 @@ fn main() -> anyhow::Result<()> {
                             std::process::exit(2);
                         }
                     }
+                }
+                // The files it finds on this host (the file may be checked
+                // elsewhere than where the connector runs: a file that is
+                // not here is not said): warnings.
+                let here = "(the connector does not start with it)";
+                if c.connector.identity.exists()
+                    && let Err(e) = load_identity(&c.connector.identity)
+                {
+                    warnings.push(format!("{e:#} {here}"));
+                }
+                if let Some(ca) = c.connector.relay_ca.as_ref().filter(|ca| ca.exists())
+                    && let Err(e) = load_ca_certs(ca)
+                {
+                    warnings.push(format!("{e:#} {here}"));
                 }
                 for w in warnings {
                     eprintln!("warning: {w}");
@@ -295,14 +340,47 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The admin address `oab-connector status` asks, and where to look when
+/// it does not answer: `--admin`, else `admin.listen` of `--config` (with
+/// the overrides), else 127.0.0.1:9444.
+fn status_target(
+    admin: Option<String>,
+    config: Option<&std::path::Path>,
+    set: &[String],
+) -> anyhow::Result<(String, String)> {
+    if let Some(admin) = admin {
+        return Ok((
+            admin,
+            "is the connector running with [admin] listen set, and is --admin that address?".into(),
+        ));
+    }
+    let Some(path) = config else {
+        return Ok((
+            "http://127.0.0.1:9444".into(),
+            "is the connector running with [admin] listen set? Without --config or --admin \
+             this asks 127.0.0.1:9444; pass --config <connector.toml> or --admin <admin.listen>"
+                .into(),
+        ));
+    };
+    let c = ConnectorConfig::load_with_overrides(path, &overrides(set)?)?;
+    let shown = path.display();
+    let Some(listen) = c.admin.listen else {
+        anyhow::bail!(
+            "{shown}: admin.listen is not set, so the connector serves no /status; add \
+             `[admin]` with `listen = \"127.0.0.1:9444\"` to it and restart the connector"
+        );
+    };
+    Ok((
+        oab_ops::admin_client::url_of_listen(listen),
+        format!("is the connector of {shown} running? This is its admin.listen"),
+    ))
+}
+
 /// `oab-connector status`: fetches `/status` and prints it.
 #[allow(clippy::print_stdout)]
-fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
-    let (url, body) = oab_ops::admin_client::fetch_status(
-        admin,
-        "is the connector running with [admin] listen set, and is --admin that address?",
-    )
-    .map_err(anyhow::Error::msg)?;
+fn print_status(admin: &str, hint: &str, json: bool) -> anyhow::Result<()> {
+    let (url, body) =
+        oab_ops::admin_client::fetch_status(admin, hint).map_err(anyhow::Error::msg)?;
     if json {
         println!("{}", String::from_utf8_lossy(&body));
         return Ok(());
@@ -349,7 +427,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
         tracing::warn!("{w}");
     }
     let c = &config.connector;
-    let identity = oab_connector::keyfile::load(&c.identity)?;
+    let identity = load_identity(&c.identity)?;
     let mut link = LinkSettings::new(c.relay_url.clone(), relay_trust_of(&config)?, identity);
     link.relay_id = c.relay_id.clone();
     link.challenge_only = c.challenge_only_binding;
@@ -605,18 +683,53 @@ fn reload(
     tracing::info!(peers = running.peers.len(), "configuration reloaded");
 }
 
+/// What an I/O error on a configured file means for the operator.
+fn io_problem(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file; check the path".into(),
+        std::io::ErrorKind::PermissionDenied => {
+            "permission denied; the connector's user cannot read it".into()
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// `connector.identity`, named with the field and the fix when it cannot
+/// be used.
+fn load_identity(path: &std::path::Path) -> anyhow::Result<Identity> {
+    use oab_connector::keyfile::KeyFileError;
+    oab_connector::keyfile::load(path).map_err(|e| {
+        let shown = path.display();
+        match e {
+            KeyFileError::Io { error, .. } if error.kind() == std::io::ErrorKind::NotFound => {
+                anyhow::anyhow!(
+                    "connector.identity ({shown}): no such file; make one with \
+                     `oab-connector keygen --peer <namespace/name> --key-id <id> --out {shown}` \
+                     and put the key line it prints in the relay's [[peers]]"
+                )
+            }
+            KeyFileError::Io { error, .. } => {
+                anyhow::anyhow!("connector.identity ({shown}): {}", io_problem(&error))
+            }
+            other => anyhow::anyhow!("connector.identity: {other}"),
+        }
+    })
+}
+
 fn load_ca_certs(
     path: &std::path::Path,
 ) -> anyhow::Result<Vec<rustls::pki_types::CertificateDer<'static>>> {
     use rustls::pki_types::pem::PemObject as _;
-    let certs: Result<Vec<_>, _> = rustls::pki_types::CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("reading {}", path.display()))?
-        .collect();
-    let certs = certs.with_context(|| format!("parsing {}", path.display()))?;
+    let shown = path.display();
+    let text = std::fs::read(path)
+        .map_err(|e| anyhow::anyhow!("connector.relay_ca ({shown}): {}", io_problem(&e)))?;
+    let certs: Result<Vec<_>, _> =
+        rustls::pki_types::CertificateDer::pem_slice_iter(&text).collect();
+    let certs = certs.map_err(|e| anyhow::anyhow!("connector.relay_ca ({shown}): {e}"))?;
     anyhow::ensure!(
         !certs.is_empty(),
-        "{}: no CERTIFICATE block",
-        path.display()
+        "connector.relay_ca ({shown}): no CERTIFICATE block; give the PEM certificate of the \
+         CA that signed the relay's certificate"
     );
     Ok(certs)
 }

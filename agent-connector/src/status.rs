@@ -278,7 +278,7 @@ impl ConnectorStatus {
                 ),
             ],
         ];
-        out.push_str(&render(&["", ""], &rows));
+        out.push_str(&oab_ops::table::render_rows(&rows));
         let d = &self.delegations;
         out.push_str(&format!(
             "\nopen delegations: {} as caller, {} as callee; {} frame(s) unacknowledged\n",

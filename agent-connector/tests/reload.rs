@@ -333,8 +333,10 @@ async fn sighup_reloads_the_connector_binarys_file() {
     .unwrap();
     hup(pid);
     logged(&mut log, "configuration reload refused").await;
-    // The errors follow, one per line, as `check-config` prints them.
-    logged(&mut log, "policy.max_concurrent: must be greater than 0").await;
+    // The errors follow, one per line, as `check-config` prints them (with
+    // the field's line).
+    let line = logged(&mut log, "must be greater than 0").await;
+    assert!(line.contains("policy.max_concurrent (line "), "{line}");
     assert!(
         child.try_wait().unwrap().is_none(),
         "SIGHUP ended the connector"

@@ -18,7 +18,7 @@ pub const MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
     /// The URL is not `http://host:port[/path]`.
-    #[error("{0}: expected http://host:port[/path]")]
+    #[error("{0}: expected host:port or http://host:port[/path]")]
     BadUrl(String),
     /// Connecting, writing or reading failed.
     #[error("{url}: {error}")]
@@ -73,8 +73,32 @@ fn split_url(url: &str) -> Option<(String, String)> {
 }
 
 /// `GET base` joined with `path` (`base` may end in `/`): `http://127.0.0.1:9443` + `/status`.
+/// A `base` without a scheme (`127.0.0.1:9443`, the form of
+/// `relay.admin_listen` and `admin.listen` in the configuration files) is
+/// taken as `http://`.
 pub fn join(base: &str, path: &str) -> String {
-    format!("{}{path}", base.trim_end_matches('/'))
+    let base = base.trim_end_matches('/');
+    if base.contains("://") {
+        format!("{base}{path}")
+    } else {
+        format!("http://{base}{path}")
+    }
+}
+
+/// The admin URL to ask for a listener address from a configuration file
+/// (`relay.admin_listen`, `admin.listen`): an unspecified address
+/// (`0.0.0.0`, `::`) is asked on loopback, where the listener answers too.
+pub fn url_of_listen(addr: std::net::SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => {
+            std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+        }
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => {
+            std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+        }
+        ip => ip,
+    };
+    format!("http://{}", std::net::SocketAddr::new(ip, addr.port()))
 }
 
 /// What `oab-relay status` and `oab-connector status` do first: `GET
@@ -216,6 +240,21 @@ mod tests {
         assert_eq!(split_url("https://h:1/"), None);
         assert_eq!(split_url("http://user@h:1/"), None);
         assert_eq!(join("http://h:1/", "/status"), "http://h:1/status");
+        // The configuration files' scheme-less form is taken as http://.
+        assert_eq!(
+            join("127.0.0.1:9443", "/status"),
+            "http://127.0.0.1:9443/status"
+        );
+        assert_eq!(join("[::1]:9443/", "/status"), "http://[::1]:9443/status");
+        assert_eq!(
+            url_of_listen("0.0.0.0:9443".parse().unwrap()),
+            "http://127.0.0.1:9443"
+        );
+        assert_eq!(url_of_listen("[::]:1".parse().unwrap()), "http://[::1]:1");
+        assert_eq!(
+            url_of_listen("10.0.0.5:9443".parse().unwrap()),
+            "http://10.0.0.5:9443"
+        );
     }
 
     #[test]

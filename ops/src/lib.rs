@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`build`] | version, git commit and build date (`--version`, `/status`) |
 //! | [`busy_poll`] | `--busy-poll-us`: keeping an async worker polling for a while after each frame batch |
+//! | [`config_check`] | reading a configuration file so that every problem is listed with its field and line |
 //! | [`overrides`] | `--set section.field=value` and `PREFIX__SECTION__FIELD=value` on a TOML document |
 //! | [`logging`] | the tracing subscriber: `OAB_LOG` filter, `text` or `json` lines on stderr |
 //! | [`admin_client`] | a small HTTP/1.1 GET for the loopback admin endpoints (`status` commands) |
@@ -17,6 +18,7 @@
 pub mod admin_client;
 pub mod build;
 pub mod busy_poll;
+pub mod config_check;
 pub mod logging;
 pub mod overrides;
 pub mod table;

@@ -46,3 +46,42 @@ pub fn init(format: LogFormat, bridge_log: bool) -> bool {
     }
     installed
 }
+
+/// An error and its causes as one line (`a: b: c`), as a command prints it
+/// when it fails: never a backtrace, and a cause whose text the line
+/// already holds (an error that prints its source itself) is not repeated.
+pub fn error_line<'a>(
+    chain: impl IntoIterator<Item = &'a (dyn std::error::Error + 'static)>,
+) -> String {
+    let mut out = String::new();
+    for cause in chain {
+        let text = cause.to_string();
+        if text.is_empty() || out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod error_line_tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot read f: {source}")]
+    struct Outer {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn a_cause_already_said_is_not_repeated() {
+        let e = Outer {
+            source: std::io::Error::other("gone"),
+        };
+        let chain: Vec<&(dyn std::error::Error + 'static)> =
+            vec![&e, std::error::Error::source(&e).unwrap_or(&e)];
+        assert_eq!(super::error_line(chain), "cannot read f: gone");
+    }
+}

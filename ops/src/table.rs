@@ -35,6 +35,16 @@ pub fn render(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// Renders `rows` as aligned text without a header line (name and value
+/// pairs).
+pub fn render_rows(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let header = vec![""; cols];
+    let all = render(&header, rows);
+    // The header line of empty cells is an empty line.
+    all.strip_prefix('\n').unwrap_or(&all).to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,5 +62,14 @@ mod tests {
             t,
             "peer         state\nacme/a       online\nacme/longer  offline\n"
         );
+    }
+
+    #[test]
+    fn rows_without_a_header_start_with_the_first_row() {
+        let t = render_rows(&[
+            vec!["relay".into(), "wss://r:1/".into()],
+            vec!["relay id".into(), "r".into()],
+        ]);
+        assert_eq!(t, "relay     wss://r:1/\nrelay id  r\n");
     }
 }

@@ -563,11 +563,35 @@ pub struct FieldError {
     pub field: String,
     /// What is wrong.
     pub message: String,
+    /// Its line in the file, when known.
+    pub line: Option<usize>,
 }
 
 impl std::fmt::Display for FieldError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
+        match self.line {
+            Some(line) => write!(f, "{} (line {line}): {}", self.field, self.message),
+            None if self.field.is_empty() => write!(f, "{}", self.message),
+            None => write!(f, "{}: {}", self.field, self.message),
+        }
+    }
+}
+
+impl From<oab_ops::config_check::Problem> for FieldError {
+    fn from(p: oab_ops::config_check::Problem) -> Self {
+        match (p.field.is_empty(), p.line) {
+            // A syntax error: its line is its field.
+            (true, Some(line)) => FieldError {
+                field: format!("line {line}"),
+                message: p.message,
+                line: None,
+            },
+            _ => FieldError {
+                field: p.field,
+                message: p.message,
+                line: p.line,
+            },
+        }
     }
 }
 
@@ -575,12 +599,12 @@ impl std::fmt::Display for FieldError {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Read {
         /// The file.
         path: String,
         /// The I/O error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The file is not valid TOML for this schema.
     #[error("{path}: {message}")]
@@ -613,33 +637,32 @@ pub fn env_overrides() -> Vec<(String, String)> {
 pub const ENV_PREFIX: &str = "OAB_RELAY__";
 
 impl Config {
-    /// Parses TOML text with `key=value` overrides applied, then validates.
+    /// Parses TOML text with `key=value` overrides applied, then validates;
+    /// every problem of the file is listed, each with its field and line
+    /// ([`oab_ops::config_check`]): a field name that is not one, a value
+    /// that does not read, and what [`Config::validate`] finds in the rest.
     pub fn from_toml_with_overrides(
         text: &str,
         origin: &str,
         overrides: &[(String, String)],
     ) -> Result<Config, ConfigError> {
-        let mut doc: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: origin.to_string(),
-            message: e.to_string(),
-        })?;
-        for (path, value) in overrides {
-            apply_override(&mut doc, path, value).map_err(|e| ConfigError::Parse {
+        let checked = oab_ops::config_check::Checked::<Config>::read(text, overrides);
+        let invalid = match &checked.value {
+            Some(config) => config.validate().err().unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let errors: Vec<FieldError> = checked
+            .all_problems(invalid.into_iter().map(|e| (e.field, e.message)))
+            .into_iter()
+            .map(FieldError::from)
+            .collect();
+        match checked.value {
+            Some(config) if errors.is_empty() => Ok(config),
+            _ => Err(ConfigError::Invalid {
                 path: origin.to_string(),
-                message: e.to_string(),
-            })?;
+                errors,
+            }),
         }
-        let config: Config = doc
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse {
-                path: origin.to_string(),
-                message: e.to_string(),
-            })?;
-        config.validate().map_err(|errors| ConfigError::Invalid {
-            path: origin.to_string(),
-            errors,
-        })?;
-        Ok(config)
     }
 
     /// Parses TOML text (`origin` names it in errors) without validating.
@@ -653,22 +676,23 @@ impl Config {
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: shown.clone(),
-            source,
+            error,
         })?;
-        let config = Config::parse(&text, &shown)?;
-        config.validate().map_err(|errors| ConfigError::Invalid {
-            path: shown,
-            errors,
-        })?;
-        Ok(config)
+        Config::from_toml_with_overrides(&text, &shown, &[])
     }
 
     /// Checks every value; returns every problem found.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        let mut err = |field: String, message: String| errors.push(FieldError { field, message });
+        let mut err = |field: String, message: String| {
+            errors.push(FieldError {
+                field,
+                message,
+                line: None,
+            })
+        };
         let r = &self.relay;
         if r.tls_mode == TlsMode::Terminate {
             if r.tls_cert.is_none() {

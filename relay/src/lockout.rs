@@ -44,7 +44,13 @@ pub const MIN_FINISHED_TTL_MS: u64 = 60_000;
 /// Every warning for `config` at `now_ms` (ms since the Unix epoch).
 pub fn warnings(config: &Config, now_ms: u64) -> Vec<FieldError> {
     let mut out = Vec::new();
-    let mut warn = |field: String, message: String| out.push(FieldError { field, message });
+    let mut warn = |field: String, message: String| {
+        out.push(FieldError {
+            field,
+            message,
+            line: None,
+        })
+    };
     let r = &config.relay;
     if r.max_clock_skew_ms < MIN_CLOCK_SKEW_MS {
         warn(

@@ -59,15 +59,14 @@ enum Command {
         file: PathBuf,
     },
     /// Print a running relay's status (peers online, open delegations per
-    /// route, fleet members, store health) from its admin port's `/status`.
+    /// route, fleet members, store health) from its admin port's `/status`:
+    /// the address given with --admin, else `relay.admin_listen` of
+    /// --config, else the development relay's (127.0.0.1:9443).
     Status {
-        /// The relay's admin address (`relay.admin_listen`).
-        #[arg(
-            long,
-            env = "OAB_RELAY_ADMIN_URL",
-            default_value = "http://127.0.0.1:9443"
-        )]
-        admin: String,
+        /// The relay's admin address (`relay.admin_listen`): `host:port` or
+        /// `http://host:port`.
+        #[arg(long, env = "OAB_RELAY_ADMIN_URL")]
+        admin: Option<String>,
         /// Print the JSON as served instead of tables.
         #[arg(long)]
         json: bool,
@@ -77,7 +76,8 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Configuration file (TOML). Without it, a development relay runs.
-    #[arg(long, short, env = "OAB_RELAY_CONFIG")]
+    /// With `status`: the relay whose `relay.admin_listen` to ask.
+    #[arg(long, short, env = "OAB_RELAY_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// Folder for the development setup (used without --config).
     #[arg(long, env = "OAB_RELAY_DEV_DIR", default_value = ".oab-dev")]
@@ -146,14 +146,48 @@ fn overrides(args: &RunArgs) -> anyhow::Result<Vec<(String, String)>> {
     Ok(out)
 }
 
+/// The admin address `oab-relay status` asks, and where to look when it
+/// does not answer: `--admin`, else `relay.admin_listen` of `--config` (with
+/// the overrides), else the development relay's.
+fn status_target(admin: Option<&str>, run: &RunArgs) -> anyhow::Result<(String, String)> {
+    if let Some(admin) = admin {
+        return Ok((
+            admin.to_string(),
+            "is the relay running, and is --admin its relay.admin_listen?".into(),
+        ));
+    }
+    let Some(path) = &run.config else {
+        return Ok((
+            "http://127.0.0.1:9443".into(),
+            "is the relay running? Without --config or --admin this asks the development \
+             relay's admin port; pass --config <relay.toml> or --admin <relay.admin_listen>"
+                .into(),
+        ));
+    };
+    let shown = path.display().to_string();
+    let text = read_config(path)?;
+    let config = Config::from_toml_with_overrides(&text, &shown, &overrides(run)?)?;
+    Ok((
+        oab_ops::admin_client::url_of_listen(config.relay.admin_listen),
+        format!("is the relay of {shown} running? This is its relay.admin_listen"),
+    ))
+}
+
+/// The configuration file's text; a file that cannot be read is a refused
+/// configuration (exit code 2).
+fn read_config(path: &std::path::Path) -> Result<String, oab_relay::config::ConfigError> {
+    std::fs::read_to_string(path).map_err(|error| oab_relay::config::ConfigError::Read {
+        path: path.display().to_string(),
+        error,
+    })
+}
+
 /// `oab-relay status`: fetches `/status` and prints it.
 #[allow(clippy::print_stdout)]
-fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
-    let (url, body) = oab_ops::admin_client::fetch_status(
-        admin,
-        "is the relay running, and is --admin its relay.admin_listen?",
-    )
-    .map_err(anyhow::Error::msg)?;
+fn print_status(admin: Option<&str>, run: &RunArgs, json: bool) -> anyhow::Result<()> {
+    let (admin, hint) = status_target(admin, run)?;
+    let (url, body) =
+        oab_ops::admin_client::fetch_status(&admin, &hint).map_err(anyhow::Error::msg)?;
     if json {
         println!("{}", String::from_utf8_lossy(&body));
         return Ok(());
@@ -164,20 +198,37 @@ fn print_status(admin: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs the command; an error is printed once, as one line of causes
+/// (`oab_ops::logging::error_line`, never a backtrace, whatever `RUST_BACKTRACE` says), with exit
+/// code 2 when the configuration was refused (unreadable or invalid) and 1
+/// otherwise.
+fn main() -> std::process::ExitCode {
+    match run_command() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("oab-relay: {}", oab_ops::logging::error_line(e.chain()));
+            if e.downcast_ref::<oab_relay::config::ConfigError>().is_some() {
+                std::process::ExitCode::from(2)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
+        }
+    }
+}
+
 #[allow(clippy::print_stdout)]
-fn main() -> anyhow::Result<()> {
+fn run_command() -> anyhow::Result<()> {
     let cli = Cli::parse();
     oab_relay::tls::install_crypto_provider();
     if let Some(Command::Status { admin, json }) = &cli.command {
-        if let Err(e) = print_status(admin, *json) {
+        if let Err(e) = print_status(admin.as_deref(), &cli.run, *json) {
             eprintln!("oab-relay status: {e:#}");
             std::process::exit(1);
         }
         return Ok(());
     }
     if let Some(Command::CheckConfig { file }) = &cli.command {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read {}", file.display()))?;
+        let text = read_config(file)?;
         let shown = file.display().to_string();
         match Config::from_toml_with_overrides(&text, &shown, &overrides(&cli.run)?) {
             Ok(c) => {
@@ -190,6 +241,25 @@ fn main() -> anyhow::Result<()> {
                 // Values that pass but can lock peers out: said, exit 0.
                 for w in oab_relay::lockout::warnings(&c, oab_wire::identity::now_ms()) {
                     eprintln!("warning: {w}");
+                }
+                // The TLS files when it finds them on this host (the file
+                // may be checked elsewhere than where the relay runs: files
+                // that are not here are not said): warnings.
+                if c.relay.tls_mode == TlsMode::Terminate
+                    && let (Some(cert), Some(key)) = (&c.relay.tls_cert, &c.relay.tls_key)
+                    && cert.exists()
+                    && key.exists()
+                {
+                    match oab_relay::tls::load_server_config(cert, key) {
+                        Err(e) => eprintln!("warning: {e} (the relay does not start with it)"),
+                        Ok(_) => {
+                            let now = i64::try_from(oab_wire::identity::now_ms() / 1_000)
+                                .unwrap_or(i64::MAX);
+                            if let Some(w) = oab_relay::tls::validity_warning(cert, now) {
+                                eprintln!("warning: {w}");
+                            }
+                        }
+                    }
                 }
                 return Ok(());
             }
@@ -254,7 +324,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let shown = path.display().to_string();
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {shown}"))?;
+    let text = read_config(&path)?;
     let overrides = overrides(&args)?;
     let config = Arc::new(Config::from_toml_with_overrides(&text, &shown, &overrides)?);
     // SIGHUP reloads the file with the same overrides (as `POST /reload` on
@@ -275,11 +345,35 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             let (Some(cert), Some(key)) = (&config.relay.tls_cert, &config.relay.tls_key) else {
                 anyhow::bail!("relay.tls_cert and relay.tls_key are required");
             };
-            let certs = oab_relay::tls::load_certs(cert)?;
-            let key = oab_relay::tls::load_key(key)?;
-            Some(oab_relay::tls::server_config(certs, key)?)
+            let tls = oab_relay::tls::load_server_config(cert, key)?;
+            let now_secs = i64::try_from(oab_wire::identity::now_ms() / 1_000).unwrap_or(i64::MAX);
+            if let Some(w) = oab_relay::tls::validity_warning(cert, now_secs) {
+                tracing::warn!(field = "relay.tls_cert", "{w}");
+            }
+            Some(tls)
         }
         TlsMode::BehindLoadBalancer => None,
+    };
+    // The store before the listeners: a relay that cannot reach it says so
+    // and exits, without having said it listens.
+    let retention = config.retention();
+    let store = if config.store.url == "memory" {
+        Store::Memory(Arc::new(MemoryStore::new(retention)))
+    } else {
+        let url = &config.store.url;
+        match RedisStore::connect(url, retention).await {
+            Ok(s) => Store::Redis(Arc::new(s)),
+            Err(e) => {
+                let reason = match &e {
+                    oab_relay::store::StoreError::Unavailable { cause, .. } => cause.clone(),
+                    other => other.to_string(),
+                };
+                anyhow::bail!(
+                    "store: cannot reach {} ({reason}); is Redis running? (store.url)",
+                    oab_relay::store::redis::RedactedUrl(url)
+                );
+            }
+        }
     };
     let listener = TcpListener::bind(config.relay.listen)
         .await
@@ -322,35 +416,41 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("shutdown signal received");
         trigger.cancel();
     });
-    let retention = config.retention();
-    if config.store.url == "memory" {
-        say!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
-        let store = Arc::new(MemoryStore::new(retention));
-        oab_relay::server::run_reloadable(
-            listener,
-            Some(admin),
-            config,
-            store,
-            tls,
-            shutdown,
-            Some(reload),
-        )
-        .await?;
-    } else {
-        let store = Arc::new(RedisStore::connect(&config.store.url, retention).await?);
-        say!("store: {}", store.kind());
-        oab_relay::server::run_reloadable(
-            listener,
-            Some(admin),
-            config,
-            store,
-            tls,
-            shutdown,
-            Some(reload),
-        )
-        .await?;
+    match store {
+        Store::Memory(store) => {
+            say!("store: memory (lost on restart; set store.url to a redis:// URL for durability)");
+            oab_relay::server::run_reloadable(
+                listener,
+                Some(admin),
+                config,
+                store,
+                tls,
+                shutdown,
+                Some(reload),
+            )
+            .await?;
+        }
+        Store::Redis(store) => {
+            say!("store: {}", store.kind());
+            oab_relay::server::run_reloadable(
+                listener,
+                Some(admin),
+                config,
+                store,
+                tls,
+                shutdown,
+                Some(reload),
+            )
+            .await?;
+        }
     }
     Ok(())
+}
+
+/// The store the relay serves with, connected before anything listens.
+enum Store {
+    Memory(Arc<MemoryStore>),
+    Redis(Arc<RedisStore>),
 }
 
 /// Notifies `trigger` at each `SIGHUP` (Unix only).

@@ -84,9 +84,9 @@ impl ConfigSource {
     /// `check-config`).
     pub fn read(&self) -> Result<Config, ConfigError> {
         let shown = self.path.display().to_string();
-        let text = std::fs::read_to_string(&self.path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(&self.path).map_err(|error| ConfigError::Read {
             path: shown.clone(),
-            source,
+            error,
         })?;
         Config::from_toml_with_overrides(&text, &shown, &self.overrides)
     }
@@ -405,10 +405,7 @@ impl Reloader {
             let new = source.read()?;
             let tls = match new.relay.tls_mode {
                 TlsMode::Terminate => match (&new.relay.tls_cert, &new.relay.tls_key) {
-                    (Some(cert), Some(key)) => Some(crate::tls::server_config(
-                        crate::tls::load_certs(cert)?,
-                        crate::tls::load_key(key)?,
-                    )?),
+                    (Some(cert), Some(key)) => Some(crate::tls::load_server_config(cert, key)?),
                     // Refused by validation.
                     _ => None,
                 },
@@ -516,7 +513,7 @@ fn reload_response(
             let errors: Vec<serde_json::Value> = e
                 .field_errors()
                 .iter()
-                .map(|f| serde_json::json!({ "field": f.field, "message": f.message }))
+                .map(|f| serde_json::json!({ "field": f.field, "line": f.line, "message": f.message }))
                 .collect();
             let body = serde_json::json!({
                 "result": e.result(),

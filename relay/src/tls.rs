@@ -27,6 +27,29 @@ pub enum TlsError {
     /// rustls refused the certificate or key.
     #[error("TLS configuration: {0}")]
     Config(#[from] rustls::Error),
+    /// A file of the configuration (`relay.tls_cert`, `relay.tls_key`)
+    /// cannot be used; names the field, the file and what to do.
+    #[error("{field} ({path}): {message}")]
+    Field {
+        /// The configuration field.
+        field: &'static str,
+        /// The file.
+        path: String,
+        /// What is wrong, and what to do.
+        message: String,
+    },
+    /// The key is not the key of the certificate.
+    #[error(
+        "relay.tls_key ({key}) is not the private key of the certificate in relay.tls_cert \
+         ({cert}); give the key the certificate was issued for (a chain starts with the \
+         relay's own certificate, then its issuers)"
+    )]
+    KeyMismatch {
+        /// `relay.tls_cert`.
+        cert: String,
+        /// `relay.tls_key`.
+        key: String,
+    },
     /// Certificate generation failed.
     #[error("certificate generation: {0}")]
     Generate(String),
@@ -118,6 +141,214 @@ pub fn secret_file_problem(path: &Path) -> std::io::Result<Option<u32>> {
         let _ = path;
         Ok(None)
     }
+}
+
+/// What an I/O error on a configured file means for the operator.
+fn io_problem(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file; check the path".into(),
+        std::io::ErrorKind::PermissionDenied => {
+            "permission denied; the relay's user cannot read it".into()
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// The labels of the PEM blocks in `text` (`CERTIFICATE`, `PRIVATE KEY`).
+fn pem_labels(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("-----BEGIN ")?.strip_suffix("-----"))
+        .collect()
+}
+
+/// What a file holds, for a message: "a CERTIFICATE REQUEST", "no PEM block".
+fn holds(labels: &[&str]) -> String {
+    if labels.is_empty() {
+        "no PEM block".into()
+    } else {
+        let mut l: Vec<&str> = labels.to_vec();
+        l.dedup();
+        format!("a {}", l.join(", a "))
+    }
+}
+
+/// Loads `relay.tls_cert` and `relay.tls_key` and makes the server config;
+/// every error names the field and the file, and says what to do: a file
+/// that is missing, unreadable, or holds something else (a certificate
+/// request given as the key), or a key that is not the certificate's.
+pub fn load_server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsError> {
+    let cert_shown = cert.display().to_string();
+    let key_shown = key.display().to_string();
+    let field = |field: &'static str, path: &str, message: String| TlsError::Field {
+        field,
+        path: path.to_string(),
+        message,
+    };
+    let cert_text =
+        std::fs::read(cert).map_err(|e| field("relay.tls_cert", &cert_shown, io_problem(&e)))?;
+    let cert_text = String::from_utf8_lossy(&cert_text);
+    let labels = pem_labels(&cert_text);
+    if !labels.contains(&"CERTIFICATE") {
+        return Err(field(
+            "relay.tls_cert",
+            &cert_shown,
+            format!(
+                "no certificate: it holds {}; give the PEM certificate chain \
+                 (-----BEGIN CERTIFICATE-----, the relay's own first)",
+                holds(&labels)
+            ),
+        ));
+    }
+    let certs = load_certs(cert)
+        .map_err(|e| field("relay.tls_cert", &cert_shown, without_path(&e, &cert_shown)))?;
+    // Permissions first (a key others can read is refused before it is read).
+    match secret_file_problem(key) {
+        Ok(Some(mode)) => {
+            return Err(TlsError::Permissions {
+                path: key_shown,
+                mode,
+            });
+        }
+        Ok(None) => {}
+        Err(e) => return Err(field("relay.tls_key", &key_shown, io_problem(&e))),
+    }
+    let key_text =
+        std::fs::read(key).map_err(|e| field("relay.tls_key", &key_shown, io_problem(&e)))?;
+    let key_text = String::from_utf8_lossy(&key_text);
+    let labels = pem_labels(&key_text);
+    if !labels.iter().any(|l| l.ends_with("PRIVATE KEY")) {
+        let hint = if labels.contains(&"CERTIFICATE REQUEST") {
+            " (a certificate request is what was sent to the CA; the key is the file \
+             made with it)"
+        } else {
+            ""
+        };
+        return Err(field(
+            "relay.tls_key",
+            &key_shown,
+            format!(
+                "not a private key: it holds {}{hint}; give the file that starts with \
+                 -----BEGIN PRIVATE KEY----- (or EC / RSA PRIVATE KEY)",
+                holds(&labels)
+            ),
+        ));
+    }
+    if labels.iter().any(|l| l.starts_with("ENCRYPTED")) {
+        return Err(field(
+            "relay.tls_key",
+            &key_shown,
+            "an encrypted private key; give it unencrypted (mode 0600), e.g. \
+             `openssl pkey -in KEY -out KEY.pem`"
+                .into(),
+        ));
+    }
+    let key_der = PrivateKeyDer::from_pem_slice(key_text.as_bytes())
+        .map_err(|e| field("relay.tls_key", &key_shown, e.to_string()))?;
+    server_config(certs, key_der).map_err(|e| match e {
+        TlsError::Config(rustls::Error::InconsistentKeys(_)) => TlsError::KeyMismatch {
+            cert: cert_shown,
+            key: key_shown,
+        },
+        other => other,
+    })
+}
+
+/// A [`TlsError::Pem`]'s message without its path (named by the caller).
+fn without_path(e: &TlsError, path: &str) -> String {
+    let shown = e.to_string();
+    shown
+        .strip_prefix(path)
+        .and_then(|rest| rest.strip_prefix(": "))
+        .map_or(shown.clone(), str::to_string)
+}
+
+/// The warning for a certificate outside its validity at `now_secs`, naming
+/// `relay.tls_cert`, the file and the date: connectors refuse it.
+pub fn validity_warning(cert: &Path, now_secs: i64) -> Option<String> {
+    let der = load_certs(cert).ok()?.into_iter().next()?;
+    let (not_before, not_after) = validity(&der)?;
+    let date = |secs| oab_ops::time::utc_rfc3339(secs);
+    let shown = cert.display();
+    if now_secs > not_after {
+        Some(format!(
+            "relay.tls_cert ({shown}): the certificate expired at {} (notAfter); connectors \
+             refuse it until it is renewed: install a renewed certificate and reload (SIGHUP)",
+            date(not_after)
+        ))
+    } else if now_secs < not_before {
+        Some(format!(
+            "relay.tls_cert ({shown}): the certificate is not valid before {} (notBefore); \
+             connectors refuse it until then: check this host's clock, or the certificate's dates",
+            date(not_before)
+        ))
+    } else {
+        None
+    }
+}
+
+/// `notBefore` and `notAfter` of a DER certificate, in seconds since the
+/// Unix epoch (`None` when it does not read as X.509).
+pub fn validity(der: &[u8]) -> Option<(i64, i64)> {
+    let (_, cert, _) = tlv(der)?;
+    let (_, tbs, _) = tlv(cert)?;
+    let mut rest = tbs;
+    if rest.first() == Some(&0xa0) {
+        rest = tlv(rest)?.2; // version
+    }
+    for _ in 0..3 {
+        rest = tlv(rest)?.2; // serial, signature, issuer
+    }
+    let (_, validity, _) = tlv(rest)?;
+    let (nb_tag, nb, rest) = tlv(validity)?;
+    let (na_tag, na, _) = tlv(rest)?;
+    Some((der_time(nb_tag, nb)?, der_time(na_tag, na)?))
+}
+
+/// One DER element: tag, content, what follows.
+fn tlv(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let tag = *b.first()?;
+    let first = *b.get(1)?;
+    let (len, header) = if first < 0x80 {
+        (usize::from(first), 2)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 {
+            return None;
+        }
+        let mut len = 0usize;
+        for byte in b.get(2..2 + n)? {
+            len = (len << 8) | usize::from(*byte);
+        }
+        (len, 2 + n)
+    };
+    let content = b.get(header..header.checked_add(len)?)?;
+    Some((tag, content, b.get(header + len..)?))
+}
+
+/// A DER UTCTime (`YYMMDDHHMMSSZ`) or GeneralizedTime
+/// (`YYYYMMDDHHMMSSZ`), in seconds since the Unix epoch.
+fn der_time(tag: u8, b: &[u8]) -> Option<i64> {
+    let s = std::str::from_utf8(b).ok()?.strip_suffix('Z')?;
+    let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
+    let (year, rest) = match tag {
+        0x17 => {
+            let yy = num(0..2)?;
+            (if yy >= 50 { 1900 + yy } else { 2000 + yy }, 2)
+        }
+        0x18 => (num(0..4)?, 4),
+        _ => return None,
+    };
+    let field = |i: usize| num(rest + 2 * i..rest + 2 * i + 2);
+    let (month, day, hour, min, sec) = (field(0)?, field(1)?, field(2)?, field(3)?, field(4)?);
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hour * 3_600 + min * 60 + sec)
 }
 
 /// A TLS 1.3-only server config with ALPN `http/1.1` (the WebSocket upgrade).

@@ -425,3 +425,434 @@ fn the_test_script_answers_help_without_installing_anything() {
         );
     }
 }
+
+/// A port nothing listens on right now (bound, then released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A relay configuration without TLS files whose admin port is `admin`.
+fn plain_relay_config(dir: &Path, admin: u16) -> std::path::PathBuf {
+    let file = dir.join("relay.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[relay]\nid = \"relay.status-test\"\nlisten = \"127.0.0.1:0\"\n\
+             admin_listen = \"127.0.0.1:{admin}\"\ntls_mode = \"behind-load-balancer\"\n"
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// A running relay binary, killed on drop.
+struct RunningRelay(std::process::Child);
+
+impl Drop for RunningRelay {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `oab-relay --config file` and returns once it printed its admin
+/// address.
+fn start_relay(file: &Path) -> RunningRelay {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("--config")
+        .arg(file)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let relay = RunningRelay(child);
+    let mut printed = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        let done = line.starts_with("admin (metrics, health) on");
+        printed.push(line);
+        if done {
+            return relay;
+        }
+    }
+    panic!("the relay exited before printing its admin address: {printed:#?}");
+}
+
+/// `oab-relay --config relay.toml status` asks that relay's
+/// `relay.admin_listen` (not the development relay's 127.0.0.1:9443), and
+/// `--admin` takes the configuration's scheme-less `host:port` form too.
+#[test]
+fn status_asks_the_admin_port_of_config_and_takes_a_scheme_less_admin() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let file = plain_relay_config(dir.path(), port);
+    let _relay = start_relay(&file);
+    let status = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .args(args)
+            .env_remove("OAB_RELAY_ADMIN_URL")
+            .env_remove("OAB_RELAY_CONFIG")
+            .output()
+            .unwrap()
+    };
+    let shown = file.display().to_string();
+    let admin = format!("127.0.0.1:{port}");
+    for args in [
+        vec!["--config", &shown, "status"],
+        vec!["status", "--config", &shown],
+        vec!["status", "--admin", &admin],
+    ] {
+        let out = status(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.starts_with("relay relay.status-test "),
+            "{args:?}: {text}"
+        );
+    }
+    // Nothing on the configured port: the message names it and the field.
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    let silent = plain_relay_config(&other, free_port());
+    let out = status(&["--config", &silent.display().to_string(), "status"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !err.contains(":9443") && err.contains("relay.admin_listen"),
+        "{err}"
+    );
+    assert!(err.contains(&silent.display().to_string()), "{err}");
+}
+
+/// `check-config` lists every problem of a file at once, each with its field
+/// and its line: here a field name with a typo (with the field meant), a
+/// peer key that does not read (naming the peer) and a route to a peer
+/// that is not configured.
+#[test]
+fn check_config_lists_a_typo_a_bad_key_and_a_bad_route_with_their_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("relay.toml");
+    let good_key = "ed25519:VLiJKgQnc1IQU02UPmeG3NtDWkYNa-6PPFtlGxj6oKI";
+    std::fs::write(
+        &file,
+        format!(
+            "[relay]\n\
+             id = \"relay.example.com\"\n\
+             tls_cert = \"/etc/oab/fullchain.pem\"\n\
+             tls_key = \"/etc/oab/privkey.pem\"\n\
+             heartbeat_msec = 15000\n\
+             \n\
+             [[peers]]\n\
+             id = \"acme/build-host\"\n\
+             keys = [{{ key_id = \"k1\", public_key = \"{good_key}\" }}]\n\
+             \n\
+             [[peers]]\n\
+             id = \"acme/review-host\"\n\
+             keys = [{{ key_id = \"k1\", public_key = \"ed25519:not-a-key\" }}]\n\
+             \n\
+             [[routes]]\n\
+             from = \"acme/build-host\"\n\
+             to = \"acme/reveiw-host\"\n"
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("3 problem(s)"), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    let problem = |start: &str| {
+        lines
+            .iter()
+            .find(|l| l.trim_start().starts_with(start))
+            .unwrap_or_else(|| panic!("no {start:?} in: {err}"))
+            .to_string()
+    };
+    let typo = problem("- relay.heartbeat_msec (line 5): ");
+    assert!(typo.ends_with("did you mean relay.heartbeat_ms?"), "{typo}");
+    let key = problem("- peers[1].keys[0].public_key (line 13): ");
+    assert!(
+        key.contains("invalid public key")
+            && key.contains("oab-connector keygen")
+            && key.contains("acme/review-host"),
+        "{key}"
+    );
+    let route = problem("- routes[0].to (line 17): ");
+    assert!(
+        route.contains("peer acme/reveiw-host is not configured in [[peers]]"),
+        "{route}"
+    );
+}
+
+/// A date: year, month, day.
+type Ymd = (i32, u8, u8);
+
+/// A certificate and its key as PEM, made now; `dates`: notBefore and
+/// notAfter, else rcgen's defaults.
+fn cert_and_key(dates: Option<(Ymd, Ymd)>) -> (String, String, rcgen::KeyPair) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    if let Some(((by, bm, bd), (ay, am, ad))) = dates {
+        params.not_before = rcgen::date_time_ymd(by, bm, bd);
+        params.not_after = rcgen::date_time_ymd(ay, am, ad);
+    }
+    let cert = params.self_signed(&key).unwrap();
+    (cert.pem(), key.serialize_pem(), key)
+}
+
+/// A relay configuration in `dir` with TLS files `cert` and `key` (and the
+/// store `store`), on ports of its own.
+fn tls_relay_config(dir: &Path, cert: &Path, key: &Path, store: &str) -> std::path::PathBuf {
+    let file = dir.join("tls-relay.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[relay]\nid = \"relay.test\"\nlisten = \"127.0.0.1:0\"\n\
+             admin_listen = \"127.0.0.1:{}\"\ntls_cert = {:?}\ntls_key = {:?}\n\
+             [store]\nurl = {store:?}\n",
+            free_port(),
+            cert.display().to_string(),
+            key.display().to_string()
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// Runs `oab-relay --config file` to its exit (it must exit: a refused
+/// start), with `RUST_BACKTRACE=1` as on a developer's machine.
+fn failed_start(file: &Path) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .arg("--config")
+        .arg(file)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The TLS files of the configuration are named by their field and path
+/// when they cannot be used: a missing certificate chain, a key that is
+/// not the certificate's (both files named), a certificate request given as
+/// the key. Nothing is said to listen; the error is printed once, without
+/// a backtrace.
+#[test]
+fn tls_files_that_cannot_be_used_are_named_by_field_and_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_pem, key_pem, key_pair) = cert_and_key(None);
+    let (_, other_key_pem, _) = cert_and_key(None);
+    let cert = dir.path().join("fullchain.pem");
+    let key = dir.path().join("privkey.pem");
+    let other_key = dir.path().join("other-key.pem");
+    let csr = dir.path().join("relay.csr");
+    std::fs::write(&cert, &cert_pem).unwrap();
+    oab_relay::tls::write_file(&key, &key_pem, true).unwrap();
+    oab_relay::tls::write_file(&other_key, &other_key_pem, true).unwrap();
+    let request = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .serialize_request(&key_pair)
+        .unwrap()
+        .pem()
+        .unwrap();
+    oab_relay::tls::write_file(&csr, &request, true).unwrap();
+    let missing = dir.path().join("missing").join("fullchain.pem");
+
+    let check = |cert: &Path, key: &Path, want: &[String]| {
+        let file = tls_relay_config(dir.path(), cert, key, "memory");
+        let (code, stdout, stderr) = failed_start(&file);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(!stdout.contains("listening"), "{stdout}");
+        for w in want {
+            assert!(stderr.contains(w.as_str()), "{w:?} not in: {stderr}");
+        }
+        assert!(!stderr.contains("acktrace"), "a backtrace: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "printed once: {stderr}");
+    };
+    check(
+        &missing,
+        &key,
+        &[format!(
+            "relay.tls_cert ({}): no such file; check the path",
+            missing.display()
+        )],
+    );
+    check(
+        &cert,
+        &other_key,
+        &[format!(
+            "relay.tls_key ({}) is not the private key of the certificate in relay.tls_cert ({})",
+            other_key.display(),
+            cert.display()
+        )],
+    );
+    check(
+        &cert,
+        &csr,
+        &[
+            format!(
+                "relay.tls_key ({}): not a private key: it holds a CERTIFICATE REQUEST",
+                csr.display()
+            ),
+            "-----BEGIN PRIVATE KEY-----".to_string(),
+        ],
+    );
+}
+
+/// A certificate past its notAfter (or before its notBefore) is served, but
+/// said at start: connectors refuse it.
+#[test]
+fn an_expired_certificate_is_warned_about_at_start_with_its_not_after() {
+    let dir = tempfile::tempdir().unwrap();
+    for (dates, want) in [
+        (
+            ((2020, 1, 1), (2021, 1, 1)),
+            "the certificate expired at 2021-01-01T00:00:00Z (notAfter)",
+        ),
+        (
+            ((2999, 1, 1), (3000, 1, 1)),
+            "the certificate is not valid before 2999-01-01T00:00:00Z (notBefore)",
+        ),
+    ] {
+        let (cert_pem, key_pem, _) = cert_and_key(Some(dates));
+        let cert = dir.path().join("fullchain.pem");
+        let key = dir.path().join("privkey.pem");
+        std::fs::write(&cert, &cert_pem).unwrap();
+        oab_relay::tls::write_file(&key, &key_pem, true).unwrap();
+        let file = tls_relay_config(dir.path(), &cert, &key, "memory");
+        let seen = relay_log_until(
+            &["--config", &file.display().to_string()],
+            "relay listening",
+        );
+        let warning = seen
+            .iter()
+            .find(|l| l.contains("WARN") && l.contains(want))
+            .unwrap_or_else(|| panic!("no warning {want:?}: {seen:#?}"));
+        assert!(
+            warning.contains(&format!("relay.tls_cert ({})", cert.display())),
+            "{warning}"
+        );
+        assert!(
+            seen.iter().any(|l| l.contains("relay listening")),
+            "{seen:#?}"
+        );
+        // check-config says the same, as a warning (exit 0).
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("check-config")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(
+            err.contains(&format!("warning: relay.tls_cert ({})", cert.display()))
+                && err.contains(want),
+            "{err}"
+        );
+    }
+}
+
+/// `check-config` warns (exit 0) about TLS files it finds on this host and
+/// cannot use (here a key that is not the certificate's), and says nothing
+/// of files that are not here (the file may be checked on another host).
+#[test]
+fn check_config_warns_about_tls_files_it_cannot_use_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = dir.path().join("fullchain.pem");
+    let key = dir.path().join("privkey.pem");
+    let (cert_pem, _, _) = cert_and_key(None);
+    let (_, other_key_pem, _) = cert_and_key(None);
+    std::fs::write(&cert, cert_pem).unwrap();
+    oab_relay::tls::write_file(&key, &other_key_pem, true).unwrap();
+    let check = |file: &Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+            .arg("check-config")
+            .arg(file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(": ok ("),
+            "{err}"
+        );
+        err
+    };
+    let err = check(&tls_relay_config(dir.path(), &cert, &key, "memory"));
+    assert!(
+        err.contains(&format!(
+            "warning: relay.tls_key ({}) is not the private key of the certificate in \
+             relay.tls_cert ({})",
+            key.display(),
+            cert.display()
+        )) && err.contains("(the relay does not start with it)"),
+        "{err}"
+    );
+    let elsewhere = dir.path().join("elsewhere").join("fullchain.pem");
+    let err = check(&tls_relay_config(dir.path(), &elsewhere, &key, "memory"));
+    assert!(!err.contains("relay.tls_"), "{err}");
+}
+
+/// With Redis unreachable the relay does not say it listens: it names the
+/// URL, the reason and the field, and exits non-zero.
+#[test]
+fn an_unreachable_redis_is_named_before_anything_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("relay.toml");
+    let url = format!("redis://127.0.0.1:{}/", free_port());
+    std::fs::write(
+        &file,
+        format!(
+            "[relay]\nid = \"relay.test\"\nlisten = \"127.0.0.1:0\"\n\
+             admin_listen = \"127.0.0.1:{}\"\ntls_mode = \"behind-load-balancer\"\n\
+             [store]\nurl = {url:?}\n",
+            free_port()
+        ),
+    )
+    .unwrap();
+    let (code, stdout, stderr) = failed_start(&file);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    assert!(
+        stderr.contains(&format!("store: cannot reach {url} ("))
+            && stderr.contains("refused")
+            && stderr.contains("); is Redis running? (store.url)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("acktrace"), "{stderr}");
+}
+
+/// A configuration file that is not there is a refused configuration:
+/// exit code 2 (as docs/configuration.md says), said once, no backtrace.
+#[test]
+fn a_missing_config_file_exits_2_saying_so_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("relay.toml");
+    let (code, stdout, stderr) = failed_start(&missing);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "oab-relay: cannot read {}: No such file or directory (os error 2)",
+            missing.display()
+        )
+    );
+}

@@ -323,8 +323,12 @@ async fn an_invalid_config_is_refused_with_check_configs_errors_and_the_old_one_
     assert_eq!(check.status.code(), Some(2));
     let printed = String::from_utf8_lossy(&check.stderr);
     for e in v["errors"].as_array().unwrap() {
+        let at = match e["line"].as_u64() {
+            Some(n) => format!(" (line {n})"),
+            None => String::new(),
+        };
         let line = format!(
-            "  - {}: {}",
+            "  - {}{at}: {}",
             e["field"].as_str().unwrap(),
             e["message"].as_str().unwrap()
         );

@@ -46,7 +46,10 @@ pub enum IdentityError {
         reason: String,
     },
     /// A key in text form is not valid.
-    #[error("invalid public key {0:?}: expected ed25519:<43 base64url characters>")]
+    #[error(
+        "invalid public key {0:?}: expected ed25519:<43 base64url characters>, as \
+         `oab-connector keygen` prints it"
+    )]
     PublicKey(String),
 }
 

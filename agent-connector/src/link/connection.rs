@@ -32,6 +32,37 @@ use super::{EventError, Link, LinkError, LinkState};
 /// What to check when the relay's certificate is refused.
 const CERTIFICATE_HINT: &str = "check connector.relay_ca (the PEM of the CA that signed the relay's certificate) or relay_pin_sha256; the relay's certificate must be an end-entity certificate (CA:FALSE) naming the relay's host in subjectAltName";
 
+/// What to do about a refused relay certificate, from rustls' reason: an
+/// expired (or not yet valid) certificate is the relay's to renew (its
+/// date is named), anything else is this side's trust settings.
+fn certificate_hint(reason: &str) -> String {
+    // rustls: "... is not valid after <unix secs> ..." / "... before ...".
+    let date_after = |marker: &str| {
+        let rest = reason.split(marker).nth(1)?;
+        let secs: i64 = rest.split_whitespace().next()?.parse().ok()?;
+        Some(oab_ops::time::utc_rfc3339(secs))
+    };
+    if reason.contains("certificate expired") || reason.contains("Expired") {
+        let when = date_after("not valid after ")
+            .map(|d| format!(" at {d} (its notAfter)"))
+            .unwrap_or_default();
+        format!(
+            "the relay's certificate expired{when}: it must be renewed on the relay \
+             (relay.tls_cert, then a reload); nothing in this connector's configuration is wrong"
+        )
+    } else if reason.contains("not valid yet") || reason.contains("NotValidYet") {
+        let when = date_after("not valid before ")
+            .map(|d| format!(" before {d} (its notBefore)"))
+            .unwrap_or_default();
+        format!(
+            "the relay's certificate is not valid{when}: check the clocks of this host and \
+             of the relay"
+        )
+    } else {
+        CERTIFICATE_HINT.to_string()
+    }
+}
+
 /// How long the close frame sent at shutdown may take to leave.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
@@ -55,6 +86,9 @@ fn jitter(max: Duration) -> Duration {
 impl Link {
     pub(super) async fn run(mut self, shutdown: CancellationToken) {
         let mut attempt: u32 = 0;
+        // Until the first session, a failure is an operator's problem (a
+        // wrong URL, port or trust): said at WARN with the URL.
+        let mut ever_connected = false;
         loop {
             let _ = self.state.send(LinkState::Connecting { attempt });
             let connected = tokio::select! {
@@ -64,6 +98,7 @@ impl Link {
             let exit = match connected {
                 Ok(Ok((ws, welcome_list))) => {
                     attempt = 0;
+                    ever_connected = true;
                     self.online = true;
                     let exit = self.session(ws, welcome_list, &shutdown).await;
                     self.online = false;
@@ -104,9 +139,13 @@ impl Link {
                     if reason.contains("certificate") {
                         // Retrying will not help until the configuration
                         // or the relay's certificate changes: say so loudly.
-                        warn!(%reason, attempt, wait_ms = wait.as_millis() as u64, hint = CERTIFICATE_HINT, "the relay's certificate was refused; reconnecting");
+                        let hint = certificate_hint(&reason);
+                        warn!(url = %self.settings.url, %reason, attempt, wait_ms = wait.as_millis() as u64, %hint, "the relay's certificate was refused; reconnecting");
+                    } else if !ever_connected {
+                        let url = &self.settings.url;
+                        warn!(%url, %reason, attempt, wait_ms = wait.as_millis() as u64, "cannot reach the relay at {url}: {reason}; retrying");
                     } else {
-                        info!(%reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
+                        info!(url = %self.settings.url, %reason, attempt, wait_ms = wait.as_millis() as u64, "link down; reconnecting");
                     }
                     let _ = self.state.send(LinkState::Connecting { attempt });
                     if !self.wait_offline(wait, &shutdown).await {
@@ -153,7 +192,14 @@ impl Link {
         let (mut req, url) = relay_request(&self.settings.url).map_err(Exit::Fatal)?;
         let tcp = TcpStream::connect((url.host.as_str(), url.port))
             .await
-            .map_err(|e| reconnect(&e))?;
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::ConnectionRefused => Exit::Reconnect(
+                    "connection refused (is the relay running, and is connector.relay_url \
+                     its relay.listen?)"
+                        .into(),
+                ),
+                _ => reconnect(&e),
+            })?;
         let _ = tcp.set_nodelay(true);
         let (io, binding) = if url.tls {
             let name = rustls::pki_types::ServerName::try_from(url.host.clone())
@@ -161,7 +207,29 @@ impl Link {
             let tls = tokio_rustls::TlsConnector::from(self.tls.load_full())
                 .connect(name, tcp)
                 .await
-                .map_err(|e| reconnect(&format!("TLS: {e}")))?;
+                .map_err(|e| {
+                    let corrupt = e
+                        .get_ref()
+                        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                        .is_some_and(|r| {
+                            matches!(
+                                r,
+                                rustls::Error::InvalidMessage(
+                                    rustls::InvalidMessage::InvalidContentType
+                                )
+                            )
+                        });
+                    if corrupt {
+                        // An HTTP answer (or any plain bytes) to the TLS hello.
+                        Exit::Reconnect(format!(
+                            "{}:{} does not speak TLS (is it the relay's admin port? \
+                             connector.relay_url must name the relay's relay.listen)",
+                            url.host, url.port
+                        ))
+                    } else {
+                        reconnect(&format!("TLS: {e}"))
+                    }
+                })?;
             let binding = if self.settings.challenge_only {
                 ChannelBinding::ChallengeOnly
             } else {
@@ -216,7 +284,17 @@ impl Link {
             now_ms(),
             &binding,
         )
-        .map_err(|e| Exit::Fatal(e.to_string()))?;
+        .map_err(|e| match e {
+            oab_wire::handshake::HandshakeError::RelayMismatch { expected, got } => {
+                Exit::Fatal(format!(
+                    "connector.relay_id is {expected:?}, but the relay at {} names itself \
+                     {got:?}; set connector.relay_id = {got:?} if that is the relay meant, \
+                     or point connector.relay_url at the relay {expected:?}",
+                    self.settings.url
+                ))
+            }
+            other => Exit::Fatal(other.to_string()),
+        })?;
         let bytes = encode(&Frame::Hello(hello)).map_err(|e| Exit::Fatal(e.to_string()))?;
         ws.send(Message::Binary(bytes))
             .await
