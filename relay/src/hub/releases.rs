@@ -65,7 +65,7 @@ pub(super) fn release_of(
 impl<S: EventStore> Hub<S> {
     /// Whether `peer`'s `Resume(key, dir, after)` is a release, judged from
     /// the cached view only (a delegation whose view is not cached here is
-    /// resumed as usual, and [`Hub::queue_release`] takes it then). Queues
+    /// resumed as usual, and [`Hub::release_with`] takes it then). Queues
     /// it when it is.
     pub fn take_release(
         &self,
