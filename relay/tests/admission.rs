@@ -380,3 +380,35 @@ async fn a_hundred_sources_of_idle_connections_do_not_lock_out_logins() {
     let ok = logins_while_idle_sources_hold_every_slot(100, 6).await;
     assert!(ok * 10 >= 25 * 9, "only {ok} of 25 good logins succeeded");
 }
+
+/// `relay.max_connections` refuses a connection over it at once: the relay
+/// closes it on accept, without waiting for a handshake timeout (here a
+/// minute), and counts it (`oab_connections_refused_total{reason=
+/// "max_connections"}`); the connection holding the slot is not disturbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_over_max_connections_is_closed_at_once() {
+    use tokio::io::AsyncReadExt as _;
+    let mut env = TestEnv::new("");
+    env.config.relay.max_connections = 1;
+    env.config.relay.handshake_timeout_ms = 60_000;
+    let relay = TestRelay::start(&env, memory()).await;
+    let mut held = relay.client(&env.caller).await;
+
+    let mut extra = TcpStream::connect(relay.addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    // Closed by the relay (end of stream or reset), long before the
+    // handshake timeout could have done it.
+    let read = tokio::time::timeout(Duration::from_secs(10), extra.read(&mut buf))
+        .await
+        .expect("the relay closes a connection over max_connections at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    await_metric(
+        &relay,
+        "oab_connections_refused_total{reason=\"max_connections\"}",
+        1,
+    )
+    .await;
+    held.send(&Frame::PeersQuery).await.unwrap();
+    recv_until(&mut held, |f| matches!(f, Frame::Peers(_)).then_some(())).await;
+    relay.stop().await;
+}
