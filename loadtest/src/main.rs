@@ -442,6 +442,16 @@ struct SoakArgs {
     /// How long one delegation may take before it counts as failed.
     #[arg(long, default_value_t = 60.0, value_name = "SECS")]
     delegation_timeout_seconds: f64,
+    /// Each delegation's deadline, seconds (the callee keeps a request
+    /// against replays for at most its replay window, whatever the
+    /// deadline). Up to the connectors' max_deadline_ms of 1 h.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    deadline_seconds: f64,
+    /// Delegations started per second, both paths together; 0 runs as fast
+    /// as the workers go. Give enough workers for the rate (in flight =
+    /// rate x round trip).
+    #[arg(long, default_value_t = 0.0, value_name = "PER_SECOND")]
+    rate: f64,
 }
 
 #[derive(Debug, Args)]
@@ -1038,6 +1048,8 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 finished_ttl_ms: a.finished_ttl_ms.max(1),
                 connector_bin,
                 delegation_timeout: Duration::from_secs_f64(a.delegation_timeout_seconds),
+                deadline: Duration::from_secs_f64(a.deadline_seconds.clamp(1.0, 3600.0)),
+                rate: a.rate.max(0.0),
             };
             scenario::soak::run(&opts, common).await
         }

@@ -77,6 +77,8 @@ async fn short_soak_keeps_memory_disk_and_redis_flat() {
         finished_ttl_ms: 3_000,
         connector_bin: bin("oab-connector"),
         delegation_timeout: Duration::from_secs(60),
+        deadline: soak::DELEGATION_DEADLINE,
+        rate: 0.0,
     };
     let report = soak::run(&opts, &common).await.unwrap();
     assert!(report.violations.is_empty(), "{report}");

@@ -30,7 +30,7 @@
 //! process as the library caller) the RSS slope over the second half of the
 //! main run, and the growth from the start of the second half (the plateau
 //! a process reaches once its bounded caches are full: the callee's replay
-//! cache fills for one [`DELEGATION_DEADLINE`]) to idle per delegation, are
+//! cache fills for one deadline or replay window) to idle per delegation, are
 //! under [`MAX_BYTES_PER_DELEGATION`]; connector A's `state_dir`, which
 //! keeps the newest finished delegations within the link's retention, is
 //! judged the same way on its plateau; connector B's `state_dir` and
@@ -111,17 +111,13 @@ pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// of the run to the facade alone.
 const PACE_LEAD: u64 = 64;
 
-/// The deadline of every soak delegation (library and facade). A callee
-/// keeps each request in its replay cache until the request's deadline
-/// (`oab_connector::nonce`, 65,536 live requests by default, then it
-/// refuses new ones as `saturated`), so the finish rate times the deadline
-/// must stay under that (10 s allows about 6,500 delegations/s), and the
-/// callee's memory grows for one deadline before it levels off, which must
-/// happen within the first half of the run (the short test's first half
-/// lasts 20-40 s in a debug build). The delegations themselves end in
-/// milliseconds (well under a second in a loaded debug build). With the
-/// benchmarks' usual 600 s deadline, connector B refused every delegation
-/// after about 65,000 at ~400/s.
+/// The default deadline of soak delegations (library and facade;
+/// `--deadline-seconds`). The callee keeps each request in its replay cache
+/// for at most its replay window (`policy.replay_window_ms`, 10 min), so a
+/// longer deadline costs the callee nothing more; its memory grows for one
+/// window (or one deadline, if shorter) before it levels off, which must
+/// happen within the first half of the run for `--check` to judge the
+/// plateau (the short test's first half lasts 20-40 s in a debug build).
 pub const DELEGATION_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Failure messages kept for the report (the count is always exact).
@@ -153,6 +149,12 @@ pub struct SoakOptions {
     pub connector_bin: PathBuf,
     /// How long one delegation may take before it counts as failed.
     pub delegation_timeout: Duration,
+    /// Each delegation's deadline (the library's request, and both
+    /// connectors' `a2a.default_timeout_ms` for the facade's).
+    pub deadline: Duration,
+    /// Delegations started per second, both paths together (0: as fast as
+    /// the workers go).
+    pub rate: f64,
 }
 
 /// Which way a delegation went.
@@ -214,6 +216,13 @@ struct Load {
     failures: Mutex<Vec<String>>,
     /// Delegations finished (both paths, failed included), for the sampler.
     progress: watch::Sender<u64>,
+    /// Each delegation's deadline.
+    deadline: Duration,
+    /// Starts per second (0: unpaced), and the current batch's start and
+    /// first delegation number: delegation `i` starts no earlier than
+    /// `(i - first) / rate` seconds after the batch started.
+    rate: f64,
+    pace: Mutex<(tokio::time::Instant, u64)>,
 }
 
 impl Load {
@@ -267,8 +276,19 @@ impl Load {
         self.progress.send_modify(|n| *n += 1);
     }
 
+    /// Waits for delegation `i`'s turn under `--rate`.
+    async fn pace(&self, i: u64) {
+        if self.rate <= 0.0 {
+            return;
+        }
+        let (start, first) = *self.pace.lock();
+        let at = start + Duration::from_secs_f64(i.saturating_sub(first) as f64 / self.rate);
+        tokio::time::sleep_until(at).await;
+    }
+
     async fn worker(self: Arc<Self>, way: Way) {
         while let Some(i) = self.take(way).await {
+            self.pace(i).await;
             let r = match way {
                 Way::Library => self.library_one(i).await,
                 Way::Facade => self.facade_one(i).await,
@@ -281,7 +301,7 @@ impl Load {
     async fn library_one(&self, i: u64) -> Result<(), String> {
         let caller = self.library.caller();
         let mut spec = new_delegation(format!("soak {i}"));
-        spec.deadline = DELEGATION_DEADLINE;
+        spec.deadline = self.deadline;
         let h = caller
             .delegate(&self.callee, spec)
             .await
@@ -417,6 +437,10 @@ async fn batch(
     marks: &[u64],
     out: &mut Vec<Checkpoint>,
 ) -> anyhow::Result<()> {
+    *load.pace.lock() = (
+        tokio::time::Instant::now(),
+        load.next.load(Ordering::Relaxed),
+    );
     load.pools[0].remaining.store(n - n / 2, Ordering::Release);
     load.pools[1].remaining.store(n / 2, Ordering::Release);
     let base = *load.progress.borrow();
@@ -687,7 +711,7 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
             max_concurrent: CONNECTOR_MAX_CONCURRENT,
             facade_listen: None,
             driver_url: Some(agent.url().to_string()),
-            default_timeout_ms: DELEGATION_DEADLINE.as_millis() as u64,
+            default_timeout_ms: u64::try_from(opts.deadline.as_millis()).unwrap_or(u64::MAX),
         },
     )?;
     let mut a = ConnectorProcess::start(
@@ -701,7 +725,7 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
             max_concurrent: CONNECTOR_MAX_CONCURRENT,
             facade_listen: Some(facade_addr),
             driver_url: None,
-            default_timeout_ms: DELEGATION_DEADLINE.as_millis() as u64,
+            default_timeout_ms: u64::try_from(opts.deadline.as_millis()).unwrap_or(u64::MAX),
         },
     )?;
     let http = reqwest::Client::new();
@@ -727,6 +751,9 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
         failed: AtomicU64::new(0),
         failures: Mutex::new(Vec::new()),
         progress,
+        deadline: opts.deadline,
+        rate: opts.rate,
+        pace: Mutex::new((tokio::time::Instant::now(), 0)),
     });
     let watched = Watched {
         relay: &relay,
@@ -994,7 +1021,8 @@ pub async fn run(opts: &SoakOptions, common: &Common) -> anyhow::Result<Report> 
                 "finished_ttl_ms": opts.finished_ttl_ms,
                 "max_log_entries": common.tuning.max_log_entries,
                 "delegation_timeout_s": opts.delegation_timeout.as_secs_f64(),
-                "delegation_deadline_s": DELEGATION_DEADLINE.as_secs_f64(),
+                "delegation_deadline_s": opts.deadline.as_secs_f64(),
+                "rate_per_second": opts.rate,
                 "connector_bin": opts.connector_bin.display().to_string(),
                 "thresholds": {
                     "max_bytes_per_delegation": MAX_BYTES_PER_DELEGATION,
