@@ -251,13 +251,18 @@ pub struct StoreSection {
     /// it is refused with `payload_too_large` and not stored. Default 128 MiB.
     #[serde(default = "default_max_delegation_bytes")]
     pub max_delegation_bytes: u64,
-    /// Bytes one peer may hold in the store: its `Data` and `Cancel`
-    /// entries in delegations still stored (open, or retained for
-    /// `finished_ttl_ms` after their terminal), less trimmed ones. An entry
-    /// that would pass it is refused with `payload_too_large` and not
-    /// stored. Default 512 MiB.
+    /// Bytes one peer may hold in its open delegations: its `Data` and
+    /// `Cancel` entries, less trimmed ones (a delegation's bytes leave the
+    /// budget when it finishes). An entry that would pass it is refused
+    /// with `payload_too_large` and not stored. Default 512 MiB.
     #[serde(default = "default_max_peer_bytes")]
     pub max_peer_bytes: u64,
+    /// Callers' releases of finished delegations waiting for the store, per
+    /// instance (about 100 bytes each). Overflow: a release is dropped
+    /// (`oab_releases_total{result="dropped"}`) and its delegation is kept
+    /// whole until `finished_ttl_ms`. Default 65,536.
+    #[serde(default = "default_release_queue")]
+    pub release_queue: usize,
 }
 
 impl std::fmt::Debug for StoreSection {
@@ -268,6 +273,7 @@ impl std::fmt::Debug for StoreSection {
             finished_ttl_ms,
             max_delegation_bytes,
             max_peer_bytes,
+            release_queue,
         } = self;
         f.debug_struct("StoreSection")
             .field("url", &RedactedUrl(url))
@@ -275,6 +281,7 @@ impl std::fmt::Debug for StoreSection {
             .field("finished_ttl_ms", finished_ttl_ms)
             .field("max_delegation_bytes", max_delegation_bytes)
             .field("max_peer_bytes", max_peer_bytes)
+            .field("release_queue", release_queue)
             .finish()
     }
 }
@@ -480,6 +487,9 @@ fn default_max_delegation_bytes() -> u64 {
 fn default_max_peer_bytes() -> u64 {
     Retention::default().max_peer_bytes
 }
+fn default_release_queue() -> usize {
+    crate::hub::DEFAULT_RELEASE_QUEUE
+}
 fn default_unknown_grace_ms() -> u64 {
     120_000
 }
@@ -540,6 +550,7 @@ section_default!(StoreSection {
     finished_ttl_ms: default_finished_ttl_ms,
     max_delegation_bytes: default_max_delegation_bytes,
     max_peer_bytes: default_max_peer_bytes,
+    release_queue: default_release_queue,
 });
 impl Default for FleetSection {
     fn default() -> Self {
@@ -859,6 +870,12 @@ impl Config {
         }
         if f.wake_queue == 0 {
             err("fleet.wake_queue".into(), "must be greater than 0".into());
+        }
+        if self.store.release_queue == 0 {
+            err(
+                "store.release_queue".into(),
+                "must be greater than 0".into(),
+            );
         }
         for (name, v) in [
             ("store.max_log_entries", self.store.max_log_entries),

@@ -68,7 +68,7 @@ pub use caps::InFlightOpens;
 use caps::OpenCounts;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
-pub use releases::{MAX_PENDING_RELEASES, RELEASE_BATCH};
+pub use releases::{DEFAULT_RELEASE_QUEUE, RELEASE_BATCH};
 pub use views::{DelegationView, ViewRef};
 pub use wakeups::ResyncCause;
 
@@ -211,8 +211,8 @@ pub struct Hub<S> {
     /// waiting in its queue); one entry per configured peer that ever got
     /// one, so bounded by the directory.
     peers_pushes: Mutex<HashMap<PeerId, peers::PeersPush>>,
-    /// Callers' releases waiting for the store (bounded,
-    /// [`releases::MAX_PENDING_RELEASES`]).
+    /// Callers' releases waiting for the store (bounded by
+    /// `store.release_queue`).
     releases: releases::Releases,
 }
 

@@ -11,7 +11,8 @@
 //! [`RELEASE_BATCH`], so a busy caller's releases share round trips and
 //! never hold its session's loop.
 //!
-//! **Overflow policy:** the queue holds at most [`MAX_PENDING_RELEASES`];
+//! **Overflow policy:** the queue holds at most `store.release_queue`
+//! ([`DEFAULT_RELEASE_QUEUE`] unless configured);
 //! a release past it, or in a batch the store failed, is dropped and
 //! counted (`oab_releases_total{result="dropped"}`): the delegation is then
 //! kept whole until `finished_ttl_ms`, as if never released. Nothing a
@@ -28,8 +29,9 @@ use super::Hub;
 use super::views::{DelegationView, ViewRef};
 use crate::store::{EventStore, Release};
 
-/// Releases waiting for the store, at most (about 100 bytes each).
-pub const MAX_PENDING_RELEASES: usize = 65_536;
+/// Default `store.release_queue`: releases waiting for the store, at most
+/// (about 100 bytes each).
+pub const DEFAULT_RELEASE_QUEUE: usize = 65_536;
 
 /// Releases per store call.
 pub const RELEASE_BATCH: usize = 256;
@@ -107,7 +109,7 @@ impl<S: EventStore> Hub<S> {
     /// is full).
     pub(super) fn queue_release(&self, release: Release) {
         let mut pending = self.releases.pending.lock();
-        if pending.len() >= MAX_PENDING_RELEASES {
+        if pending.len() >= self.config.store.release_queue {
             drop(pending);
             self.metrics.releases.with_label_values(&["dropped"]).inc();
             return;
@@ -152,5 +154,39 @@ impl<S: EventStore> Hub<S> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use oab_testkit::redis::{Persistence, RedisServer};
+    use oab_wire::RequestId;
+
+    use super::super::test_support::{CALLEE, CALLER, peer, redis_hub};
+    use super::*;
+
+    /// The queue holds `store.release_queue` releases; one more is dropped
+    /// and counted, and nothing already queued is lost.
+    #[tokio::test]
+    async fn a_release_past_the_queue_is_dropped_and_counted() {
+        let redis = RedisServer::start(Persistence::None).unwrap();
+        let hub = redis_hub(&redis).await;
+        let bound = hub.config.store.release_queue;
+        let release = |i: usize| Release {
+            key: DelegationKey::new(peer(CALLER), RequestId::new(&format!("r{i}")).unwrap()),
+            callee: peer(CALLEE),
+            after: 1,
+        };
+        for i in 0..=bound {
+            hub.queue_release(release(i));
+        }
+        let dropped = hub.metrics.releases.with_label_values(&["dropped"]).get();
+        assert_eq!(dropped, 1);
+        let pending = hub.releases.pending.lock();
+        assert_eq!(pending.len(), bound);
+        assert_eq!(pending.first(), Some(&release(0)));
+        assert_eq!(pending.last(), Some(&release(bound - 1)));
     }
 }
