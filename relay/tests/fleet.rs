@@ -772,3 +772,116 @@ async fn a_resync_does_not_read_what_retention_keeps() {
     })
     .await;
 }
+
+/// Fills Redis with `n` finished delegations of the callee as retention
+/// keeps them when their callers do not release them: the meta hash, the
+/// members of both peers' delegation sets and of `oab:finished` (no logs:
+/// a resync does not read them either way). One script call per 10,000.
+async fn prefill_retained(raw: &mut redis::aio::MultiplexedConnection, n: usize) {
+    const FILL: &str = r"
+local now = ARGV[3]
+for i = tonumber(ARGV[1]), tonumber(ARGV[2]) do
+  local m = ARGV[4] .. '#kept-' .. i
+  redis.call('HSET', 'oab:d:{' .. m .. '}:meta', 'callee', ARGV[5], 'dl', now, 'dg',
+    'sha256:' .. string.rep('ab', 32), 'ct', now, 'dt', '1', 'ds', '1', 'ut', '1', 'us', '0',
+    'term', 'completed', 'tms', now, 'acc', '', 'db', '4', 'ub', '4')
+  redis.call('SADD', 'oab:p:{' .. ARGV[4] .. '}:dlg', m)
+  redis.call('SADD', 'oab:p:{' .. ARGV[5] .. '}:dlg', m)
+  redis.call('ZADD', 'oab:finished', 0, string.rep('0', 20 - #now) .. now .. '|' .. m .. '|' .. ARGV[5])
+end
+return 1";
+    let now = oab_wire::identity::now_ms().to_string();
+    for from in (0..n).step_by(10_000) {
+        let to = (from + 10_000).min(n) - 1;
+        let _: i64 = redis::cmd("EVAL")
+            .arg(FILL)
+            .arg(0)
+            .arg(from)
+            .arg(to)
+            .arg(&now)
+            .arg(CALLER)
+            .arg(CALLEE)
+            .query_async(raw)
+            .await
+            .unwrap();
+    }
+}
+
+/// Benchmark (ignored; BENCHMARKS.md "Resync with a million retained
+/// delegations"): the time of one resynchronisation of an instance whose
+/// callee is connected with one open delegation, with nothing retained and
+/// then with 1,000,000 finished delegations of that callee retained. Run
+/// alone: `cargo test --release -p oab-relay --test fleet -- --ignored
+/// resync_time --nocapture` (after `cargo build --release -p oab-relay`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: 1,000,000 retained delegations, run alone"]
+async fn resync_time_with_a_million_retained() {
+    const RETAINED: usize = 1_000_000;
+    let server = RedisServer::start(Persistence::None).unwrap();
+    let url = server.url();
+    let env = TestEnv::new("");
+    let relay = RelayProcess::start_with(&env, &url, &[]).await;
+    let mut a = relay.client_as(&env.caller, InstanceId::random()).await;
+    let mut b = relay.client_as(&env.callee, InstanceId::random()).await;
+    a.send(&open_frame("live", b"{}")).await.unwrap();
+    await_ack(&mut a, "live", Direction::Down, 1).await;
+    recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut resync = async |round: f64| {
+        let sum = relay.metric("oab_resync_seconds_sum").await;
+        let _: u64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        for _ in 0..2_000 {
+            if relay.metric("oab_resync_seconds_count").await >= round {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(relay.metric("oab_resync_seconds_count").await, round);
+        relay.metric("oab_resync_seconds_sum").await - sum
+    };
+    let mut none = Vec::new();
+    for round in 1..=5 {
+        none.push(resync(f64::from(round)).await);
+    }
+    let mut fill = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    prefill_retained(&mut fill, RETAINED).await;
+    let filled = started.elapsed();
+    let mut million = Vec::new();
+    for round in 6..=10 {
+        million.push(resync(f64::from(round)).await);
+    }
+    let ms = |v: &[f64]| {
+        v.iter()
+            .map(|s| format!("{:.2}", s * 1000.0))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    println!(
+        "resync, ms per round: nothing retained {}; {RETAINED} retained {} (prefilled in {:.1} s)",
+        ms(&none),
+        ms(&million),
+        filled.as_secs_f64()
+    );
+    a.send(&data("live", Direction::Down, 2, None, payload(2)))
+        .await
+        .unwrap();
+    recv_until(&mut b, |f| {
+        matches!(f, Frame::Data(d) if d.seq == 2).then_some(())
+    })
+    .await;
+}
