@@ -608,7 +608,19 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
                 }
                 () = &mut published, if publishing && !connecting => publishing = false,
                 signal = signals.next() => match signal {
-                    Signal::Stop => break,
+                    Signal::Stop(name) => {
+                        let stats = connector.link().stats();
+                        use oab_connector::link::stats::Side;
+                        tracing::info!(
+                            signal = name,
+                            open_as_caller = stats.open(Side::Caller),
+                            open_as_callee = stats.open(Side::Callee),
+                            unacked_frames = stats.unacked(),
+                            "stopping: closing the listeners, then the relay link; open \
+                             delegations stay open at the relay"
+                        );
+                        break;
+                    }
                     Signal::Reload => reload(&path, &overrides, &mut running, &connector, &callee_policy),
                 },
             }
@@ -616,6 +628,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
     }
     shutdown.cancel();
     connector.shutdown().await;
+    tracing::info!("connector stopped");
     Ok(())
 }
 
@@ -740,8 +753,8 @@ async fn wait_for_signal() {
 }
 
 enum Signal {
-    /// SIGTERM, SIGINT (Ctrl-C).
-    Stop,
+    /// SIGTERM, SIGINT (Ctrl-C): which one.
+    Stop(&'static str),
     /// SIGHUP.
     Reload,
 }
@@ -779,12 +792,12 @@ impl Signals {
         #[cfg(unix)]
         if let Some((term, int, hup)) = &mut self.unix {
             return tokio::select! {
-                _ = term.recv() => Signal::Stop,
-                _ = int.recv() => Signal::Stop,
+                _ = term.recv() => Signal::Stop("SIGTERM"),
+                _ = int.recv() => Signal::Stop("SIGINT"),
                 _ = hup.recv() => Signal::Reload,
             };
         }
         let _ = tokio::signal::ctrl_c().await;
-        Signal::Stop
+        Signal::Stop("Ctrl-C")
     }
 }
