@@ -289,15 +289,44 @@ fn run_command() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let mut out = std::io::stdout();
             let done = runtime.block_on(async {
+                // Ctrl-C (or SIGTERM) at any point is the demo's: it says
+                // it stopped instead of vanishing.
+                let stop = tokio_util::sync::CancellationToken::new();
+                let signal = Arc::new(std::sync::OnceLock::<&'static str>::new());
+                let mut signals = Signals::new();
+                let (stop_on_signal, seen) = (stop.clone(), signal.clone());
+                tokio::spawn(async move {
+                    loop {
+                        if let Signal::Stop(name) = signals.next().await {
+                            let _ = seen.set(if name == "SIGINT" { "Ctrl-C" } else { name });
+                            stop_on_signal.cancel();
+                            return;
+                        }
+                    }
+                });
+                let stopped = move || signal.get().copied().unwrap_or("Ctrl-C").to_string();
                 if a2a {
-                    oab_connector::demo::a2a::run(&options, keep, wait_for_signal(), &mut out).await
+                    oab_connector::demo::a2a::run(&options, keep, stop, stopped, &mut out).await
                 } else {
-                    oab_connector::demo::run(&options, &mut out).await
+                    tokio::select! {
+                        biased;
+                        r = oab_connector::demo::run(&options, &mut out) => r,
+                        () = stop.cancelled() => Err(oab_connector::demo::DemoError::Interrupted {
+                            signal: stopped(),
+                        }),
+                    }
                 }
             });
-            if let Err(e) = done {
-                eprintln!("demo failed: {e}");
-                std::process::exit(1);
+            match done {
+                Ok(()) => {}
+                Err(e @ oab_connector::demo::DemoError::Interrupted { .. }) => {
+                    eprintln!("demo {e}");
+                    std::process::exit(130);
+                }
+                Err(e) => {
+                    eprintln!("demo failed: {e}");
+                    std::process::exit(1);
+                }
             }
             Ok(())
         }
@@ -745,11 +774,6 @@ fn load_ca_certs(
          CA that signed the relay's certificate"
     );
     Ok(certs)
-}
-
-async fn wait_for_signal() {
-    let mut signals = Signals::new();
-    while let Signal::Reload = signals.next().await {}
 }
 
 enum Signal {
