@@ -932,3 +932,29 @@ fn fleet_trial_ports_do_not_clash_with_the_quick_start() {
     );
     assert!(readme.contains(&teardown), "README's teardown check");
 }
+
+/// The fleet README's expected `check-config` line (step 4) is what the
+/// binary prints for the fleet's files.
+#[test]
+fn fleet_readme_shows_what_check_config_prints() {
+    let fleet = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/fleet");
+    let readme = std::fs::read_to_string(fleet.join("README.md")).unwrap();
+    let expected = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("# relay-1.toml: "))
+        .and_then(|rest| rest.split("   (and relay-2").next())
+        .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .current_dir(&fleet)
+        .args(["check-config", "relay-1.toml"])
+        .env_remove("OAB_RELAY_CONFIG")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(printed.trim_end(), format!("relay-1.toml: {expected}"));
+}
