@@ -570,6 +570,11 @@ impl Caller {
             .map(|r| r.request.clone())
     }
 
+    /// The link this caller's delegations go out on.
+    pub fn link(&self) -> &LinkHandle {
+        &self.link
+    }
+
     /// The state folder, when delegations are persisted.
     pub fn state_dir(&self) -> Option<&std::path::Path> {
         self.state.as_ref().map(FileState::dir)

@@ -289,15 +289,44 @@ fn run_command() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let mut out = std::io::stdout();
             let done = runtime.block_on(async {
+                // Ctrl-C (or SIGTERM) at any point is the demo's: it says
+                // it stopped instead of vanishing.
+                let stop = tokio_util::sync::CancellationToken::new();
+                let signal = Arc::new(std::sync::OnceLock::<&'static str>::new());
+                let mut signals = Signals::new();
+                let (stop_on_signal, seen) = (stop.clone(), signal.clone());
+                tokio::spawn(async move {
+                    loop {
+                        if let Signal::Stop(name) = signals.next().await {
+                            let _ = seen.set(if name == "SIGINT" { "Ctrl-C" } else { name });
+                            stop_on_signal.cancel();
+                            return;
+                        }
+                    }
+                });
+                let stopped = move || signal.get().copied().unwrap_or("Ctrl-C").to_string();
                 if a2a {
-                    oab_connector::demo::a2a::run(&options, keep, wait_for_signal(), &mut out).await
+                    oab_connector::demo::a2a::run(&options, keep, stop, stopped, &mut out).await
                 } else {
-                    oab_connector::demo::run(&options, &mut out).await
+                    tokio::select! {
+                        biased;
+                        r = oab_connector::demo::run(&options, &mut out) => r,
+                        () = stop.cancelled() => Err(oab_connector::demo::DemoError::Interrupted {
+                            signal: stopped(),
+                        }),
+                    }
                 }
             });
-            if let Err(e) = done {
-                eprintln!("demo failed: {e}");
-                std::process::exit(1);
+            match done {
+                Ok(()) => {}
+                Err(e @ oab_connector::demo::DemoError::Interrupted { .. }) => {
+                    eprintln!("demo {e}");
+                    std::process::exit(130);
+                }
+                Err(e) => {
+                    eprintln!("demo failed: {e}");
+                    std::process::exit(1);
+                }
             }
             Ok(())
         }
@@ -608,7 +637,19 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
                 }
                 () = &mut published, if publishing && !connecting => publishing = false,
                 signal = signals.next() => match signal {
-                    Signal::Stop => break,
+                    Signal::Stop(name) => {
+                        let stats = connector.link().stats();
+                        use oab_connector::link::stats::Side;
+                        tracing::info!(
+                            signal = name,
+                            open_as_caller = stats.open(Side::Caller),
+                            open_as_callee = stats.open(Side::Callee),
+                            unacked_frames = stats.unacked(),
+                            "stopping: closing the listeners, then the relay link; open \
+                             delegations stay open at the relay"
+                        );
+                        break;
+                    }
                     Signal::Reload => reload(&path, &overrides, &mut running, &connector, &callee_policy),
                 },
             }
@@ -616,6 +657,7 @@ async fn run(path: PathBuf, overrides: Vec<(String, String)>) -> anyhow::Result<
     }
     shutdown.cancel();
     connector.shutdown().await;
+    tracing::info!("connector stopped");
     Ok(())
 }
 
@@ -734,14 +776,9 @@ fn load_ca_certs(
     Ok(certs)
 }
 
-async fn wait_for_signal() {
-    let mut signals = Signals::new();
-    while let Signal::Reload = signals.next().await {}
-}
-
 enum Signal {
-    /// SIGTERM, SIGINT (Ctrl-C).
-    Stop,
+    /// SIGTERM, SIGINT (Ctrl-C): which one.
+    Stop(&'static str),
     /// SIGHUP.
     Reload,
 }
@@ -779,12 +816,12 @@ impl Signals {
         #[cfg(unix)]
         if let Some((term, int, hup)) = &mut self.unix {
             return tokio::select! {
-                _ = term.recv() => Signal::Stop,
-                _ = int.recv() => Signal::Stop,
+                _ = term.recv() => Signal::Stop("SIGTERM"),
+                _ = int.recv() => Signal::Stop("SIGINT"),
                 _ = hup.recv() => Signal::Reload,
             };
         }
         let _ = tokio::signal::ctrl_c().await;
-        Signal::Stop
+        Signal::Stop("Ctrl-C")
     }
 }

@@ -493,3 +493,59 @@ fn an_expired_relay_certificate_is_named_as_the_relays_to_renew() {
     stop.cancel();
     let _ = runtime.block_on(relay);
 }
+
+/// SIGTERM to `oab-connector run`: it says it is stopping (with the
+/// delegations open on each side and the frames not yet acknowledged),
+/// then that it stopped, and exits 0.
+#[test]
+fn sigterm_is_logged_with_the_open_delegations_and_the_exit() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let env = common::Env::new("");
+    let relay = runtime.block_on(common::Relay::start(
+        &env,
+        std::sync::Arc::new(oab_relay::store::MemoryStore::new(
+            oab_relay::store::Retention::default(),
+        )),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let identity = dir.path().join("callee.identity.toml");
+    oab_connector::keyfile::save(&env.callee, &identity).unwrap();
+    let pin = oab_wire::digest::hex(&oab_wire::Digest::of(&env.cert_der).0);
+    let url = format!("wss://localhost:{}/", relay.addr.port());
+    let config = connector_config(
+        dir.path(),
+        &identity,
+        &url,
+        &format!("relay_pin_sha256 = \"sha256:{pin}\""),
+    );
+    let mut running = Running::start(&config, &[]);
+    running.line_with("connected to the relay");
+    let status = Command::new("kill")
+        .args(["-TERM", &running.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let line = running.line_with("stopping");
+    assert!(
+        line.contains("INFO")
+            && line.contains("signal=\"SIGTERM\"")
+            && line.contains("open_as_caller=0")
+            && line.contains("open_as_callee=0")
+            && line.contains("unacked_frames=0")
+            && line.contains("closing the listeners, then the relay link"),
+        "{line}"
+    );
+    let line = running.line_with("connector stopped");
+    assert!(line.contains("INFO"), "{line}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let code = loop {
+        if let Some(s) = running.child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(Instant::now() < deadline, "still running after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0));
+    drop(running);
+    runtime.block_on(relay.stop());
+}

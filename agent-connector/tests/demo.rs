@@ -256,3 +256,166 @@ fn demo_a2a_delegates_through_the_facade_and_driver_and_keeps_the_facade_for_any
         "{answer}"
     );
 }
+
+/// The lines a child writes to a pipe, read on a thread.
+fn lines_of(pipe: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Reads `lines` into `seen` until one contains `what` (at most 60 s).
+fn line_with(lines: &std::sync::mpsc::Receiver<String>, seen: &mut String, what: &str) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while let Ok(line) =
+        lines.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.contains(what) {
+            return line;
+        }
+    }
+    panic!("no line with {what:?} in:\n{seen}");
+}
+
+/// Sends `signal` to `child` and waits (at most 20 s) for its exit code.
+fn signal_and_wait(child: &mut Child, signal: &str) -> Option<i32> {
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s.code();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running after {signal}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// `demo --a2a --keep`: a lost relay is reported (WARN, with what to do), a
+/// blocking `SendMessage` with the relay gone ends with its task as it
+/// stands instead of hanging, and Ctrl-C says the demo stopped.
+#[test]
+fn demo_keep_reports_a_lost_relay_answers_send_message_and_says_it_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (relay, port) = start_dev_relay(dir.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .current_dir(dir.path())
+        .args(["demo", "--a2a", "--keep", "--facade-listen", "127.0.0.1:0"])
+        .args(["--agent-listen", "127.0.0.1:0", "--relay-url"])
+        .arg(format!("wss://localhost:{port}/"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(child.stdout.take().unwrap());
+    let mut demo = Killed(child);
+    let mut seen = String::new();
+    let line = line_with(&lines, &mut seen, "point any A2A 1.0 client at ");
+    let agent = line
+        .split("point any A2A 1.0 client at ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches(", e.g.:")
+        .to_string();
+    drop(relay);
+    let warn = line_with(&lines, &mut seen, "lost the relay");
+    assert!(
+        warn.starts_with("WARN lost the relay at wss://localhost:")
+            && warn.contains("cargo run -p oab-relay")
+            && warn.contains("Ctrl-C")
+            && warn.contains("SendMessage"),
+        "{warn}"
+    );
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let started = std::time::Instant::now();
+    let answer: serde_json::Value = runtime.block_on(async {
+        let body = serde_json::json!({
+            "jsonrpc": "2.0", "id": 8, "method": "SendMessage",
+            "params": { "message": {
+                "messageId": "m-gone", "role": "ROLE_USER",
+                "parts": [{ "text": "anyone there" }],
+            }},
+        });
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            reqwest::Client::new()
+                .post(&agent)
+                .header("A2A-Version", "1.0")
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("SendMessage ends with the relay gone")
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+    });
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(30),
+        "{answer}"
+    );
+    assert!(answer.pointer("/result/task/id").is_some(), "{answer}");
+    assert_eq!(
+        answer.pointer("/result/task/status/state"),
+        Some(&serde_json::json!("TASK_STATE_SUBMITTED")),
+        "{answer}"
+    );
+    let code = signal_and_wait(&mut demo.0, "-INT");
+    let stopped = line_with(&lines, &mut seen, "demo stopped");
+    assert_eq!(
+        stopped,
+        "demo stopped (Ctrl-C): the facade is closed and both connectors disconnected"
+    );
+    assert_eq!(code, Some(0), "{seen}");
+}
+
+/// Ctrl-C before the delegation finished (here: the relay URL answers
+/// nothing): the demo says it stopped and exits 130.
+#[test]
+fn demo_stopped_by_ctrl_c_before_the_result_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_relay, _port) = start_dev_relay(dir.path());
+    // Accepts connections (the kernel's backlog) and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oab-connector"))
+        .current_dir(dir.path())
+        .args(["demo", "--a2a", "--facade-listen", "127.0.0.1:0"])
+        .args(["--agent-listen", "127.0.0.1:0", "--relay-url"])
+        .arg(format!("wss://localhost:{port}/"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(child.stdout.take().unwrap());
+    let errors = lines_of(child.stderr.take().unwrap());
+    let mut demo = Killed(child);
+    let mut seen = String::new();
+    // Printed once the demo runs (its signal handler is in place by then).
+    line_with(&lines, &mut seen, "relay:");
+    let code = signal_and_wait(&mut demo.0, "-INT");
+    let mut err = String::new();
+    let line = line_with(&errors, &mut err, "demo stopped");
+    assert_eq!(
+        line,
+        "demo stopped (Ctrl-C) before the delegation finished; the connectors are disconnected"
+    );
+    assert_eq!(code, Some(130));
+    drop(silent);
+}

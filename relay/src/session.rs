@@ -162,8 +162,29 @@ pub async fn serve<S, IO>(
         return;
     };
     drop(handshake_permit);
-    let span = tracing::info_span!("session", peer = %session.me.peer, session = %session.me.id);
-    session.run(ws, limits).instrument(span).await;
+    let (peer, id) = (session.me.peer.clone(), session.me.id);
+    let span = tracing::info_span!("session", peer = %peer, session = %id);
+    let started = Instant::now();
+    let ended = session.run(ws, limits).instrument(span).await;
+    // Once per session, outside its span (the fields are on the line).
+    let duration = oab_ops::time::short_duration(
+        u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    );
+    match ended.code {
+        Some(code) => info!(
+            %peer, session = %id, reason = %ended.reason, code, %duration, "session ended"
+        ),
+        None => info!(%peer, session = %id, reason = %ended.reason, %duration, "session ended"),
+    }
+}
+
+/// How a session ended, for its one `session ended` line.
+struct SessionEnded {
+    /// `closed by peer`, `idle_timeout: ...`, `replaced: ...`,
+    /// `shutdown: ...`, `connection lost`...
+    reason: String,
+    /// The close code the relay sent (none when the connection was gone).
+    code: Option<u16>,
 }
 
 async fn handshake<S, IO>(
@@ -805,8 +826,8 @@ enum End {
     Closed(CloseCode, String),
     /// The relay is shutting down: `Drain`, then close with `going_away`.
     Shutdown,
-    /// The connection is gone (or unusable): drop it.
-    Transport,
+    /// The connection is gone (or unusable): drop it. Why, for the log.
+    Transport(&'static str),
     /// Someone closed the session (see `Inbox::close_reason`).
     Cancelled,
 }
@@ -817,7 +838,9 @@ impl End {
     fn close(&self, outbox: &crate::outbox::Outbox) {
         match self {
             End::Closed(code, reason) => outbox.close(*code, reason),
-            End::Shutdown | End::Transport => outbox.close(CloseCode::GoingAway, "session ended"),
+            End::Shutdown | End::Transport(_) => {
+                outbox.close(CloseCode::GoingAway, "session ended");
+            }
             End::Cancelled => {}
         }
     }
@@ -837,7 +860,7 @@ impl<S: EventStore> Session<S> {
     /// Not an `async fn`: the socket is split before the future is built, so
     /// the future holds the two halves, not a second copy of the socket
     /// (idle sessions stay small).
-    fn run<IO>(self, ws: WebSocketStream<IO>, limits: Limits) -> impl Future<Output = ()>
+    fn run<IO>(self, ws: WebSocketStream<IO>, limits: Limits) -> impl Future<Output = SessionEnded>
     where
         IO: AsyncRead + AsyncWrite + Unpin + Send,
     {
@@ -850,11 +873,15 @@ impl<S: EventStore> Session<S> {
         mut sink: SplitSink<WebSocketStream<IO>, Message>,
         mut stream: SplitStream<WebSocketStream<IO>>,
         limits: Limits,
-    ) where
+    ) -> SessionEnded
+    where
         IO: AsyncRead + AsyncWrite + Unpin + Send,
     {
         let Some(mut inbox) = self.inbox.take() else {
-            return;
+            return SessionEnded {
+                reason: "no queues".into(),
+                code: None,
+            };
         };
         let hub = self.hub.clone();
         let outbox = self.me.outbox.clone();
@@ -885,6 +912,24 @@ impl<S: EventStore> Session<S> {
         };
         // The receiver resumes delegation frames from the log: free them now.
         inbox.discard_data();
+        let ended = match &end {
+            End::Closed(code, reason) => SessionEnded {
+                reason: format!("{}: {reason}", code.name()),
+                code: Some(code.as_u16()),
+            },
+            End::Shutdown => SessionEnded {
+                reason: "shutdown: relay shutting down".into(),
+                code: Some(CloseCode::GoingAway.as_u16()),
+            },
+            End::Transport(why) => SessionEnded {
+                reason: (*why).to_string(),
+                code: None,
+            },
+            End::Cancelled => SessionEnded {
+                reason: "cancelled".into(),
+                code: None,
+            },
+        };
         match end {
             End::Closed(..) | End::Shutdown => {
                 let drain = matches!(end, End::Shutdown).then(|| oab_wire::Drain {
@@ -897,7 +942,7 @@ impl<S: EventStore> Session<S> {
                         "relay shutting down; reconnect".to_string(),
                     ),
                 };
-                info!(code = code.as_u16(), reason = %reason, "closing session");
+                debug!(code = code.as_u16(), reason = %reason, "closing session");
                 // Counted when decided: the close below may take up to
                 // CLOSE_DEADLINE on a peer that is not reading.
                 hub.metrics
@@ -917,7 +962,7 @@ impl<S: EventStore> Session<S> {
                     }
                 }
             }
-            End::Transport | End::Cancelled => {
+            End::Transport(_) | End::Cancelled => {
                 debug!("connection ended");
                 hub.metrics
                     .disconnects
@@ -927,6 +972,7 @@ impl<S: EventStore> Session<S> {
         }
         drop(inbox);
         self.hub.unregister(&self.me);
+        ended
     }
 
     /// Reads and processes the peer's frames until the peer goes away, a
@@ -960,19 +1006,16 @@ impl<S: EventStore> Session<S> {
                 msg = stream.next(), if reading && room => {
                     last_rx = tokio::time::Instant::now();
                     let mut batch = Vec::with_capacity(8);
-                    match self.decode_into_batch(msg, limits, &mut batch) {
-                        Ok(true) => {}
-                        Ok(false) => break End::Transport,
-                        Err(end) => break end,
+                    if let Err(end) = self.decode_into_batch(msg, limits, &mut batch) {
+                        break end;
                     }
                     // Take whatever else is already buffered, without waiting.
                     let mut stop = None;
                     while batch.len() < MAX_BATCH {
                         let Some(msg) = stream.next().now_or_never() else { break };
-                        match self.decode_into_batch(msg, limits, &mut batch) {
-                            Ok(true) => {}
-                            Ok(false) => { stop = Some(End::Transport); break; }
-                            Err(end) => { stop = Some(end); break; }
+                        if let Err(end) = self.decode_into_batch(msg, limits, &mut batch) {
+                            stop = Some(end);
+                            break;
                         }
                     }
                     // One clock read and one rate-limit check per batch.
@@ -1008,16 +1051,18 @@ impl<S: EventStore> Session<S> {
         end
     }
 
-    /// Decodes one read result into the batch. `Ok(false)`: the peer went away.
+    /// Decodes one read result into the batch. `Err`: the session ends
+    /// (`End::Transport` when the peer went away).
     fn decode_into_batch(
         &self,
         msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
         limits: &Limits,
         batch: &mut Vec<(Bytes, Frame)>,
-    ) -> Result<bool, End> {
+    ) -> Result<(), End> {
         let m = &self.hub.metrics;
         match msg {
-            None | Some(Ok(Message::Close(_))) => Ok(false),
+            Some(Ok(Message::Close(_))) => Err(End::Transport("closed by peer")),
+            None => Err(End::Transport("connection closed by peer")),
             Some(Err(tokio_tungstenite::tungstenite::Error::Capacity(e))) => Err(End::Closed(
                 CloseCode::FrameTooLarge,
                 format!("message over the frame limit: {e}"),
@@ -1026,7 +1071,7 @@ impl<S: EventStore> Session<S> {
                 CloseCode::ProtocolViolation,
                 format!("WebSocket protocol error: {e}"),
             )),
-            Some(Err(_)) => Ok(false),
+            Some(Err(_)) => Err(End::Transport("connection lost")),
             Some(Ok(Message::Binary(bytes))) => {
                 m.hot.bytes_in.inc_by(bytes.len() as u64);
                 let frame = match decode_message(bytes.clone(), limits) {
@@ -1041,9 +1086,9 @@ impl<S: EventStore> Session<S> {
                     c.inc();
                 }
                 batch.push((bytes, frame));
-                Ok(true)
+                Ok(())
             }
-            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => Ok(true),
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => Ok(()),
             Some(Ok(Message::Text(_))) => Err(End::Closed(
                 CloseCode::ProtocolViolation,
                 "text messages are not part of the protocol; send binary frames".into(),
@@ -1725,7 +1770,7 @@ where
             out = inbox.data.recv() => out,
         };
         let Some(first) = first else {
-            return End::Transport;
+            return End::Transport("session queues closed");
         };
         inbox.taken(first.len());
         // Boxed per batch (one allocation for up to MAX_WRITE_BATCH frames):
@@ -1794,7 +1839,7 @@ where
 
 fn write_error(e: tokio_tungstenite::tungstenite::Error) -> End {
     debug!(error = %e, "write failed");
-    End::Transport
+    End::Transport("connection lost (write failed)")
 }
 
 /// The last words of a closing session: `Drain` (on shutdown), the queued

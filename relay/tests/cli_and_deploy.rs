@@ -856,3 +856,105 @@ fn a_missing_config_file_exits_2_saying_so_once() {
         )
     );
 }
+
+/// The fleet trial (`deploy/fleet/`) runs on ports of its own: none is a
+/// port of the quick start's development relay (listen, admin), or of the
+/// demo's facade and agent, which the README tells you to leave running;
+/// the load balancers forward to the instances' own ports, and the README
+/// names the ports the files use.
+#[test]
+fn fleet_trial_ports_do_not_clash_with_the_quick_start() {
+    let fleet = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/fleet");
+    let port_of = |addr: &str| -> u16 { addr.rsplit(':').next().unwrap().parse().unwrap() };
+    let dev = tempfile::tempdir().unwrap();
+    let setup = oab_relay::dev::prepare(dev.path()).unwrap();
+    let dev_config = oab_relay::config::Config::load(&setup.config).unwrap();
+    let quick_start = [
+        dev_config.relay.listen.port(),
+        dev_config.relay.admin_listen.port(),
+        port_of(oab_relay::dev::DEV_FACADE_LISTEN),
+        port_of(oab_relay::dev::DEV_AGENT_URL),
+    ];
+    assert_eq!(quick_start, [7443, 9443, 7070, 7080]);
+    let haproxy = std::fs::read_to_string(fleet.join("haproxy.cfg")).unwrap();
+    let nginx = std::fs::read_to_string(fleet.join("nginx-stream.conf")).unwrap();
+    let readme = std::fs::read_to_string(fleet.join("README.md")).unwrap();
+    let mut used = Vec::new();
+    for n in 1..=3 {
+        let c = oab_relay::config::Config::load(&fleet.join(format!("relay-{n}.toml"))).unwrap();
+        let (listen, admin) = (c.relay.listen.port(), c.relay.admin_listen.port());
+        assert!(
+            haproxy.contains(&format!(
+                "server relay-{n} 127.0.0.1:{listen} check port {admin}\n"
+            )),
+            "haproxy.cfg forwards relay-{n} to {listen} (checks {admin})"
+        );
+        assert!(nginx.contains(&format!("server 127.0.0.1:{listen} ")));
+        used.extend([listen, admin]);
+    }
+    let balancer: u16 = haproxy
+        .split("bind :")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(nginx.contains(&format!("listen {balancer};")));
+    assert!(readme.contains(&format!("relay_url = \"wss://127.0.0.1:{balancer}/\"")));
+    let facade = port_of(
+        readme
+            .split("facade_listen = \"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap(),
+    );
+    used.extend([balancer, facade]);
+    for port in &used {
+        assert!(
+            !quick_start.contains(port),
+            "the fleet trial uses {port}, a port of the quick start"
+        );
+    }
+    // The README's list of the trial's ports, and its check that they are
+    // all free again after the teardown, name the same ports.
+    let (l1, l3, a1, a3) = (used[0], used[4], used[1], used[5]);
+    assert!(
+        readme.contains(&format!(
+            "relays `{l1}`-`{l3}` (admin `{a1}`-`{a3}`),\nthe load balancer `{balancer}`, the A2A facade `{facade}`"
+        )),
+        "README's port list"
+    );
+    let teardown = format!("754[123]|954[123]|{balancer}|{facade}|");
+    assert_eq!(
+        (l1, a1),
+        (7541, 9541),
+        "the README's teardown regex names 754x and 954x"
+    );
+    assert!(readme.contains(&teardown), "README's teardown check");
+}
+
+/// The fleet README's expected `check-config` line (step 4) is what the
+/// binary prints for the fleet's files.
+#[test]
+fn fleet_readme_shows_what_check_config_prints() {
+    let fleet = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/fleet");
+    let readme = std::fs::read_to_string(fleet.join("README.md")).unwrap();
+    let expected = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("# relay-1.toml: "))
+        .and_then(|rest| rest.split("   (and relay-2").next())
+        .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oab-relay"))
+        .current_dir(&fleet)
+        .args(["check-config", "relay-1.toml"])
+        .env_remove("OAB_RELAY_CONFIG")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(printed.trim_end(), format!("relay-1.toml: {expected}"));
+}

@@ -294,13 +294,21 @@ pub fn facade_agent_url(facade: SocketAddr, peer: &str) -> String {
 /// The demo's task text.
 const TASK: &str = "Summarise the README of this repository";
 
+/// How long a blocking `SendMessage` to the demo's facade waits with the
+/// relay gone before it returns its task as it stands (see
+/// [`FacadeOptions::offline_wait`]).
+pub const OFFLINE_WAIT: Duration = Duration::from_secs(5);
+
 /// Runs the A2A demo, writing what happens to `out`. With `keep`, once the
-/// verified result is written, serves the facade until `until` completes;
-/// then shuts everything down.
+/// verified result is written, serves the facade until `stop` is cancelled
+/// (`stopped`: what stopped it, e.g. `Ctrl-C`), saying when the relay is
+/// lost and when it is back; then shuts everything down and says so.
+/// `stop` cancelled before the result: [`DemoError::Interrupted`].
 pub async fn run(
     options: &DemoOptions,
     keep: bool,
-    until: impl std::future::Future<Output = ()>,
+    stop: CancellationToken,
+    stopped: impl Fn() -> String,
     out: &mut dyn Write,
 ) -> Result<(), DemoError> {
     let dir = &options.dev_dir;
@@ -356,6 +364,7 @@ pub async fn run(
                 agent: "oab-connector-demo".into(),
                 ..base
             },
+            offline_wait: Some(OFFLINE_WAIT),
             ..FacadeOptions::default()
         },
     );
@@ -371,7 +380,8 @@ pub async fn run(
         "demo A2A agent:    {agent_url} (behind {CALLEE}'s A2A driver)"
     )?;
     let agent = facade_agent_url(facade_addr, CALLEE);
-    let result = async {
+    let (stop_keep, alice_link) = (stop.clone(), alice_c.link().clone());
+    let body = async {
         connected(&bob_c, &bob, &url).await?;
         let card = driver.agent_card().await.map_err(|e| bad(&bob_path, e))?;
         let published = match tokio::time::timeout(CONNECT_TIMEOUT, bob_c.publish(&card)).await {
@@ -389,7 +399,10 @@ pub async fn run(
             "{CALLEE} connected (callee, A2A driver), its agent card published"
         )?;
         connected(&alice_c, &alice, &url).await?;
-        writeln!(out, "{CALLER} connected (caller, A2A facade on http://{facade_addr}/)")?;
+        writeln!(
+            out,
+            "{CALLER} connected (caller, A2A facade on http://{facade_addr}/)"
+        )?;
         writeln!(out, "A2A agent for {CALLEE} at {CALLER}'s facade: {agent}")?;
         delegate(&agent, &bob, out).await?;
         if keep {
@@ -404,7 +417,13 @@ pub async fn run(
                  {{\"messageId\":\"m1\",\"role\":\"ROLE_USER\",\"parts\":[{{\"text\":\"Summarise this\"}}]}}}}}}'"
             )?;
             out.flush()?;
-            until.await;
+            keep_up(&alice_link, &url, &stop_keep, out).await?;
+            writeln!(
+                out,
+                "demo stopped ({}): the facade is closed and both connectors disconnected",
+                stopped()
+            )?;
+            out.flush()?;
         } else {
             writeln!(
                 out,
@@ -412,13 +431,69 @@ pub async fn run(
             )?;
         }
         Ok(())
-    }
-    .await;
+    };
+    let result = tokio::select! {
+        biased;
+        r = body => r,
+        () = stop.cancelled() => Err(DemoError::Interrupted { signal: stopped() }),
+    };
     shutdown.cancel();
     facade.close();
     alice_c.shutdown().await;
     bob_c.shutdown().await;
     result
+}
+
+/// `--keep`: waits for `stop`, saying (at WARN, with what to do) when the
+/// relay link goes down and when it is back.
+async fn keep_up(
+    link: &crate::link::LinkHandle,
+    url: &str,
+    stop: &CancellationToken,
+    out: &mut dyn Write,
+) -> Result<(), DemoError> {
+    use crate::link::LinkState;
+    let mut state = link.watch_state();
+    let mut up = matches!(link.state(), LinkState::Connected { .. });
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            changed = state.changed() => {
+                if changed.is_err() {
+                    // The link task ended; nothing more to report.
+                    stop.cancelled().await;
+                    return Ok(());
+                }
+                let now = state.borrow_and_update().clone();
+                match now {
+                    LinkState::Connected { .. } if !up => {
+                        up = true;
+                        writeln!(out, "relay back at {url}: {CALLER} reconnected, the facade delegates again")?;
+                    }
+                    LinkState::Connecting { .. } | LinkState::Stopped(_) if up => {
+                        up = false;
+                        let reason = link
+                            .stats()
+                            .facts()
+                            .last_disconnect
+                            .map(|(_, r)| r)
+                            .unwrap_or_else(|| "connection lost".into());
+                        writeln!(
+                            out,
+                            "WARN lost the relay at {url} ({reason}); reconnecting. Start the \
+                             development relay again (cargo run -p oab-relay) or stop the demo \
+                             with Ctrl-C. Meanwhile a blocking SendMessage returns its task \
+                             still submitted after {} s (it goes out when the relay is back; \
+                             GetTask follows it)",
+                            OFFLINE_WAIT.as_secs()
+                        )?;
+                    }
+                    _ => {}
+                }
+                out.flush()?;
+            }
+        }
+    }
 }
 
 /// The demo's A2A client: one `SendStreamingMessage` with the profile

@@ -126,6 +126,12 @@ pub enum DemoError {
         /// The relay's or callee's reason.
         reason: String,
     },
+    /// Stopped by a signal (Ctrl-C) before it finished.
+    #[error("stopped ({signal}) before the delegation finished; the connectors are disconnected")]
+    Interrupted {
+        /// The signal (`Ctrl-C`, `SIGTERM`).
+        signal: String,
+    },
     /// A listener of the A2A demo could not be bound.
     #[error("binding {what} on {addr}: {reason}")]
     Bind {

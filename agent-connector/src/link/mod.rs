@@ -525,6 +525,44 @@ impl LinkHandle {
         self.state.borrow().clone()
     }
 
+    /// The link state as it changes (a receiver that has seen the current
+    /// state: `changed` waits for the next one).
+    pub fn watch_state(&self) -> watch::Receiver<LinkState> {
+        let mut rx = self.state.clone();
+        rx.borrow_and_update();
+        rx
+    }
+
+    /// Returns once the link has been down (connecting or stopped) for
+    /// `patience` without a break; never while it stays connected.
+    pub async fn down_for(&self, patience: std::time::Duration) {
+        let mut rx = self.state.clone();
+        let mut down_since = None;
+        loop {
+            let up = matches!(*rx.borrow_and_update(), LinkState::Connected { .. });
+            down_since = match (up, down_since) {
+                (true, _) => None,
+                (false, None) => Some(tokio::time::Instant::now()),
+                (false, since) => since,
+            };
+            match down_since {
+                Some(since) => tokio::select! {
+                    () = tokio::time::sleep_until(since + patience) => return,
+                    r = rx.changed() => if r.is_err() {
+                        // The link task ended: down for good.
+                        tokio::time::sleep_until(since + patience).await;
+                        return;
+                    },
+                },
+                None => {
+                    if rx.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            }
+        }
+    }
+
     /// Waits until the link is connected (or stopped).
     pub async fn connected(&self) -> Result<u64, LinkError> {
         let mut rx = self.state.clone();

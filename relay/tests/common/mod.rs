@@ -655,6 +655,52 @@ impl LoggedRelay {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Where its sessions connect (its test certificate trusted).
+    pub fn target(&self, env: &TestEnv) -> Target {
+        Target {
+            addr: self.addr.to_string(),
+            server_name: Some("localhost".into()),
+            root_der: env.cert_der.clone(),
+        }
+    }
+
+    /// Polls its log until a line has every one of `parts` (at most 20 s);
+    /// returns that line.
+    pub async fn await_line(&self, parts: &[&str]) -> String {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| parts.iter().all(|p| l.contains(p))) {
+                return line.to_string();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no line with {parts:?} in the relay's log:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGTERM, and waits (at most 20 s) for the process to exit.
+    pub async fn terminate(&mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while c.try_wait().unwrap().is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "relay did not exit on SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for LoggedRelay {

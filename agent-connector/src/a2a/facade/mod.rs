@@ -127,6 +127,11 @@ pub struct FacadeOptions {
     /// Extra wait past a delegation's deadline for a blocking `SendMessage`
     /// (the relay appends `expired` after the deadline).
     pub deadline_grace: Duration,
+    /// A blocking `SendMessage` whose relay link stays down this long
+    /// while it waits returns the task as it stands (its delegation stays
+    /// queued and goes out when the relay is back; `GetTask` follows it).
+    /// `None`: it waits up to the deadline plus `deadline_grace`.
+    pub offline_wait: Option<Duration>,
     /// Tasks remembered; past this the oldest finished task is forgotten
     /// (`GetTask` then answers `TaskNotFound`).
     pub max_tasks: usize,
@@ -167,6 +172,7 @@ impl Default for FacadeOptions {
             cancel_wait: Duration::from_secs(10),
             peer_lookup_timeout: Duration::from_secs(2),
             deadline_grace: Duration::from_secs(30),
+            offline_wait: None,
             max_tasks: 2_000,
             max_finished_task_bytes: 16 * 1024 * 1024,
             max_events_per_task: 10_000,

@@ -74,7 +74,23 @@ impl RpcCall {
         if !return_immediately {
             let left = cell.lock().deadline_ms.saturating_sub(now_ms());
             let wait = Duration::from_millis(left) + self.inner().options.deadline_grace;
-            wait_turn_end(&cell, after, wait, &self.ctx.streams_stop).await;
+            let turn = wait_turn_end(&cell, after, wait, &self.ctx.streams_stop);
+            match self.inner().options.offline_wait {
+                Some(patience) => {
+                    let link = self.inner().caller.link();
+                    tokio::select! {
+                        () = turn => {}
+                        () = link.down_for(patience) => {
+                            tracing::warn!(
+                                key = %cell.handle.key,
+                                waited_ms = u64::try_from(patience.as_millis()).unwrap_or(u64::MAX),
+                                "the relay link is down: a blocking SendMessage returns its task as it stands"
+                            );
+                        }
+                    }
+                }
+                None => turn.await,
+            }
         }
         let task_id = if created { cell.public_id() } else { task_id };
         let rec = cell.lock();
