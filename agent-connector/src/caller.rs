@@ -967,20 +967,52 @@ impl Caller {
         timeout: Duration,
     ) -> Result<Terminal, CallerError> {
         use futures_util::StreamExt as _;
-        let mut events = self.events(handle, 0).await?;
         let wait = async {
-            while let Some(item) = events.next().await {
-                if let DelegationEvent {
-                    kind: EventKind::Terminal(t),
-                    ..
-                } = item?
-                {
-                    return Ok(t);
+            // A subscriber that falls behind the events is dropped with
+            // `Lagged`; only the terminal matters here, so it subscribes
+            // again after the last event it got (each time at least one
+            // channel's worth further), and after a lag whose events the
+            // link no longer keeps, from the last one received.
+            let (mut after, mut lagged) = (0, false);
+            loop {
+                let mut events = self.events(handle, after).await?;
+                let mut again = None;
+                while let Some(item) = events.next().await {
+                    match item {
+                        Ok(DelegationEvent {
+                            kind: EventKind::Terminal(t),
+                            ..
+                        }) => return Ok(t),
+                        Ok(ev) => after = ev.seq,
+                        Err(EventError::Lagged { last }) => {
+                            again = Some(last.max(after));
+                            break;
+                        }
+                        Err(
+                            e @ EventError::Gap {
+                                reason: oab_wire::GapReason::Trimmed,
+                                ..
+                            },
+                        ) if lagged => {
+                            let next = self.get(handle).await?.received.saturating_sub(1);
+                            if next <= after {
+                                return Err(e.into());
+                            }
+                            again = Some(next);
+                            break;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                match again {
+                    Some(next) => (after, lagged) = (next, true),
+                    None => {
+                        return Err(CallerError::Events(EventError::Stopped(
+                            "event stream ended".into(),
+                        )));
+                    }
                 }
             }
-            Err(CallerError::Events(EventError::Stopped(
-                "event stream ended".into(),
-            )))
         };
         tokio::time::timeout(timeout, wait)
             .await

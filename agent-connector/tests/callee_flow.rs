@@ -289,6 +289,49 @@ async fn an_executor_streaming_during_a_follow_up_flood_does_not_deadlock() {
     relay.stop().await;
 }
 
+/// `wait` called once every event is in (3,000 of them, more than a
+/// subscriber's channel holds, so its subscription lags at once) still
+/// returns the terminal: it subscribes again after the last event it got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_after_more_events_than_a_channel_holds_returns_the_terminal() {
+    let env = Env::new("");
+    let (_redis, relay) = redis_relay(&env).await;
+    let events = 3_000;
+    let gate = Arc::new(Notify::new());
+    let exec = Arc::new(FlowExec {
+        events,
+        gate: gate.clone(),
+    });
+    let b = callee_connector(&env, relay.addr, exec, 512);
+    let a = connector(&env, &env.caller, relay.addr, None);
+    a.connected().await.unwrap();
+    b.connected().await.unwrap();
+    let h = a
+        .caller()
+        .delegate(&peer(CALLEE), spec("stream"))
+        .await
+        .unwrap();
+    gate.notify_one();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while a.caller().get(&h).await.unwrap().terminal.is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the terminal arrives"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(a.caller().get(&h).await.unwrap().received, events + 3);
+    let t = a
+        .caller()
+        .wait(&h, Duration::from_secs(60))
+        .await
+        .expect("wait returns the terminal after its subscription lagged");
+    assert_eq!(t.outcome, Outcome::Completed);
+    a.shutdown().await;
+    b.shutdown().await;
+    relay.stop().await;
+}
+
 /// After many delegations finished, the callee keeps nothing per
 /// delegation: no running entry, no link state (the delegation is unknown
 /// to its link), and once their requests can no longer be accepted, no

@@ -201,7 +201,12 @@ impl Link {
                 }
                 let mut last = after;
                 for ev in d.events.iter().filter(|e| e.seq > after) {
-                    if tx.try_send(Ok(ev.clone())).is_err() {
+                    // The channel's last slot is kept for the `Lagged`
+                    // notice (or the terminal), as for live events, so a
+                    // subscriber whose replay does not fit learns it lagged
+                    // instead of seeing its stream end.
+                    let keep_last = tx.max_capacity() > 1 && ev.terminal.is_none();
+                    if (keep_last && tx.capacity() <= 1) || tx.try_send(Ok(ev.clone())).is_err() {
                         let _ = tx.try_send(Err(EventError::Lagged { last }));
                         return;
                     }
