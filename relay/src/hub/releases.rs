@@ -18,6 +18,7 @@
 //! kept whole until `finished_ttl_ms`, as if never released. Nothing a
 //! peer can read changes.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use oab_wire::{DelegationKey, Direction, PeerId};
@@ -39,7 +40,7 @@ pub const RELEASE_BATCH: usize = 256;
 /// The queue of releases waiting for the store.
 #[derive(Debug, Default)]
 pub(super) struct Releases {
-    pending: Mutex<Vec<Release>>,
+    pending: Mutex<VecDeque<Release>>,
     wake: Notify,
 }
 
@@ -114,7 +115,7 @@ impl<S: EventStore> Hub<S> {
             self.metrics.releases.with_label_values(&["dropped"]).inc();
             return;
         }
-        pending.push(release);
+        pending.push_back(release);
         drop(pending);
         self.releases.wake.notify_one();
     }
@@ -186,7 +187,7 @@ mod tests {
         assert_eq!(dropped, 1);
         let pending = hub.releases.pending.lock();
         assert_eq!(pending.len(), bound);
-        assert_eq!(pending.first(), Some(&release(0)));
-        assert_eq!(pending.last(), Some(&release(bound - 1)));
+        assert_eq!(pending.front(), Some(&release(0)));
+        assert_eq!(pending.back(), Some(&release(bound - 1)));
     }
 }
