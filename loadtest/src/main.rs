@@ -358,7 +358,7 @@ enum Command {
     /// connector in this process (delegate, wait, verify, --in-flight
     /// workers), half are blocking A2A SendMessage requests (with the
     /// delegation profile) to connector A's facade (--facade-in-flight
-    /// workers). First a retention probe (--probe delegations,
+    /// workers); with either set to 0, all go the other way. First a retention probe (--probe delegations,
     /// sampled at once: Redis keys and bytes and state_dir files and bytes
     /// per finished delegation), then --delegations sampled at
     /// --checkpoints points, then idle until Redis has dropped the finished
@@ -417,10 +417,12 @@ struct SoakArgs {
     /// Delegations of the main run, both paths together.
     #[arg(long, default_value_t = 200_000)]
     delegations: u64,
-    /// Library-path workers, one delegation in flight each.
+    /// Library-path workers, one delegation in flight each (0: every
+    /// delegation goes through the facade).
     #[arg(long, default_value_t = 16)]
     in_flight: usize,
-    /// Facade-path workers, one blocking SendMessage in flight each.
+    /// Facade-path workers, one blocking SendMessage in flight each (0:
+    /// every delegation goes through the library caller).
     #[arg(long, default_value_t = 128)]
     facade_in_flight: usize,
     /// Samples during the main run.
@@ -1039,10 +1041,15 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                 "the oab-connector binary is not next to this executable: build it \
                  (cargo build --release -p oab-connector) or pass --connector-bin",
             )?;
+            if a.in_flight == 0 && a.facade_in_flight == 0 {
+                anyhow::bail!(
+                    "--in-flight and --facade-in-flight are both 0: give one path workers"
+                );
+            }
             let opts = SoakOptions {
                 delegations: a.delegations.max(1),
-                in_flight: a.in_flight.max(1),
-                facade_in_flight: a.facade_in_flight.max(1),
+                in_flight: a.in_flight,
+                facade_in_flight: a.facade_in_flight,
                 checkpoints: a.checkpoints.max(2),
                 probe: a.probe,
                 finished_ttl_ms: a.finished_ttl_ms.max(1),

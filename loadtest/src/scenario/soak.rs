@@ -132,11 +132,13 @@ const CONNECTOR_MAX_CONCURRENT: usize = 4_096;
 pub struct SoakOptions {
     /// Delegations of the main run (both paths together).
     pub delegations: u64,
-    /// Library-path workers, each with one delegation in flight at a time.
+    /// Library-path workers, each with one delegation in flight at a time
+    /// (0: every delegation goes through the facade).
     pub in_flight: usize,
     /// Facade-path workers, each with one blocking `SendMessage` in flight
     /// at a time (a blocking send waits longer than a library delegation,
-    /// so the facade needs more of them to keep its half of the pace).
+    /// so the facade needs more of them to keep its half of the pace; 0:
+    /// every delegation goes through the library caller).
     pub facade_in_flight: usize,
     /// Samples during the main run (the last one at its end).
     pub checkpoints: u32,
@@ -428,7 +430,8 @@ impl Watched<'_> {
 }
 
 /// Runs `n` delegations (half on each path, each path with its own
-/// workers), sampling every time the finished count crosses one of `marks`.
+/// workers; all on one path when the other has no workers), sampling every
+/// time the finished count crosses one of `marks`.
 async fn batch(
     load: &Arc<Load>,
     watched: &Watched<'_>,
@@ -441,8 +444,13 @@ async fn batch(
         tokio::time::Instant::now(),
         load.next.load(Ordering::Relaxed),
     );
-    load.pools[0].remaining.store(n - n / 2, Ordering::Release);
-    load.pools[1].remaining.store(n / 2, Ordering::Release);
+    let facade = match (opts.in_flight, opts.facade_in_flight) {
+        (_, 0) => 0,
+        (0, _) => n,
+        _ => n / 2,
+    };
+    load.pools[0].remaining.store(n - facade, Ordering::Release);
+    load.pools[1].remaining.store(facade, Ordering::Release);
     let base = *load.progress.borrow();
     let mut progress = load.progress.subscribe();
     let mut workers = tokio::task::JoinSet::new();
