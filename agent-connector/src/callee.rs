@@ -56,6 +56,8 @@ use crate::profile::{
     Artifact, DelegationRequest, DelegationResult, Executor, PROFILE_VERSION, SideEffect, Usage,
     sign_result, verify_open_request,
 };
+use crate::reattach::{CalleeJournal, CalleeRecord, Checkpoint};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 tokio::task_local! {
     static SERVING: DelegationKey;
@@ -85,6 +87,9 @@ pub enum StopReason {
     Cancelled,
     /// The agent declined the task before doing anything: `rejected`.
     Rejected(String),
+    /// Whether the work happened cannot be told (after a restart, the
+    /// agent no longer has the task): `unknown`.
+    Lost(String),
 }
 
 impl StopReason {
@@ -98,6 +103,7 @@ impl StopReason {
             StopReason::Deadline => Outcome::Expired,
             StopReason::Cancelled => Outcome::Cancelled,
             StopReason::Rejected(_) => Outcome::Rejected,
+            StopReason::Lost(_) => Outcome::Unknown,
         }
     }
 
@@ -109,6 +115,7 @@ impl StopReason {
             StopReason::Deadline => Some(oab_wire::EXPIRED_REASON.into()),
             StopReason::Cancelled => Some("cancelled".into()),
             StopReason::Rejected(m) => Some(format!("rejected: {m}")),
+            StopReason::Lost(m) => Some(m.clone()),
             StopReason::EndTurn => None,
         }
     }
@@ -147,9 +154,67 @@ impl Execution {
 pub struct EventSink {
     link: LinkHandle,
     key: DelegationKey,
+    /// The up-log sequence of the last entry queued for this delegation.
+    sent: Arc<AtomicU64>,
+    /// Where checkpoints go, with what the runtime knows of the delegation
+    /// (no state folder: `None`, and checkpoints do nothing).
+    records: Option<Arc<Records>>,
+}
+
+/// A delegation's re-attach record as the runtime knows it; the executor
+/// adds its state and the sequence at each checkpoint.
+#[derive(Debug)]
+struct Records {
+    journal: CalleeJournal,
+    base: CalleeRecord,
+    /// A checkpoint was queued: the record is removed at the end.
+    saved: AtomicBool,
 }
 
 impl EventSink {
+    fn new(link: LinkHandle, key: DelegationKey, sent: u64, records: Option<Records>) -> Self {
+        EventSink {
+            link,
+            key,
+            sent: Arc::new(AtomicU64::new(sent)),
+            records: records.map(Arc::new),
+        }
+    }
+
+    /// Whether [`EventSink::checkpoint`] records anything (the connector has
+    /// a state folder): an executor may skip building its state otherwise.
+    pub fn checkpoints(&self) -> bool {
+        self.records.is_some()
+    }
+
+    /// Saves what the executor needs to go on with this delegation after a
+    /// restart of this process ([`TaskExecutor::reattach`] gets it back),
+    /// as of just before the next event it sends; returns once it is
+    /// durable (see [`crate::reattach`]). A failure is logged, and the
+    /// delegation then ends `unknown` if this process restarts before a
+    /// later checkpoint.
+    pub async fn checkpoint(&self, state: Value) {
+        let Some(r) = &self.records else {
+            return;
+        };
+        let mut record = r.base.clone();
+        record.up_seq = self.sent.load(Ordering::SeqCst).saturating_add(1);
+        record.state = state;
+        match r.journal.save(&record).await {
+            Ok(()) => r.saved.store(true, Ordering::SeqCst),
+            Err(e) => warn!(key = %self.key, error = %e, "could not save a re-attach checkpoint"),
+        }
+    }
+
+    /// Forgets this delegation's re-attach record, if a checkpoint made one.
+    fn forget(&self) {
+        if let Some(r) = &self.records
+            && r.saved.load(Ordering::SeqCst)
+        {
+            r.journal.remove_later(&self.key);
+        }
+    }
+
     async fn send(
         &self,
         payload: UpPayload,
@@ -173,7 +238,9 @@ impl EventSink {
                 payload,
                 acked,
             })
-            .await
+            .await?;
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Reports progress (an A2A state name such as `TASK_STATE_WORKING`).
@@ -241,6 +308,20 @@ pub struct TaskRun {
 pub trait TaskExecutor: Send + Sync + 'static {
     /// Runs one task to its end. Must return soon after `run.cancel` fires.
     fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>>;
+
+    /// Goes on with a delegation this connector accepted before it
+    /// restarted, from the executor's last [`EventSink::checkpoint`]: the
+    /// work already started and must not start again. `None` (the default):
+    /// this executor cannot, and the delegation ends `unknown`. The run's
+    /// sink sends the next event after what the relay holds.
+    fn reattach(
+        &self,
+        run: TaskRun,
+        checkpoint: Checkpoint,
+    ) -> Option<Pin<Box<dyn Future<Output = Execution> + Send + 'static>>> {
+        let _ = (run, checkpoint);
+        None
+    }
 
     /// The delegation ended elsewhere (the relay reports it finished or
     /// gone); drop anything kept for it.
@@ -373,6 +454,19 @@ impl Drop for RunningEntry {
     }
 }
 
+/// A delegation being run, as [`CalleeRuntime::run_to_end`] needs it.
+struct Serving {
+    key: DelegationKey,
+    task_id: String,
+    digest: Digest,
+    started_ms: u64,
+    deadline_ms: u64,
+    authority: EffectiveAuthority,
+    sink: EventSink,
+    cancel: CancellationToken,
+    overflowed: Arc<AtomicBool>,
+}
+
 /// The callee runtime: consumes what the link receives for this peer.
 pub(crate) struct CalleeRuntime {
     pub(crate) link: LinkHandle,
@@ -392,6 +486,11 @@ pub(crate) struct CalleeRuntime {
     /// One semaphore per caller that passed verification: bounded by the
     /// configured peers, never pruned (a few dozen bytes each).
     per_peer: Mutex<HashMap<PeerId, Arc<Semaphore>>>,
+    /// The state folder's re-attach records (see [`crate::reattach`]).
+    journal: Option<CalleeJournal>,
+    /// Records read at start, taken when their delegation's `Open` comes
+    /// back ([`Incoming::Reopened`]).
+    restored: Mutex<HashMap<DelegationKey, CalleeRecord>>,
 }
 
 impl std::fmt::Debug for CalleeRuntime {
@@ -416,6 +515,7 @@ impl CalleeRuntime {
         trust: Arc<crate::connector::PeerKeys>,
         options: Option<CalleeOptions>,
         audit: Arc<dyn AuditSink>,
+        reattach: Option<(CalleeJournal, Vec<CalleeRecord>)>,
     ) -> Arc<Self> {
         let global = options.as_ref().map_or(1, |o| o.max_concurrent.max(1));
         // A share per configured caller, and room for all of them: one
@@ -446,6 +546,8 @@ impl CalleeRuntime {
             nonces: Mutex::new(nonces),
             global: Arc::new(Semaphore::new(global)),
             per_peer: Mutex::new(HashMap::new()),
+            restored: Mutex::new(restored_records(reattach.as_ref())),
+            journal: reattach.map(|(journal, _)| journal),
         })
     }
 
@@ -461,6 +563,16 @@ impl CalleeRuntime {
                     let rt = self.clone();
                     let span = tracing::info_span!("delegation", key = %open.key);
                     tokio::spawn(async move { rt.serve(open, registered).await }.instrument(span));
+                }
+                Incoming::Reopened { open, up } => {
+                    let Some(registered) = self.register(&open.key) else {
+                        continue;
+                    };
+                    let rt = self.clone();
+                    let span = tracing::info_span!("delegation", key = %open.key);
+                    tokio::spawn(
+                        async move { rt.reattach(open, up, registered).await }.instrument(span),
+                    );
                 }
                 Incoming::Cancel {
                     key, relay_origin, ..
@@ -593,10 +705,19 @@ impl CalleeRuntime {
                 .with_capabilities(authority.capabilities.clone()),
         );
         // Accepted, and durable at the relay, before anything runs.
-        let sink = EventSink {
-            link: self.link.clone(),
-            key: key.clone(),
-        };
+        let records = self.journal.as_ref().map(|journal| Records {
+            journal: journal.clone(),
+            base: CalleeRecord {
+                key: key.clone(),
+                task_id: task_id.clone(),
+                authority: authority.clone(),
+                started_ms,
+                up_seq: 0,
+                state: Value::Null,
+            },
+            saved: AtomicBool::new(false),
+        });
+        let sink = EventSink::new(self.link.clone(), key.clone(), 0, records);
         let (ack_tx, ack_rx) = oneshot::channel();
         if sink
             .send(
@@ -637,40 +758,227 @@ impl CalleeRuntime {
             task_id: task_id.clone(),
             request: verified.request.clone(),
             authority: authority.clone(),
-            sink,
+            sink: sink.clone(),
             cancel: cancel.clone(),
             messages: msg_rx,
             context: DelegationContext::new(key.clone(), authority.clone()),
         };
-        let deadline = verified.request.deadline_ms.min(authority.deadline_ms);
-        let until = tokio::time::Instant::now()
-            + std::time::Duration::from_millis(deadline.saturating_sub(now_ms()));
-        let mut deadline_hit = false;
-        let execution = if cancel.is_cancelled() {
+        let work = if cancel.is_cancelled() {
             // Cancelled while it was being accepted: no worker was started.
             drop(run);
-            Execution::stopped(StopReason::Cancelled)
+            None
         } else {
             self.audit.record(
                 &self
                     .audit(&key, AuditEvent::Executing)
                     .with_task_id(task_id.clone()),
             );
-            let fut = SERVING.scope(key.clone(), options.executor.execute(run));
-            tokio::pin!(fut);
-            tokio::select! {
-                e = &mut fut => e,
-                () = tokio::time::sleep_until(until) => {
-                    deadline_hit = true;
-                    cancel.cancel();
-                    // The worker must stop before the terminal is sent.
-                    fut.await
+            Some(options.executor.execute(run))
+        };
+        let serving = Serving {
+            key,
+            task_id,
+            digest,
+            started_ms,
+            deadline_ms: verified.request.deadline_ms.min(authority.deadline_ms),
+            authority,
+            sink,
+            cancel,
+            overflowed,
+        };
+        self.run_to_end(serving, work, Some(permits)).await;
+        drop(_entry);
+    }
+
+    /// Goes on with a delegation this process's instance accepted before a
+    /// restart (its `Open` came back with `up` entries already in the up
+    /// log): re-attached from its record by the executor, or ended
+    /// `unknown`. Never runs it again.
+    async fn reattach(self: Arc<Self>, open: Open, up: u64, registered: Registered) {
+        let key = open.key.clone();
+        let record = self.restored.lock().remove(&key);
+        let executor = self.options.as_ref().map(|o| o.executor.clone());
+        let Registered {
+            cancel,
+            messages,
+            overflowed,
+            _entry,
+        } = registered;
+        let (Some(record), Some(executor)) = (record, executor) else {
+            warn!(
+                up,
+                "accepted before this process started, with no re-attach record: ending it unknown"
+            );
+            self.end_lost(
+                &open,
+                "the callee's connector restarted after accepting this delegation and kept no \
+                 record of the agent's task (it may have run); side effects are unknown",
+            )
+            .await;
+            return;
+        };
+        // The request as it was verified when it was accepted.
+        let keys = self.trust.load_full();
+        let verified = match verify_open_request(
+            &open,
+            &self.identity.peer,
+            keys.as_ref(),
+            record.started_ms,
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                warn!(error = %e, "the request of a delegation accepted before the restart no longer verifies: ending it unknown");
+                self.end_lost(
+                    &open,
+                    &format!(
+                        "the callee's connector restarted and could not verify the request \
+                             again ({e}); side effects are unknown"
+                    ),
+                )
+                .await;
+                return;
+            }
+        };
+        info!(up, task_id = %record.task_id, "re-attaching after a restart");
+        self.audit.record(
+            &self
+                .audit(&key, AuditEvent::Executing)
+                .with_task_id(record.task_id.clone()),
+        );
+        // Remembered against replays again (the cache did not survive the
+        // restart); a refusal here changes nothing: the work is running.
+        let _ = self.nonces.lock().check(
+            &key,
+            &verified.request,
+            &verified.request_digest,
+            now_ms(),
+            record.authority.deadline_ms,
+        );
+        let checkpoint = Checkpoint {
+            state: record.state.clone(),
+            delivered: up >= record.up_seq,
+        };
+        let records = self.journal.as_ref().map(|journal| Records {
+            journal: journal.clone(),
+            base: CalleeRecord {
+                up_seq: 0,
+                state: Value::Null,
+                ..record.clone()
+            },
+            // The record exists: it goes at the end.
+            saved: AtomicBool::new(true),
+        });
+        let sink = EventSink::new(self.link.clone(), key.clone(), up, records);
+        let run = TaskRun {
+            key: key.clone(),
+            task_id: record.task_id.clone(),
+            request: verified.request.clone(),
+            authority: record.authority.clone(),
+            sink: sink.clone(),
+            cancel: cancel.clone(),
+            messages,
+            context: DelegationContext::new(key.clone(), record.authority.clone()),
+        };
+        let serving = Serving {
+            key,
+            task_id: record.task_id,
+            digest: verified.request_digest,
+            started_ms: record.started_ms,
+            deadline_ms: verified
+                .request
+                .deadline_ms
+                .min(record.authority.deadline_ms),
+            authority: record.authority,
+            sink,
+            cancel,
+            overflowed,
+        };
+        let work = match executor.reattach(run, checkpoint) {
+            Some(work) => work,
+            None => Box::pin(async {
+                Execution::stopped(StopReason::Lost(
+                    "the callee's connector restarted and its executor cannot re-attach to \
+                     running work; side effects are unknown"
+                        .into(),
+                ))
+            }),
+        };
+        // Admitted before the restart: runs whether or not a slot is free
+        // now, and holds one if it is.
+        let permits = self.try_permits(&serving.key.caller);
+        self.run_to_end(serving, Some(work), permits).await;
+        drop(_entry);
+    }
+
+    /// Ends a delegation accepted before this process started that cannot
+    /// be re-attached: `unknown`, signed, with `reason`.
+    async fn end_lost(&self, open: &Open, reason: &str) {
+        let keys = self.trust.load_full();
+        let (digest, read_only) =
+            match verify_open_request(open, &self.identity.peer, keys.as_ref(), now_ms()) {
+                Ok(v) => (v.request_digest, v.request.read_only),
+                Err(_) => (Digest::of(&open.payload), true),
+            };
+        let task_id = format!("task-{}", oab_wire::InstanceId::random().to_hex());
+        let mut result = self.result(&open.key, &task_id, digest, Outcome::Unknown, now_ms());
+        result.read_only = read_only;
+        result.error = Some(reason.to_string());
+        self.finish(&open.key, result).await;
+    }
+
+    /// Both concurrency permits, if both are free now.
+    fn try_permits(
+        &self,
+        caller: &PeerId,
+    ) -> Option<(
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::sync::OwnedSemaphorePermit,
+    )> {
+        let per_caller = self.options.as_ref()?.max_concurrent_per_peer.max(1);
+        let per_peer = self
+            .per_peer
+            .lock()
+            .entry(caller.clone())
+            .or_insert_with(|| Arc::new(Semaphore::new(per_caller)))
+            .clone();
+        let a = self.global.clone().try_acquire_owned().ok()?;
+        let b = per_peer.try_acquire_owned().ok()?;
+        Some((a, b))
+    }
+
+    /// Runs `work` (none: cancelled before it started) until it returns or
+    /// the deadline stops it, then signs and sends the terminal.
+    async fn run_to_end(
+        &self,
+        s: Serving,
+        work: Option<Pin<Box<dyn Future<Output = Execution> + Send + 'static>>>,
+        permits: Option<(
+            tokio::sync::OwnedSemaphorePermit,
+            tokio::sync::OwnedSemaphorePermit,
+        )>,
+    ) {
+        let until = tokio::time::Instant::now()
+            + std::time::Duration::from_millis(s.deadline_ms.saturating_sub(now_ms()));
+        let mut deadline_hit = false;
+        let execution = match work {
+            None => Execution::stopped(StopReason::Cancelled),
+            Some(work) => {
+                let fut = SERVING.scope(s.key.clone(), work);
+                tokio::pin!(fut);
+                tokio::select! {
+                    e = &mut fut => e,
+                    () = tokio::time::sleep_until(until) => {
+                        deadline_hit = true;
+                        s.cancel.cancel();
+                        // The worker must stop before the terminal is sent.
+                        fut.await
+                    }
                 }
             }
         };
         drop(permits);
-        self.running.lock().remove(&key);
-        let stop = if overflowed.load(std::sync::atomic::Ordering::SeqCst) {
+        self.running.lock().remove(&s.key);
+        let stop = if s.overflowed.load(Ordering::SeqCst) {
             StopReason::LimitExceeded(format!(
                 "follow_up_overflow: more than {MAX_PENDING_MESSAGES} follow-up messages were waiting to be read"
             ))
@@ -679,15 +987,18 @@ impl CalleeRuntime {
         } else {
             execution.stop.clone()
         };
-        let mut result = self.result(&key, &task_id, digest, stop.outcome(), started_ms);
-        result.effective_capabilities = authority.capabilities.clone();
-        result.read_only = authority.read_only;
+        let mut result = self.result(&s.key, &s.task_id, s.digest, stop.outcome(), s.started_ms);
+        result.effective_capabilities = s.authority.capabilities.clone();
+        result.read_only = s.authority.read_only;
         result.artifacts = execution.artifacts;
         result.side_effects = execution.side_effects;
         result.usage = execution.usage;
         result.output = execution.output;
         result.error = stop.error();
-        self.finish(&key, result).await;
+        let acked = self.finish(&s.key, result).await;
+        if acked {
+            s.sink.forget();
+        }
     }
 
     // Internal: the refusal carries the request for the signed rejection.
@@ -810,7 +1121,7 @@ impl CalleeRuntime {
     /// by a route limit or a byte budget) is replaced once by a `failed`
     /// result without output or artifacts that says why, so the caller
     /// still gets one signed terminal and the link goes on.
-    async fn finish(&self, key: &DelegationKey, mut result: DelegationResult) {
+    async fn finish(&self, key: &DelegationKey, mut result: DelegationResult) -> bool {
         let mut answer = self.send_result(key, &mut result).await;
         if let Some(Err(e)) = &answer
             && e.code() == Some(ErrorCode::PayloadTooLarge.name())
@@ -819,6 +1130,17 @@ impl CalleeRuntime {
             result = too_large_result(result, e);
             answer = self.send_result(key, &mut result).await;
         }
+        if let Some(Err(e)) = &answer
+            && result.outcome == Outcome::Unknown
+            && e.code() == Some(ErrorCode::ProtocolViolation.name())
+        {
+            // A relay that predates callee-sent `unknown` refuses it.
+            warn!(%key, error = %e, "the relay does not take an unknown terminal from a callee; a failed result says so instead");
+            result.outcome = Outcome::Failed;
+            result.error = result.error.map(|m| format!("unknown: {m}"));
+            answer = self.send_result(key, &mut result).await;
+        }
+        let settled = matches!(answer, Some(Ok(_) | Err(LinkError::AlreadyTerminal(_))));
         let outcome = result.outcome;
         let event = AuditEvent::terminal(outcome);
         let record = self
@@ -838,6 +1160,7 @@ impl CalleeRuntime {
             Some(Err(e)) => warn!(%key, error = %e, "terminal not acknowledged"),
             None => {}
         }
+        settled
     }
 
     /// Signs `result` (setting its end time and digest) and appends it as
@@ -865,6 +1188,41 @@ impl CalleeRuntime {
             .ok()?;
         rx.await.ok()
     }
+}
+
+/// A record whose deadline passed longer ago than this is dropped at start:
+/// the relay ended its delegation (`expired`) long ago, so its `Open` will
+/// not come back.
+const STALE_RECORD_AFTER_MS: u64 = 10 * 60 * 1000;
+
+/// The re-attach records read at start, by delegation; records of
+/// delegations long past their deadline are dropped (and deleted).
+fn restored_records(
+    reattach: Option<&(CalleeJournal, Vec<CalleeRecord>)>,
+) -> HashMap<DelegationKey, CalleeRecord> {
+    let Some((journal, records)) = reattach else {
+        return HashMap::new();
+    };
+    let now = now_ms();
+    let mut kept = HashMap::new();
+    for r in records {
+        if r.authority
+            .deadline_ms
+            .saturating_add(STALE_RECORD_AFTER_MS)
+            < now
+        {
+            journal.remove_later(&r.key);
+        } else {
+            kept.insert(r.key.clone(), r.clone());
+        }
+    }
+    if !kept.is_empty() {
+        info!(
+            delegations = kept.len(),
+            "re-attach records from before the restart"
+        );
+    }
+    kept
 }
 
 /// The result sent instead of one the relay cannot take: without output

@@ -53,7 +53,10 @@ pub struct ConnectorOptions {
     pub callee: Option<CalleeOptions>,
     /// Where audit records go (default: the `oab::audit` tracing target).
     pub audit: Option<Arc<dyn AuditSink>>,
-    /// Where caller-side state is kept across restarts (see [`crate::state`]).
+    /// Where state is kept across restarts: the caller side's delegations
+    /// (see [`crate::state`]) and, in the same folder, the callee side's
+    /// instance id and re-attach records (see [`crate::reattach`]; the
+    /// link's instance id is then the folder's).
     pub state: Option<crate::state::FileState>,
 }
 
@@ -80,12 +83,22 @@ pub enum StartError {
     /// TLS trust could not be set up.
     #[error(transparent)]
     Trust(#[from] crate::trust::TrustError),
+    /// The state folder's callee records or instance id could not be read.
+    #[error("the state folder's callee side: {0}")]
+    State(#[from] crate::state::StateError),
 }
 
 impl Connector {
     /// Starts the link and, with `callee` options, the callee runtime.
-    pub fn start(options: ConnectorOptions) -> Result<Connector, StartError> {
+    pub fn start(mut options: ConnectorOptions) -> Result<Connector, StartError> {
         let shutdown = CancellationToken::new();
+        let reattach = match options.state.as_ref() {
+            Some(state) => {
+                options.link.instance = crate::reattach::instance_in(state.dir())?;
+                Some(crate::reattach::CalleeJournal::open(state.dir())?)
+            }
+            None => None,
+        };
         let identity = Arc::new(options.link.identity.clone());
         let retention = crate::caller::FinishedRetention {
             max_finished: options.link.max_finished,
@@ -101,6 +114,7 @@ impl Connector {
             trust.clone(),
             options.callee,
             audit.clone(),
+            reattach,
         );
         tokio::spawn(runtime.clone().run(incoming_rx));
         let caller = Caller::new(

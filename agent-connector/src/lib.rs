@@ -14,6 +14,7 @@
 //! | [`keyfile`] | the identity file on disk (0600, never overwritten) |
 //! | [`audit`] | the audit trail |
 //! | [`state`] | what a caller persists to resume after a restart |
+//! | [`reattach`] | what a callee persists to re-attach to its agents' tasks after a restart |
 //! | [`config`] | the `oab-connector` configuration file |
 //! | [`status`] | the status operators read: link, relay, descriptor, open delegations |
 //! | [`admin`] | the admin endpoint: `/metrics`, `/healthz`, `/readyz`, `/status` |
@@ -53,6 +54,7 @@ pub mod lockout;
 pub mod nonce;
 pub mod openab;
 pub mod profile;
+pub mod reattach;
 pub mod state;
 pub mod status;
 pub mod trust;

@@ -124,6 +124,7 @@ use std::thread::JoinHandle;
 
 use oab_wire::{DelegationKey, Digest, PeerId};
 use parking_lot::{Condvar, Mutex};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
@@ -148,7 +149,8 @@ const MAGIC_LEN: u64 = 8;
 const FRAME_HEADER: usize = 12;
 /// An entry's header: tag (`u8`) and length (`u32`).
 const ENTRY_HEADER: usize = 5;
-/// Entry tag: the JSON of a [`SavedDelegation`].
+/// Entry tag: the JSON of a record (a [`SavedDelegation`] in a caller's
+/// folder), an object whose `key` field names its delegation.
 const TAG_SAVE: u8 = 1;
 /// Entry tag: the JSON of a [`DelegationKey`] whose record is gone.
 const TAG_REMOVE: u8 = 2;
@@ -182,6 +184,13 @@ pub const JOURNAL_PREALLOC_BYTES: u64 = 64 << 10;
 /// last compaction, so an idle connector's folder is its live set, not the
 /// live set plus up to [`COMPACT_RATIO`] times it of superseded records.
 pub const IDLE_COMPACT_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What the writer reads of a record when it opens a folder: its key (the
+/// rest is parsed by whoever loads it).
+#[derive(Deserialize)]
+struct Keyed {
+    key: DelegationKey,
+}
 
 /// One persisted delegation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -488,8 +497,22 @@ impl FileState {
         saved: &SavedDelegation,
         removed: &[DelegationKey],
     ) -> Result<(), StateError> {
+        self.save_record(&saved.key, saved, removed).await
+    }
+
+    /// Writes (replaces) the record of `key`, any JSON object with a `key`
+    /// field holding `key` (a folder holds one kind of record: the
+    /// caller's [`SavedDelegation`]s, or the callee's re-attach records),
+    /// and deletes the records of `removed`, in one sync usually; returns
+    /// once all are durable.
+    pub async fn save_record<T: Serialize>(
+        &self,
+        key: &DelegationKey,
+        record: &T,
+        removed: &[DelegationKey],
+    ) -> Result<(), StateError> {
         let shared = self.shared();
-        let json = serde_json::to_vec(saved).map_err(|e| StateError::Corrupt {
+        let json = serde_json::to_vec(record).map_err(|e| StateError::Corrupt {
             path: shared.journal_path.display().to_string(),
             message: e.to_string(),
         })?;
@@ -510,7 +533,7 @@ impl FileState {
         let (tx, rx) = oneshot::channel();
         let mut requests = vec![Request {
             op: Op::Save {
-                key: saved.key.clone(),
+                key: key.clone(),
                 json,
             },
             done: Some(tx),
@@ -605,6 +628,14 @@ impl FileState {
 
     /// Reads one delegation.
     pub fn load(&self, key: &DelegationKey) -> Result<Option<SavedDelegation>, StateError> {
+        self.load_record(key)
+    }
+
+    /// Reads the record of `key` as a `T`.
+    pub fn load_record<T: DeserializeOwned>(
+        &self,
+        key: &DelegationKey,
+    ) -> Result<Option<T>, StateError> {
         let shared = self.shared();
         let json = {
             let files = shared.files.lock();
@@ -629,6 +660,11 @@ impl FileState {
 
     /// Every saved delegation.
     pub fn load_all(&self) -> Result<Vec<SavedDelegation>, StateError> {
+        self.load_all_records()
+    }
+
+    /// Every record, each read as a `T`.
+    pub fn load_all_records<T: DeserializeOwned>(&self) -> Result<Vec<T>, StateError> {
         let shared = self.shared();
         let all = {
             let files = shared.files.lock();
@@ -685,7 +721,7 @@ impl Shared {
         }
     }
 
-    fn parse(&self, json: &[u8]) -> Result<SavedDelegation, StateError> {
+    fn parse<T: DeserializeOwned>(&self, json: &[u8]) -> Result<T, StateError> {
         serde_json::from_slice(json).map_err(|e| StateError::Corrupt {
             path: self.journal_path.display().to_string(),
             message: e.to_string(),
@@ -1036,7 +1072,11 @@ fn respond(batch: Vec<Request>, result: &Result<(), Failure>) {
             }
             None => {
                 if let Err(f) = result {
-                    tracing::warn!(error = %f.message, "a state record could not be deleted");
+                    let what = match r.op {
+                        Op::Save { .. } => "written",
+                        _ => "deleted",
+                    };
+                    tracing::warn!(error = %f.message, "a state record could not be {what}");
                 }
             }
         }
@@ -1120,7 +1160,7 @@ fn replay(
                 len: u32::try_from(json.len()).unwrap_or(u32::MAX),
             };
             if tag == TAG_SAVE {
-                let saved: SavedDelegation = serde_json::from_slice(bytes)
+                let saved: Keyed = serde_json::from_slice(bytes)
                     .map_err(|e| corrupt(format!("record at offset {}: {e}", json.start)))?;
                 files.apply(saved.key, Some(loc));
             } else {

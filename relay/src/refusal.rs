@@ -41,9 +41,6 @@ pub enum Refusal {
     /// A `Data` or `Cancel` with the relay-origin flag set: only the relay
     /// sets it.
     RelayOriginFlag,
-    /// A terminal `unknown` from a peer: only the relay appends it, when a
-    /// callee's instance went away with accepted work.
-    UnknownOutcome,
     /// A `Publish` whose descriptor does not parse as JSON.
     DescriptorNotJson,
     /// A `Publish` whose descriptor is over `limits.max_descriptor`.
@@ -118,7 +115,6 @@ impl Refusal {
             | Refusal::HelloAgain
             | Refusal::OpenForAnotherCaller
             | Refusal::RelayOriginFlag
-            | Refusal::UnknownOutcome
             | Refusal::DescriptorNotJson => ErrorCode::ProtocolViolation,
             Refusal::DescriptorTooLarge => ErrorCode::DescriptorTooLarge,
             Refusal::NoSuchDelegation => ErrorCode::UnknownDelegation,
@@ -162,7 +158,6 @@ impl Refusal {
             }
             Refusal::OpenForAnotherCaller => "an open names its sender as caller",
             Refusal::RelayOriginFlag => "the relay-origin flag is set by the relay only",
-            Refusal::UnknownOutcome => "unknown is appended by the relay only",
             Refusal::DescriptorNotJson => "a descriptor is a JSON document",
             Refusal::DescriptorTooLarge => "descriptor over the relay's limit",
             Refusal::NoSuchDelegation => "no such delegation",
@@ -223,11 +218,6 @@ mod tests {
                 R::RelayOriginFlag,
                 C::ProtocolViolation,
                 "the relay-origin flag is set by the relay only",
-            ),
-            (
-                R::UnknownOutcome,
-                C::ProtocolViolation,
-                "unknown is appended by the relay only",
             ),
             (
                 R::DescriptorNotJson,
@@ -356,35 +346,34 @@ mod tests {
             Refusal::NotForTheRelay { .. } => 0,
             Refusal::OpenForAnotherCaller => 1,
             Refusal::RelayOriginFlag => 2,
-            Refusal::UnknownOutcome => 3,
-            Refusal::DescriptorNotJson => 4,
-            Refusal::DescriptorTooLarge => 5,
-            Refusal::NoSuchDelegation => 6,
-            Refusal::NoRoute => 7,
-            Refusal::IdempotencyMismatch => 8,
-            Refusal::AlreadyTerminal { .. } => 9,
-            Refusal::SequenceGap => 10,
-            Refusal::TooManyDelegations => 11,
-            Refusal::PayloadTooLarge => 12,
-            Refusal::RateLimited => 13,
-            Refusal::InvalidDeadline { .. } => 14,
-            Refusal::DepthExceeded { .. } => 15,
-            Refusal::DigestMismatch => 16,
-            Refusal::StoreUnavailable => 17,
-            Refusal::StoreUnavailableOnResume => 18,
-            Refusal::StoreUnavailableOnPublish => 19,
-            Refusal::CeilingNotStamped => 20,
+            Refusal::DescriptorNotJson => 3,
+            Refusal::DescriptorTooLarge => 4,
+            Refusal::NoSuchDelegation => 5,
+            Refusal::NoRoute => 6,
+            Refusal::IdempotencyMismatch => 7,
+            Refusal::AlreadyTerminal { .. } => 8,
+            Refusal::SequenceGap => 9,
+            Refusal::TooManyDelegations => 10,
+            Refusal::PayloadTooLarge => 11,
+            Refusal::RateLimited => 12,
+            Refusal::InvalidDeadline { .. } => 13,
+            Refusal::DepthExceeded { .. } => 14,
+            Refusal::DigestMismatch => 15,
+            Refusal::StoreUnavailable => 16,
+            Refusal::StoreUnavailableOnResume => 17,
+            Refusal::StoreUnavailableOnPublish => 18,
+            Refusal::CeilingNotStamped => 19,
             Refusal::OverBudget {
                 budget: Budget::Delegation,
-            } => 21,
+            } => 20,
             Refusal::OverBudget {
                 budget: Budget::Peer,
-            } => 22,
-            Refusal::RequestRateLimited => 23,
-            Refusal::HelloAgain => 24,
+            } => 21,
+            Refusal::RequestRateLimited => 22,
+            Refusal::HelloAgain => 23,
         }
     }
-    const VARIANTS: usize = 25;
+    const VARIANTS: usize = 24;
 
     #[test]
     fn the_table_names_every_refusal() {

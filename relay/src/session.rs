@@ -1225,7 +1225,7 @@ impl<S: EventStore> Session<S> {
         let (wake, refusal) = loop {
             let checked = {
                 let l = view.lock();
-                (!l.evicted()).then(|| self.check(&l, dir, terminal, flags, len))
+                (!l.evicted()).then(|| self.check(&l, dir, flags, len))
             };
             if let Some(checked) = checked {
                 break checked;
@@ -1265,7 +1265,6 @@ impl<S: EventStore> Session<S> {
         &self,
         l: &DelegationView,
         dir: Direction,
-        terminal: Option<Outcome>,
         flags: u8,
         len: usize,
     ) -> (Option<PeerId>, Option<Refusal>) {
@@ -1275,8 +1274,6 @@ impl<S: EventStore> Session<S> {
             Some(Refusal::NoSuchDelegation)
         } else if flags & FLAG_RELAY_ORIGIN != 0 {
             Some(Refusal::RelayOriginFlag)
-        } else if terminal == Some(Outcome::Unknown) {
-            Some(Refusal::UnknownOutcome)
         } else if len > l.max_payload as usize {
             Some(Refusal::PayloadTooLarge)
         } else {

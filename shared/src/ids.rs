@@ -247,8 +247,10 @@ macro_rules! random_id {
 }
 
 random_id!(
-    /// One process start of a connector. A callee that comes back with another
-    /// instance id lost whatever it was running.
+    /// One incarnation of a connector's callee work: a process start, or the
+    /// life of a state folder that keeps the id and the records to re-attach
+    /// to accepted work. A callee that comes back with another instance id
+    /// lost whatever it was running.
     InstanceId
 );
 random_id!(

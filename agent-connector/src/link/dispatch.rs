@@ -62,7 +62,13 @@ impl Link {
                 }
                 entry.cursor = 1;
                 entry.resuming = false;
-                self.hand_to_callee(&key, 1, Incoming::Open(o));
+                let up = entry.send_log.acked;
+                let item = if up > 0 {
+                    Incoming::Reopened { open: o, up }
+                } else {
+                    Incoming::Open(o)
+                };
+                self.hand_to_callee(&key, 1, item);
             }
             Frame::Cancel(c) => {
                 let Some(d) = self.delegations.get_mut(&c.key) else {

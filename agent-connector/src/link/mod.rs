@@ -218,6 +218,16 @@ pub enum EventError {
 pub enum Incoming {
     /// A new delegation for this peer (the `Open` as stamped by the relay).
     Open(Open),
+    /// The `Open` of a delegation whose up log already held `up` entries
+    /// when this process's link first saw it: accepted by an earlier run of
+    /// this connector (same instance, see [`crate::reattach`]). Never run
+    /// again: re-attached or ended.
+    Reopened {
+        /// The `Open` as stamped by the relay.
+        open: Open,
+        /// The up log's tail: the next entry sent is `up + 1`.
+        up: u64,
+    },
     /// A follow-up message from the caller (down log).
     Message {
         /// The delegation.
@@ -409,7 +419,8 @@ pub struct LinkHandle {
     relay: Arc<RelayFacts>,
     /// This connector's peer id.
     pub peer: PeerId,
-    /// This process's instance id.
+    /// This connector's instance id (its state folder's, or this
+    /// process's, see [`crate::reattach`]).
     pub instance: InstanceId,
 }
 

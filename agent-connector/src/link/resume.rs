@@ -30,11 +30,19 @@ impl Link {
         {
             out.push(b);
         }
-        // New work for us that arrived while we were away.
+        // New work for us that arrived while we were away, or that an
+        // earlier run of this connector accepted (its up log holds entries:
+        // ours continue after them, and its `Open` is handed on as
+        // `Reopened`, never to be run again).
         for c in list {
             if !c.is_caller && c.terminal.is_none() && !self.delegations.contains_key(&c.key) {
-                self.delegations
-                    .insert(c.key.clone(), Delegation::new(false, c.counterpart.clone()));
+                let mut d = Delegation::new(false, c.counterpart.clone());
+                if c.up > 0 {
+                    d.send_log.next = c.up + 1;
+                    d.send_log.acked = c.up;
+                    d.send_log.sent = c.up;
+                }
+                self.delegations.insert(c.key.clone(), d);
                 self.stats.opened(Side::Callee);
             }
         }

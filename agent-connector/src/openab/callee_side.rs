@@ -115,6 +115,38 @@ impl TaskExecutor for OpenAbExecutor {
         let shared = self.shared.clone();
         Box::pin(async move { serve(shared, run).await })
     }
+
+    /// An OpenAB runtime cancels its delegations when its control-plane
+    /// connection drops and never sends their results (its client's
+    /// `serve` ends with `cancel_all`; the results are dropped on purpose),
+    /// so after a restart of this connector there is nothing to re-attach
+    /// to: the delegation ends `unknown`, saying which worker had it.
+    fn reattach(
+        &self,
+        _run: TaskRun,
+        checkpoint: crate::reattach::Checkpoint,
+    ) -> Option<Pin<Box<dyn Future<Output = Execution> + Send + 'static>>> {
+        let worker = checkpoint
+            .state
+            .get("worker")
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string();
+        let delegation = checkpoint
+            .state
+            .get("delegation_id")
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_string();
+        Some(Box::pin(async move {
+            Execution::stopped(StopReason::Lost(format!(
+                "the callee's connector restarted while OpenAB worker {worker} was serving \
+                 delegation {delegation}; an OpenAB runtime stops its delegations when its \
+                 control-plane connection drops and does not send their results, so the \
+                 work stopped at an unknown point; side effects are unknown"
+            )))
+        }))
+    }
 }
 
 /// Picks a worker, forwards, and waits for its result or the cancel.
@@ -244,6 +276,12 @@ async fn serve(shared: Arc<Shared>, run: TaskRun) -> Execution {
     let _ = run
         .sink
         .status("TASK_STATE_WORKING", None, Some(taken))
+        .await;
+    // Which worker has it: after a restart of this process the delegation
+    // ends `unknown` naming it (see `reattach`). After the status, so the
+    // primary's answer does not wait for the disk.
+    run.sink
+        .checkpoint(json!({ "worker": logical, "delegation_id": delegation_id }))
         .await;
     tokio::select! {
         r = rx => match r {

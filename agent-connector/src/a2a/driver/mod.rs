@@ -54,6 +54,7 @@ use crate::profile::{Artifact, Usage};
 
 mod card;
 mod jsonrpc;
+mod reattach;
 mod rest;
 mod sse;
 mod transport;
@@ -280,6 +281,16 @@ impl TaskExecutor for A2aDriver {
         let inner = self.inner.clone();
         Box::pin(async move { inner.run(run).await })
     }
+
+    fn reattach(
+        &self,
+        run: TaskRun,
+        checkpoint: crate::reattach::Checkpoint,
+    ) -> Option<Pin<Box<dyn Future<Output = Execution> + Send + 'static>>> {
+        let saved = reattach::Saved::from_checkpoint(checkpoint)?;
+        let inner = self.inner.clone();
+        Some(Box::pin(async move { inner.resume(run, saved).await }))
+    }
 }
 
 /// How one exchange with the server ended.
@@ -315,6 +326,16 @@ struct Session {
     cancel_sent: bool,
     /// The grace ran out before the server confirmed the cancel.
     cancel_unconfirmed: bool,
+    /// Follow-up messages forwarded to the server (after a re-attach, the
+    /// first this many the relay delivers again are not forwarded again).
+    follow_ups: u64,
+    /// Follow-ups still to skip after a re-attach.
+    skip_follow_ups: u64,
+    /// A re-attach checkpoint was saved (see [`crate::reattach`]).
+    checkpointed: bool,
+    /// Re-attached after a restart: say so once the server's stream of the
+    /// task is followed again.
+    announce: bool,
     /// The delegation's output budget in bytes (`budgets.output_bytes`).
     output_budget: u64,
     /// Bytes of artifacts taken so far (their A2A JSON), against
@@ -460,7 +481,7 @@ impl DriverInner {
         Value::Object(m)
     }
 
-    async fn run(self: Arc<Self>, mut run: TaskRun) -> Execution {
+    async fn run(self: Arc<Self>, run: TaskRun) -> Execution {
         let card = match self.resolve(false).await {
             Ok(c) => c,
             Err(e) => {
@@ -468,14 +489,31 @@ impl DriverInner {
                 return Execution::stopped(StopReason::Error(format!("local A2A server: {e}")));
             }
         };
-        let mut s = Session {
+        let s = Session {
             output_budget: run.authority.budgets.output_bytes,
             ..Session::default()
         };
-        let mut outgoing = Some(Self::first_message(&run));
+        let first = Self::first_message(&run);
+        self.drive(&card, s, run, Some(first), None).await
+    }
+
+    /// Exchanges with the server until the task ends: `outgoing` first (or
+    /// resubscribes when `None`), or `end` when a turn already ended.
+    async fn drive(
+        &self,
+        card: &ResolvedCard,
+        mut s: Session,
+        mut run: TaskRun,
+        mut outgoing: Option<Value>,
+        mut end: Option<TurnEnd>,
+    ) -> Execution {
+        let card = card.clone();
         let mut resumes = 0u32;
         loop {
-            let end = self.turn(&card, &mut s, outgoing.take(), &run).await;
+            let end = match end.take() {
+                Some(end) => end,
+                None => self.turn(&card, &mut s, outgoing.take(), &run).await,
+            };
             if let Some(reason) = s.over_budget.take() {
                 return self.over_budget(&card, s, &run, end, reason).await;
             }
@@ -520,6 +558,13 @@ impl DriverInner {
                 }
                 TurnEnd::Interrupted => {
                     resumes = 0;
+                    if !self.skip_repeated_follow_ups(&mut s, &mut run).await {
+                        let mut e = self.execution(&run, s, TaskState::Failed, None);
+                        e.stop = StopReason::Error(
+                            "the delegation ended while input was required".into(),
+                        );
+                        return e;
+                    }
                     let waited = self.options.input_timeout;
                     tokio::select! {
                         () = tokio::time::sleep(waited) => {
@@ -533,7 +578,11 @@ impl DriverInner {
                             return e;
                         }
                         m = run.messages.recv() => match m {
-                            Some(m) => outgoing = Some(Self::follow_up(&s, m)),
+                            Some(m) => {
+                                s.follow_ups += 1;
+                                self.checkpoint(&mut s, &run.sink, None).await;
+                                outgoing = Some(Self::follow_up(&s, m));
+                            }
                             None => {
                                 let mut e = self.execution(&run, s, TaskState::Failed, None);
                                 e.stop = StopReason::Error("the delegation ended while input was required".into());
@@ -786,6 +835,11 @@ impl DriverInner {
                     return;
                 }
                 s.sent.insert(art.artifact_id.clone());
+                let pending = reattach::Pending::Artifact {
+                    id: art.artifact_id.clone(),
+                    new: true,
+                };
+                self.checkpoint(s, sink, Some(pending)).await;
                 if let Err(e) = sink.artifact(art, false, true).await {
                     warn!(error = %e, "artifact not sent up");
                 }
@@ -953,6 +1007,12 @@ impl DriverInner {
                     Self::left_interruption(s);
                 }
                 let resumed = first && resubscribe;
+                if resumed && std::mem::take(&mut s.announce) {
+                    tracing::info!(
+                        task_id = s.task_id.as_deref().unwrap_or_default(),
+                        "following the local A2A server's task again after a restart"
+                    );
+                }
                 match self.on_result(s, &result, &run.sink, resumed).await {
                     Some(TurnEnd::Interrupted) => interrupted = true,
                     Some(end) => {
@@ -1071,7 +1131,12 @@ impl DriverInner {
             if !take_artifact(s, &art, append) {
                 return Some(TurnEnd::OverBudget);
             }
-            s.sent.insert(art.artifact_id.clone());
+            let new = s.sent.insert(art.artifact_id.clone());
+            let pending = reattach::Pending::Artifact {
+                id: art.artifact_id.clone(),
+                new,
+            };
+            self.checkpoint(s, sink, Some(pending)).await;
             if let Err(e) = sink.artifact(art, append, last).await {
                 warn!(error = %e, "artifact not sent up");
             }
@@ -1083,13 +1148,13 @@ impl DriverInner {
             }
             // A message inside a task's stream: show it as progress.
             let state = s.state.unwrap_or(TaskState::Working);
-            match sink
-                .status(state.as_str(), upward_message(Some(m)), None)
-                .await
-            {
-                Ok(()) => s.last_up = Some(UpStatus::new(state, Some(m))),
-                Err(e) => debug!(error = %e, "status not sent up"),
-            }
+            self.status_up(
+                s,
+                sink,
+                UpStatus::new(state, Some(m)),
+                upward_message(Some(m)),
+            )
+            .await;
             return None;
         }
         Some(TurnEnd::Failed(
@@ -1163,13 +1228,11 @@ impl DriverInner {
             // server's first task still submitted, is no event for the
             // caller: a stream through the relay carries what a direct one
             // does.)
-            match sink
-                .status(state.as_str(), upward_message(message), None)
-                .await
-            {
-                Ok(()) => s.last_up = Some(up),
-                Err(e) => debug!(error = %e, "status not sent up"),
-            }
+            self.status_up(s, sink, up, upward_message(message)).await;
+        }
+        if !s.checkpointed {
+            // The task runs on: from now on a restart re-attaches to it.
+            self.checkpoint(s, sink, None).await;
         }
         // Input-required closes the server's stream; auth-required keeps it
         // open (SPEC §7.6.1), and its end then means the same.
