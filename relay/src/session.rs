@@ -430,6 +430,12 @@ where
             }
         })
         .collect();
+    // The work this peer accepted as callee first: a cut below keeps it
+    // listed, and its `up` tail is how a callee that kept its instance
+    // across a restart knows not to run it again (protocol §8.9.3); what
+    // is left out follows as fresh `Open`s. Accepted work is bounded by
+    // the callee's concurrency, so it fits.
+    cursors.sort_by_key(|c| c.is_caller || c.up == 0);
     let mut payload = serde_json::to_vec(&cursors).unwrap_or_default();
     let mut left_out = Vec::new();
     while payload.len() > MAX_WELCOME_BYTES && !cursors.is_empty() {

@@ -456,3 +456,73 @@ async fn a_handshake_reads_only_the_open_delegations() {
     assert!(hgetall < 100, "{hgetall} HGETALL for one handshake");
     relay.stop().await;
 }
+
+/// A callee's welcome over its 4 MiB bound still lists every delegation
+/// the callee accepted (they come first; what is cut follows as fresh
+/// opens): a callee that kept its instance across a restart learns from
+/// their `up` tails not to run them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_welcome_over_its_bound_keeps_the_work_the_callee_accepted() {
+    use futures_util::StreamExt as _;
+    use oab_relay::store::{MemoryStore, OpenOutcome, Origin, Retention};
+
+    const OPEN: usize = 40_000;
+    const ACCEPTED: usize = 10;
+    let env = TestEnv::new("");
+    let store = Arc::new(MemoryStore::new(Retention::default()));
+    let opened: Vec<_> = futures_util::stream::iter(0..OPEN)
+        .map(|i| {
+            let store = store.clone();
+            async move { store.open(open_request(&format!("open-{i}"))).await }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    assert!(
+        opened
+            .iter()
+            .all(|o| matches!(o, Ok(OpenOutcome::Created(_))))
+    );
+    // The last ones opened were accepted by the callee's instance.
+    let instance = oab_wire::InstanceId::random();
+    let accepted: Vec<String> = (OPEN - ACCEPTED..OPEN)
+        .map(|i| format!("open-{i}"))
+        .collect();
+    let reqs = accepted
+        .iter()
+        .map(|r| {
+            let mut a = terminal_request(r);
+            a.terminal = None;
+            a.origin = Origin::Peer {
+                peer: env.callee.peer.clone(),
+                instance,
+            };
+            a.frame = oab_wire::encode(&data(r, Direction::Up, 1, None, payload(1))).unwrap();
+            a
+        })
+        .collect();
+    let outcomes = store.append(reqs).await.unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, oab_relay::store::AppendOutcome::Appended { .. }))
+    );
+
+    let relay = TestRelay::start(&env, store).await;
+    let b = relay.client_as(&env.callee, instance).await;
+    let listed: Vec<oab_wire::DelegationCursor> =
+        serde_json::from_slice(&b.welcome.payload).unwrap();
+    assert!(
+        listed.len() < OPEN,
+        "the list was cut ({} of {OPEN})",
+        listed.len()
+    );
+    for r in &accepted {
+        let k = key(r);
+        let c = listed
+            .iter()
+            .find(|c| c.key == k)
+            .unwrap_or_else(|| panic!("{r} is not listed"));
+        assert_eq!(c.up, 1, "{r}");
+    }
+}
