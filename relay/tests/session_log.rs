@@ -124,3 +124,66 @@ async fn every_session_end_is_logged_at_info_with_its_reason_and_duration() {
         assert_eq!(n, 1, "session {s}:\n{log}");
     }
 }
+
+/// A session closed because its peer stopped reading is logged with the
+/// slow-consumer reason and close code: the caller opens a delegation and
+/// then reads nothing while the callee streams 64 KiB events up to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_session_end_is_logged_with_its_reason() {
+    use bytes::Bytes;
+    use oab_wire::{Direction, Frame};
+
+    let env = TestEnv::new("");
+    let relay = LoggedRelay::start(&env, "memory", &["limits.slow_consumer_ms=300"], "info").await;
+    let target = relay.target(&env);
+    let mut seen = Vec::new();
+    let mut b = RawClient::connect(&target, &env.callee, InstanceId::random())
+        .await
+        .unwrap();
+    seen.push(new_session(&relay, CALLEE, &seen).await);
+    let mut a = RawClient::connect(&target, &env.caller, InstanceId::random())
+        .await
+        .unwrap();
+    let s = new_session(&relay, CALLER, &seen).await;
+    a.send(&common::open_frame("stuck", b"{}")).await.unwrap();
+    common::await_ack(&mut a, "stuck", Direction::Down, 1).await;
+    common::recv_until(&mut b, |f| matches!(f, Frame::Open(_)).then_some(())).await;
+    // From here on `a` reads nothing. Rounds of 16 events of 64 KiB until
+    // the relay says it closed `a`, or 64 MiB (past the relay's write buffer
+    // and both kernel socket buffers); the line may follow the close's own
+    // deadline.
+    let ended = [
+        "INFO",
+        "session ended",
+        &format!("peer={CALLER}"),
+        &format!("session={s}"),
+        "reason=slow_consumer: the connection took nothing for slow_consumer_ms",
+        "code=4001",
+        "duration=",
+    ];
+    let payload = Bytes::from(vec![b'x'; 64 * 1024]);
+    let mut seq = 0u64;
+    while seq < 1024
+        && !relay
+            .log()
+            .lines()
+            .any(|l| ended.iter().all(|p| l.contains(p)))
+    {
+        for _ in 0..16 {
+            seq += 1;
+            b.feed(&common::data(
+                "stuck",
+                Direction::Up,
+                seq,
+                None,
+                payload.clone(),
+            ))
+            .await
+            .unwrap();
+        }
+        b.flush().await.unwrap();
+        common::await_ack(&mut b, "stuck", Direction::Up, seq).await;
+    }
+    relay.await_line(&ended).await;
+    drop(a);
+}
