@@ -471,7 +471,7 @@ struct Serving {
 pub(crate) struct CalleeRuntime {
     pub(crate) link: LinkHandle,
     pub(crate) identity: Arc<Identity>,
-    pub(crate) trust: Arc<crate::connector::PeerKeys>,
+    pub(crate) trust: Arc<crate::profile::PeerKeys>,
     pub(crate) options: Option<CalleeOptions>,
     pub(crate) audit: Arc<dyn AuditSink>,
     /// Delegations being served, from their `Open` until their serving
@@ -512,7 +512,7 @@ impl CalleeRuntime {
     pub(crate) fn new(
         link: LinkHandle,
         identity: Arc<Identity>,
-        trust: Arc<crate::connector::PeerKeys>,
+        trust: Arc<crate::profile::PeerKeys>,
         options: Option<CalleeOptions>,
         audit: Arc<dyn AuditSink>,
         reattach: Option<(CalleeJournal, Vec<CalleeRecord>)>,

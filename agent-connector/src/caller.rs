@@ -402,7 +402,7 @@ pub struct Caller {
     link: LinkHandle,
     identity: Arc<Identity>,
     /// The peers' keys; a configuration reload replaces them.
-    trust: Arc<crate::connector::PeerKeys>,
+    trust: Arc<crate::profile::PeerKeys>,
     /// What this host may delegate; a configuration reload replaces it.
     grant: Arc<ArcSwap<Grant>>,
     /// This host's policy for what it sends; a reload replaces it.
@@ -535,7 +535,7 @@ impl Caller {
     pub(crate) fn new(
         link: LinkHandle,
         identity: Arc<Identity>,
-        trust: Arc<crate::connector::PeerKeys>,
+        trust: Arc<crate::profile::PeerKeys>,
         grant: Grant,
         policy: Policy,
         state: Option<FileState>,

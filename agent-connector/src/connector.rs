@@ -21,7 +21,7 @@ use crate::link::{Command, LinkError, LinkHandle, LinkSettings, LinkState};
 
 /// The peers' public keys, shared by the caller and the callee side and
 /// replaced whole by [`Connector::reload`]; read once per verification.
-pub type PeerKeys = arc_swap::ArcSwap<HashMap<PeerId, Vec<PeerKey>>>;
+pub use crate::profile::PeerKeys;
 
 /// What a running connector takes from a reloaded configuration
 /// ([`Connector::reload`]).

@@ -59,62 +59,11 @@
 //! its request could still be accepted.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use oab_wire::{DelegationKey, Digest, PeerId};
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::profile::DelegationRequest;
-
-/// A request nonce: 16 random bytes, on the wire as unpadded base64url
-/// (22 characters).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Nonce(pub [u8; 16]);
-
-impl Nonce {
-    /// A fresh nonce from the operating system's random generator.
-    pub fn random() -> Self {
-        let mut b = [0u8; 16];
-        rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
-        Nonce(b)
-    }
-
-    /// Parses the unpadded base64url form; `None` unless it is exactly 16 bytes.
-    pub fn parse(s: &str) -> Option<Self> {
-        let raw = URL_SAFE_NO_PAD.decode(s).ok()?;
-        let arr: [u8; 16] = raw.try_into().ok()?;
-        Some(Nonce(arr))
-    }
-}
-
-impl fmt::Display for Nonce {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&URL_SAFE_NO_PAD.encode(self.0))
-    }
-}
-
-impl fmt::Debug for Nonce {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Nonce({self})")
-    }
-}
-
-impl Serialize for Nonce {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Nonce {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Nonce::parse(&s).ok_or_else(|| {
-            serde::de::Error::custom("nonce: expected 16 bytes in unpadded base64url")
-        })
-    }
-}
+pub use crate::profile::Nonce;
 
 /// Why the replay cache refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

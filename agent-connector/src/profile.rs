@@ -30,6 +30,7 @@
 //! out, and does no I/O: no socket, no file, no clock (every check takes
 //! `now_ms`).
 
+use base64::Engine as _;
 use oab_wire::envelope::{EnvelopeError, REQUEST_TYPE, RESULT_TYPE};
 use oab_wire::identity::{Identity, TrustStore};
 use oab_wire::{Digest, KeyId, Open, Outcome, PeerId, RequestId};
@@ -38,7 +39,61 @@ use serde_json::{Map, Value};
 
 pub use oab_wire::envelope::Envelope;
 
-pub use crate::nonce::Nonce;
+/// The peers' keys as the connector holds them: swapped whole by a reload,
+/// read without a lock by every verification (requests at the callee,
+/// results at the caller).
+pub type PeerKeys =
+    arc_swap::ArcSwap<std::collections::HashMap<PeerId, Vec<oab_wire::identity::PeerKey>>>;
+
+/// A request nonce: 16 random bytes, on the wire as unpadded base64url
+/// (22 characters).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Nonce(pub [u8; 16]);
+
+impl Nonce {
+    /// A fresh nonce from the operating system's random generator.
+    pub fn random() -> Self {
+        let mut b = [0u8; 16];
+        rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
+        Nonce(b)
+    }
+
+    /// Parses the unpadded base64url form; `None` unless it is exactly 16 bytes.
+    pub fn parse(s: &str) -> Option<Self> {
+        let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(s)
+            .ok()?;
+        let arr: [u8; 16] = raw.try_into().ok()?;
+        Some(Nonce(arr))
+    }
+}
+
+impl std::fmt::Display for Nonce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(self.0))
+    }
+}
+
+impl std::fmt::Debug for Nonce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Nonce({self})")
+    }
+}
+
+impl Serialize for Nonce {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Nonce {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Nonce::parse(&s).ok_or_else(|| {
+            serde::de::Error::custom("nonce: expected 16 bytes in unpadded base64url")
+        })
+    }
+}
 
 /// The profile version this code writes and accepts (the `v` member).
 pub const PROFILE_VERSION: u8 = 1;

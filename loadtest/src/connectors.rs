@@ -56,14 +56,6 @@ pub const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// measure the retention setting instead of the delegation path.
 pub const FINISHED_TTL_MS: u64 = 600_000;
 
-/// `common` with the relay settings the connector scenarios need
-/// ([`FINISHED_TTL_MS`]); the JSON header records them.
-pub fn connector_common(common: &crate::scenario::Common) -> crate::scenario::Common {
-    let mut c = common.clone();
-    c.tuning.finished_ttl_ms = c.tuning.finished_ttl_ms.max(FINISHED_TTL_MS);
-    c
-}
-
 fn budgets(n: u64) -> Budgets {
     Budgets {
         tokens: n,

@@ -35,8 +35,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
-use crate::config::RelaySection;
-
 /// Bytes a connection may send the relay after TLS and before its `Hello`
 /// is verified: the HTTP upgrade request (a connector's is under 512 B) and
 /// the `Hello` frame (under 600 B: its ids are bounded by `oab_wire::ids`
@@ -464,24 +462,25 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for PreAuthLimit<IO> {
     }
 }
 
-/// Sets `TCP_NODELAY`, keepalive (`relay.tcp_keepalive_ms` idle before the
-/// first probe, then a probe every third of it, [`TCP_KEEPALIVE_PROBES`]
-/// probes) and `TCP_USER_TIMEOUT` (`relay.tcp_user_timeout_ms`: how long
-/// written data may stay unacknowledged) on an accepted socket. A value of
-/// 0 leaves that option at the kernel's default.
-pub fn tune_accepted(tcp: &TcpStream, relay: &RelaySection) -> io::Result<()> {
+/// Sets `TCP_NODELAY`, keepalive (`keepalive_ms`, from
+/// `relay.tcp_keepalive_ms`, idle before the first probe, then a probe every
+/// third of it, [`TCP_KEEPALIVE_PROBES`] probes) and `TCP_USER_TIMEOUT`
+/// (`user_timeout_ms`, from `relay.tcp_user_timeout_ms`: how long written
+/// data may stay unacknowledged) on an accepted socket. A value of 0 leaves
+/// that option at the kernel's default.
+pub fn tune_accepted(tcp: &TcpStream, keepalive_ms: u64, user_timeout_ms: u64) -> io::Result<()> {
     tcp.set_nodelay(true)?;
     let sock = socket2::SockRef::from(tcp);
-    if relay.tcp_keepalive_ms > 0 {
-        let idle = Duration::from_millis(relay.tcp_keepalive_ms);
+    if keepalive_ms > 0 {
+        let idle = Duration::from_millis(keepalive_ms);
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(idle)
             .with_interval((idle / 3).max(Duration::from_secs(1)))
             .with_retries(TCP_KEEPALIVE_PROBES);
         sock.set_tcp_keepalive(&keepalive)?;
     }
-    if relay.tcp_user_timeout_ms > 0 {
-        sock.set_tcp_user_timeout(Some(Duration::from_millis(relay.tcp_user_timeout_ms)))?;
+    if user_timeout_ms > 0 {
+        sock.set_tcp_user_timeout(Some(Duration::from_millis(user_timeout_ms)))?;
     }
     Ok(())
 }
@@ -644,10 +643,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let _client = TcpStream::connect(addr).await.unwrap();
         let (tcp, _) = listener.accept().await.unwrap();
-        let mut relay: RelaySection = toml::from_str("id = \"r\"").unwrap();
-        relay.tcp_keepalive_ms = 30_000;
-        relay.tcp_user_timeout_ms = 45_000;
-        tune_accepted(&tcp, &relay).unwrap();
+        tune_accepted(&tcp, 30_000, 45_000).unwrap();
         let sock = socket2::SockRef::from(&tcp);
         assert!(sock.keepalive().unwrap());
         assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(30));

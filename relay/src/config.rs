@@ -487,8 +487,11 @@ fn default_max_delegation_bytes() -> u64 {
 fn default_max_peer_bytes() -> u64 {
     Retention::default().max_peer_bytes
 }
+/// Default `store.release_queue`: releases waiting for the store, at most
+/// (about 100 bytes each).
+pub const DEFAULT_RELEASE_QUEUE: usize = 65_536;
 fn default_release_queue() -> usize {
-    crate::hub::DEFAULT_RELEASE_QUEUE
+    DEFAULT_RELEASE_QUEUE
 }
 fn default_unknown_grace_ms() -> u64 {
     120_000

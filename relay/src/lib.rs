@@ -16,6 +16,7 @@
 //! | [`wakes`] | polling a session's reader and writer in one task without self-wakes |
 //! | [`hub`] | shared state: sessions, delegation views, delivery and replay, wake-ups |
 //! | [`fleet`] | several instances over one store: presence, wake-ups, leases |
+//! | [`live`] | the configuration in force and its rate limiters |
 //! | [`reload`] | live reload: re-reading the file, which fields apply, the generation |
 //! | [`refusal`] | every refused frame's `Error` code and text, in one place |
 //! | [`outbox`] | the bounded per-session queue and its overflow policy |
@@ -36,6 +37,7 @@ pub mod config;
 pub mod dev;
 pub mod fleet;
 pub mod hub;
+pub mod live;
 pub mod lockout;
 pub mod metrics;
 pub mod outbox;

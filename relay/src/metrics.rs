@@ -317,7 +317,7 @@ impl Metrics {
                     "Resynchronisations from the store, by cause.",
                     &["cause"],
                 );
-                for cause in crate::hub::ResyncCause::ALL {
+                for cause in ResyncCause::ALL {
                     c.with_label_values(&[cause.label()]);
                 }
                 c
@@ -405,6 +405,45 @@ impl Metrics {
         let mut buf = Vec::new();
         let _ = prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// Why this instance re-reads the logs it serves from the store
+/// (`oab_resyncs_total{cause}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncCause {
+    /// A wake subscriber connection was lost and is back.
+    SubscriberReconnected,
+    /// A wake queue overflowed and dropped messages.
+    WakeQueueOverflow,
+    /// Another instance stopped renewing its liveness.
+    InstanceLost,
+    /// Another instance came back as a new process under the same name
+    /// within its lease.
+    InstanceRestarted,
+    /// Another instance shut down cleanly.
+    InstanceLeft,
+}
+
+impl ResyncCause {
+    /// Every cause, for the metric's label values.
+    pub const ALL: [ResyncCause; 5] = [
+        ResyncCause::SubscriberReconnected,
+        ResyncCause::WakeQueueOverflow,
+        ResyncCause::InstanceLost,
+        ResyncCause::InstanceRestarted,
+        ResyncCause::InstanceLeft,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResyncCause::SubscriberReconnected => "subscriber_reconnected",
+            ResyncCause::WakeQueueOverflow => "wake_queue_overflow",
+            ResyncCause::InstanceLost => "instance_lost",
+            ResyncCause::InstanceRestarted => "instance_restarted",
+            ResyncCause::InstanceLeft => "instance_left",
+        }
     }
 }
 

@@ -36,7 +36,6 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use crate::admission::{HandshakePermit, SlotReservation, Source};
-use crate::config::RelaySection;
 use crate::metrics::Metrics;
 
 /// The largest header accepted, in bytes. A v1 header is at most 107 bytes
@@ -82,8 +81,8 @@ impl ProxyProtocol {
         self.enabled && self.trusted.iter().any(|net| net.contains(peer))
     }
 
-    /// Problems with these settings, as `(field, message)` pairs for
-    /// [`Config::validate`](crate::config::Config::validate).
+    /// Problems with these settings, as `(field, message)` pairs for the
+    /// configuration's validation.
     pub fn problems(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
         if self.enabled && self.trusted.is_empty() {
@@ -291,6 +290,17 @@ pub async fn starts_with_header(tcp: &TcpStream) -> io::Result<bool> {
     Ok(n > 0 && looks_like_header(&first[..n]))
 }
 
+/// What [`admit`] applies, from `relay`'s settings.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitRules {
+    /// `relay.proxy_protocol.enabled`.
+    pub proxy_protocol: bool,
+    /// `relay.source_prefix_v4`: the IPv4 prefix that makes one source.
+    pub source_prefix_v4: u8,
+    /// `relay.source_prefix_v6`: the IPv6 prefix that makes one source.
+    pub source_prefix_v6: u8,
+}
+
 /// How a connection was admitted at accept.
 #[derive(Debug)]
 pub enum Admission {
@@ -311,7 +321,7 @@ pub async fn admit(
     admission: Admission,
     tcp: &mut TcpStream,
     peer: SocketAddr,
-    relay: &RelaySection,
+    rules: AdmitRules,
     limiter: &DefaultKeyedRateLimiter<IpAddr>,
     metrics: &Metrics,
     deadline: Instant,
@@ -319,7 +329,7 @@ pub async fn admit(
     let handshake_failed = |result: &str| metrics.handshakes.with_label_values(&[result]).inc();
     match admission {
         Admission::Direct(permit) => {
-            if !relay.proxy_protocol.enabled {
+            if !rules.proxy_protocol {
                 return Some(permit);
             }
             let first = tokio::select! {
@@ -362,7 +372,7 @@ pub async fn admit(
             };
             let client = proxied.client;
             tracing::Span::current().record("client", tracing::field::display(client));
-            let source = Source::of(client.ip(), relay.source_prefix_v4, relay.source_prefix_v6);
+            let source = Source::of(client.ip(), rules.source_prefix_v4, rules.source_prefix_v6);
             let admitted = if limiter.check_key(&source.addr()).is_err() {
                 Err("rate_limited")
             } else {

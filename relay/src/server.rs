@@ -309,7 +309,11 @@ pub async fn run_reloadable<S: EventStore>(
                 continue;
             }
         };
-        if let Err(e) = crate::admission::tune_accepted(&tcp, &config.relay) {
+        if let Err(e) = crate::admission::tune_accepted(
+            &tcp,
+            config.relay.tcp_keepalive_ms,
+            config.relay.tcp_user_timeout_ms,
+        ) {
             debug!(error = %e, "socket options not set");
         }
         let env = SessionEnv {
@@ -446,7 +450,11 @@ async fn connection<S: EventStore>(
         admission,
         &mut tcp,
         peer,
-        &hub.config.relay,
+        crate::proxy_protocol::AdmitRules {
+            proxy_protocol: hub.config.relay.proxy_protocol.enabled,
+            source_prefix_v4: hub.config.relay.source_prefix_v4,
+            source_prefix_v6: hub.config.relay.source_prefix_v6,
+        },
         &live.limiters.connects,
         &hub.metrics,
         deadline,

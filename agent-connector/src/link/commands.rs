@@ -6,32 +6,16 @@
 //! next pump. Never sends a frame after the delegation's terminal.
 
 use bytes::Bytes;
-use oab_wire::codec::peek_prefix;
-use oab_wire::{Cancel, Data, Frame, FrameError, GapReason, Limits, encode};
+use oab_wire::{Cancel, Data, Frame, GapReason, encode};
 use tracing::warn;
 
 use super::delegation::{Delegation, settle};
+use super::frames::{queue_resume, within_limits};
 use super::stats::Side;
 use super::{Command, EventError, Link, LinkError, OpenDelegation, SendKind, Snapshot};
 
 /// `list_peers` calls waiting for one answer, at most.
 const MAX_PEER_WAITERS: usize = 1_024;
-
-/// Whether the relay takes `frame` (an encoded frame) under `limits`:
-/// [`LinkError::TooLarge`] names the part over its limit.
-pub(super) fn within_limits(limits: &Limits, frame: &Bytes) -> Result<(), LinkError> {
-    let too_large = |part, size: usize, limit: usize| LinkError::TooLarge {
-        part,
-        size: u64::try_from(size).unwrap_or(u64::MAX),
-        limit: u64::try_from(limit).unwrap_or(u64::MAX),
-    };
-    match peek_prefix(frame, limits) {
-        Ok(_) => Ok(()),
-        Err(FrameError::PayloadTooLarge { len, max }) => Err(too_large("payload", len, max)),
-        Err(FrameError::HeaderTooLarge { len, max }) => Err(too_large("header", len, max)),
-        Err(e) => Err(LinkError::Frame(e.to_string())),
-    }
-}
 
 impl Link {
     fn within_limits(&self, frame: &Bytes) -> Result<(), LinkError> {
@@ -269,7 +253,7 @@ impl Link {
                     .get(&key)
                     .is_none_or(|d| d.is_caller && d.terminal.is_some() && d.cursor >= after);
                 if self.online && ended {
-                    super::resume::queue_resume(
+                    queue_resume(
                         &key,
                         oab_wire::Direction::Up,
                         after,

@@ -21,7 +21,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::delegation::{Delegation, settle};
-use super::resume::{in_order, queue_resume};
+use super::frames::queue_resume;
+use super::resume::in_order;
 use super::stats::Side;
 use super::{EventError, Incoming, Link, LinkError, UpEvent};
 

@@ -46,6 +46,7 @@ mod commands;
 mod connection;
 mod delegation;
 mod dispatch;
+mod frames;
 mod relay_url;
 mod resume;
 pub mod stats;

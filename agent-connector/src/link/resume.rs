@@ -7,9 +7,10 @@
 //! a log while one is in flight on the session.
 
 use bytes::Bytes;
-use oab_wire::{DelegationCursor, DelegationKey, Direction, Frame, GapReason, Resume, encode};
+use oab_wire::{DelegationCursor, DelegationKey, Frame, GapReason, encode};
 
 use super::delegation::Delegation;
+use super::frames::queue_resume;
 use super::stats::Side;
 use super::{EventError, Link};
 
@@ -81,17 +82,6 @@ impl Link {
                 }));
             }
         }
-    }
-}
-
-/// Queues a `Resume` of `dir` after `after`.
-pub(super) fn queue_resume(key: &DelegationKey, dir: Direction, after: u64, out: &mut Vec<Bytes>) {
-    if let Ok(b) = encode(&Frame::Resume(Resume {
-        key: key.clone(),
-        direction: dir,
-        after,
-    })) {
-        out.push(b);
     }
 }
 

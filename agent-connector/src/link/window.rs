@@ -15,8 +15,7 @@ use tokio::sync::oneshot;
 
 use tracing::warn;
 
-use super::commands::within_limits;
-use super::resume::queue_resume;
+use super::frames::{queue_resume, within_limits};
 use super::stats::Side;
 use super::{EventError, Link, LinkError};
 

@@ -121,7 +121,7 @@ struct CallerView {
 
 /// Runs the scenario.
 pub async fn run(opts: &CancelRaceOptions, common: &Common) -> anyhow::Result<Report> {
-    let common = &crate::connectors::connector_common(common);
+    let common = &common.for_connectors();
     let seed = if opts.seed == 0 {
         oab_wire::identity::now_ms() | 1
     } else {

@@ -40,44 +40,7 @@ use crate::setup::{CALLEE, Setup};
 /// The A2A state every status event carries.
 const WORKING: &str = "TASK_STATE_WORKING";
 
-/// What a delegation goes through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DelegationsMode {
-    /// The library API: `Caller::delegate` to an in-process executor.
-    Library,
-    /// OpenAB's control-plane protocol: a CP primary through connector A's
-    /// endpoint, the relay and connector B's endpoint to a CP worker, beside
-    /// a direct WebSocket ([`super::delegations_cp`]).
-    Cp,
-}
-
-/// Options of the delegations scenario.
-#[derive(Debug, Clone, Serialize)]
-pub struct DelegationsOptions {
-    /// Library or CP.
-    pub mode: DelegationsMode,
-    /// Relay stores to measure.
-    pub stores: Vec<StoreKind>,
-    /// Delegations in flight at once, one measurement each.
-    pub in_flight: Vec<usize>,
-    /// Status events each delegation's executor emits.
-    pub events: u32,
-    /// Time per in-flight level, seconds.
-    pub seconds: f64,
-    /// Delegations per level at most.
-    pub max_delegations: u64,
-    /// Time of the raw-frame baseline per store, seconds.
-    pub baseline_seconds: f64,
-    /// CP mode: the CP clients (primary and worker) behave as OpenAB's own
-    /// client: Nagle's algorithm on and each frame in a write of its own;
-    /// else they set `TCP_NODELAY` and batch what they have into one write.
-    pub cp_nagle: bool,
-    /// CP mode: measure an external CP server at this URL instead (the
-    /// primary and the worker both connect to it, as to openab-cp), in
-    /// place of the direct and relay paths.
-    pub cp_url: Option<String>,
-}
+pub use super::{DelegationsMode, DelegationsOptions};
 
 /// One in-flight level's figures.
 #[derive(Debug, Clone, Serialize)]
@@ -261,7 +224,7 @@ pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<R
     if opts.mode == DelegationsMode::Cp {
         return super::delegations_cp::run(opts, common).await;
     }
-    let common = &crate::connectors::connector_common(common);
+    let common = &common.for_connectors();
     let setup = Setup::new(0, common.tuning.clone())?;
     let limits = setup.config.wire_limits();
     // Raw frames are at least a stamp long.

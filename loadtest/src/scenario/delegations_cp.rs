@@ -26,7 +26,7 @@ use oab_connector::openab::{OpenAbEndpoint, OpenAbSection, RuntimeKeys};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::delegations::DelegationsOptions;
+use super::DelegationsOptions;
 use super::{Common, relay_bin, run_header};
 use crate::connectors::{
     AUDIT_CAPACITY, CALLEE_MAX_CONCURRENT, WatchedAudit, start_callee, start_caller,
@@ -181,7 +181,7 @@ async fn run_external(
 
 /// Runs the CP mode.
 pub async fn run(opts: &DelegationsOptions, common: &Common) -> anyhow::Result<Report> {
-    let common = &crate::connectors::connector_common(common);
+    let common = &common.for_connectors();
     let setup = Setup::new(0, common.tuning.clone())?;
     let max_n = opts.in_flight.iter().copied().max().unwrap_or(1);
     let mut levels = Vec::new();

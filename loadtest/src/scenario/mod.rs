@@ -35,6 +35,45 @@ use serde::Serialize;
 use crate::relay::{RedisPersistence, RelayMode, StoreKind};
 use crate::setup::Tuning;
 
+/// What a delegation goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DelegationsMode {
+    /// The library API: `Caller::delegate` to an in-process executor.
+    Library,
+    /// OpenAB's control-plane protocol: a CP primary through connector A's
+    /// endpoint, the relay and connector B's endpoint to a CP worker, beside
+    /// a direct WebSocket ([`delegations_cp`]).
+    Cp,
+}
+
+/// Options of the delegations scenario.
+#[derive(Debug, Clone, Serialize)]
+pub struct DelegationsOptions {
+    /// Library or CP.
+    pub mode: DelegationsMode,
+    /// Relay stores to measure.
+    pub stores: Vec<StoreKind>,
+    /// Delegations in flight at once, one measurement each.
+    pub in_flight: Vec<usize>,
+    /// Status events each delegation's executor emits.
+    pub events: u32,
+    /// Time per in-flight level, seconds.
+    pub seconds: f64,
+    /// Delegations per level at most.
+    pub max_delegations: u64,
+    /// Time of the raw-frame baseline per store, seconds.
+    pub baseline_seconds: f64,
+    /// CP mode: the CP clients (primary and worker) behave as OpenAB's own
+    /// client: Nagle's algorithm on and each frame in a write of its own;
+    /// else they set `TCP_NODELAY` and batch what they have into one write.
+    pub cp_nagle: bool,
+    /// CP mode: measure an external CP server at this URL instead (the
+    /// primary and the worker both connect to it, as to openab-cp), in
+    /// place of the direct and relay paths.
+    pub cp_url: Option<String>,
+}
+
 /// Options every scenario takes.
 #[derive(Debug, Clone)]
 pub struct Common {
@@ -47,6 +86,20 @@ pub struct Common {
     pub drain: Duration,
     /// Relay settings changed from the defaults.
     pub tuning: Tuning,
+}
+
+impl Common {
+    /// These options with the relay settings the connector scenarios need
+    /// ([`crate::connectors::FINISHED_TTL_MS`]); the JSON header records
+    /// them.
+    pub fn for_connectors(&self) -> Common {
+        let mut c = self.clone();
+        c.tuning.finished_ttl_ms = c
+            .tuning
+            .finished_ttl_ms
+            .max(crate::connectors::FINISHED_TTL_MS);
+        c
+    }
 }
 
 /// Where a case's frames go. Serialized as its [name](Path::name).

@@ -635,7 +635,7 @@ struct Readers {
 
 /// Runs the scenario.
 pub async fn run(opts: &ReconnectStormOptions, common: &Common) -> anyhow::Result<Report> {
-    let mut common = crate::connectors::connector_common(common);
+    let mut common = common.for_connectors();
     common.tuning.heartbeat_ms = opts.effective_heartbeat_ms();
     let common = &common;
     if opts.kill_relay_every.is_some() && opts.store != StoreKind::Redis {

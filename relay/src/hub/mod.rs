@@ -45,9 +45,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::fleet::Fleet;
+use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
-use crate::reload::LiveConfig;
 use crate::store::EventStore;
 
 mod caps;
@@ -64,13 +64,13 @@ mod test_support;
 mod views;
 mod wakeups;
 
+pub use crate::metrics::ResyncCause;
 pub use caps::InFlightOpens;
 use caps::OpenCounts;
 pub use delivery::Subscribed;
 pub use peers::{PEERS_REQUEST_COST, RESUME_COST};
 pub use releases::{DEFAULT_RELEASE_QUEUE, RELEASE_BATCH};
 pub use views::{DelegationView, ViewRef};
-pub use wakeups::ResyncCause;
 
 /// A live session as the hub sees it.
 #[derive(Debug, Clone)]

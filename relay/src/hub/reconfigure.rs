@@ -18,7 +18,7 @@ use tracing::info;
 
 use super::{Hub, SessionRef};
 use crate::config::Directory;
-use crate::reload::{Installed, LiveConfig};
+use crate::live::{Installed, LiveConfig};
 use crate::store::EventStore;
 
 /// Why `session` may no longer stay up under `directory` (`None`: it may).

@@ -30,9 +30,7 @@ use super::Hub;
 use super::views::{DelegationView, ViewRef};
 use crate::store::{EventStore, Release};
 
-/// Default `store.release_queue`: releases waiting for the store, at most
-/// (about 100 bytes each).
-pub const DEFAULT_RELEASE_QUEUE: usize = 65_536;
+pub use crate::config::DEFAULT_RELEASE_QUEUE;
 
 /// Releases per store call.
 pub const RELEASE_BATCH: usize = 256;

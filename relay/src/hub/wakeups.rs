@@ -19,6 +19,7 @@ use tracing::{debug, info, warn};
 use super::views::DelegationView;
 use super::{Hub, ViewRef};
 use crate::fleet::DepartureKind;
+use crate::metrics::ResyncCause;
 use crate::store::{EventStore, Liveness};
 
 impl<S: EventStore> Hub<S> {
@@ -401,45 +402,6 @@ impl<S: EventStore> Hub<S> {
             } else {
                 off.entry(peer).or_insert(now);
             }
-        }
-    }
-}
-
-/// Why this instance re-reads the logs it serves from the store
-/// (`oab_resyncs_total{cause}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResyncCause {
-    /// A wake subscriber connection was lost and is back.
-    SubscriberReconnected,
-    /// A wake queue overflowed and dropped messages.
-    WakeQueueOverflow,
-    /// Another instance stopped renewing its liveness.
-    InstanceLost,
-    /// Another instance came back as a new process under the same name
-    /// within its lease.
-    InstanceRestarted,
-    /// Another instance shut down cleanly.
-    InstanceLeft,
-}
-
-impl ResyncCause {
-    /// Every cause, for the metric's label values.
-    pub const ALL: [ResyncCause; 5] = [
-        ResyncCause::SubscriberReconnected,
-        ResyncCause::WakeQueueOverflow,
-        ResyncCause::InstanceLost,
-        ResyncCause::InstanceRestarted,
-        ResyncCause::InstanceLeft,
-    ];
-
-    /// The metric label.
-    pub fn label(self) -> &'static str {
-        match self {
-            ResyncCause::SubscriberReconnected => "subscriber_reconnected",
-            ResyncCause::WakeQueueOverflow => "wake_queue_overflow",
-            ResyncCause::InstanceLost => "instance_lost",
-            ResyncCause::InstanceRestarted => "instance_restarted",
-            ResyncCause::InstanceLeft => "instance_left",
         }
     }
 }

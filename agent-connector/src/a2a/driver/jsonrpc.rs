@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::DriverError;
+use super::call::Call;
 use super::sse::SseEvent;
-use super::transport::Call;
 use crate::a2a::PROTOCOL_VERSION;
 use crate::a2a::model::fresh_id;
 

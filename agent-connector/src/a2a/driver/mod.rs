@@ -52,6 +52,7 @@ use crate::a2a::AgentBinding;
 use crate::callee::{EventSink, Execution, StopReason, TaskExecutor, TaskRun};
 use crate::profile::{Artifact, Usage};
 
+mod call;
 mod card;
 mod jsonrpc;
 mod reattach;
@@ -59,9 +60,9 @@ mod rest;
 mod sse;
 mod transport;
 
+use call::Call;
 use card::ResolvedCard;
 pub(crate) use sse::SseParser;
-use transport::Call;
 
 /// Idle connections to the local server kept for reuse; more are closed
 /// when they fall idle. About the callee's usual concurrency.

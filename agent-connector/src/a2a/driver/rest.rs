@@ -27,8 +27,8 @@ use serde_json::{Value, json};
 use tracing::debug;
 
 use super::DriverError;
+use super::call::Call;
 use super::sse::SseEvent;
-use super::transport::Call;
 use crate::a2a::PROTOCOL_VERSION;
 
 /// The media type of HTTP+JSON bodies (SPEC §11, v1.0.1).

@@ -7,41 +7,11 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::DriverError;
+use super::call::Call;
 use super::jsonrpc::JsonRpc;
 use super::rest::Rest;
 use super::sse::SseEvent;
 use crate::a2a::AgentBinding;
-
-/// One A2A operation the driver calls.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Call<'a> {
-    /// `SendMessage`, blocking: the answer comes at the task's terminal or
-    /// interrupted state, so no request timeout applies.
-    SendMessage(&'a Value),
-    /// `SendStreamingMessage`: an SSE stream.
-    SendStreamingMessage(&'a Value),
-    /// `SubscribeToTask`: an SSE stream.
-    SubscribeToTask(&'a str),
-    /// `GetTask`, bounded by [`super::DriverOptions::request_timeout`].
-    GetTask(&'a str),
-    /// `CancelTask`, bounded by [`super::DriverOptions::request_timeout`].
-    CancelTask(&'a str),
-}
-
-impl Call<'_> {
-    /// The answer is an SSE stream.
-    pub(super) fn streams(self) -> bool {
-        matches!(
-            self,
-            Call::SendStreamingMessage(_) | Call::SubscribeToTask(_)
-        )
-    }
-
-    /// The call is bounded by the request timeout.
-    pub(super) fn bounded(self) -> bool {
-        matches!(self, Call::GetTask(_) | Call::CancelTask(_))
-    }
-}
 
 /// How the driver talks to the local A2A server.
 #[derive(Debug, Clone)]
