@@ -337,6 +337,26 @@ fn open_request(request: &str) -> oab_relay::store::OpenRequest {
     }
 }
 
+/// Opens `<prefix>-0` .. `<prefix>-<n-1>` in `store`, 256 at a time; each
+/// must be new.
+async fn open_all<S: EventStore>(store: &Arc<S>, prefix: &str, n: usize) {
+    use futures_util::StreamExt as _;
+    let opened: Vec<_> = futures_util::stream::iter(0..n)
+        .map(|i| {
+            let store = store.clone();
+            let request = open_request(&format!("{prefix}-{i}"));
+            async move { store.open(request).await }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    assert!(
+        opened
+            .iter()
+            .all(|o| matches!(o, Ok(oab_relay::store::OpenOutcome::Created(_))))
+    );
+}
+
 fn terminal_request(request: &str) -> oab_relay::store::AppendRequest {
     oab_relay::store::AppendRequest {
         key: key(request),
@@ -380,8 +400,7 @@ async fn command_calls(con: &mut ::redis::aio::MultiplexedConnection, command: &
 /// handshake read every delegation in the window, twice: 200,000 `HGETALL`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handshake_reads_only_the_open_delegations() {
-    use futures_util::StreamExt as _;
-    use oab_relay::store::{OpenOutcome, RedisStore, Retention};
+    use oab_relay::store::{RedisStore, Retention};
     use oab_testkit::redis::{Persistence, RedisServer};
 
     let env = TestEnv::new("");
@@ -392,19 +411,7 @@ async fn a_handshake_reads_only_the_open_delegations() {
             .unwrap(),
     );
     let started = Instant::now();
-    let opened: Vec<_> = futures_util::stream::iter(0..FINISHED)
-        .map(|i| {
-            let store = store.clone();
-            async move { store.open(open_request(&format!("done-{i}"))).await }
-        })
-        .buffer_unordered(256)
-        .collect()
-        .await;
-    assert!(
-        opened
-            .iter()
-            .all(|o| matches!(o, Ok(OpenOutcome::Created(_))))
-    );
+    open_all(&store, "done", FINISHED).await;
     let indexes: Vec<usize> = (0..FINISHED).collect();
     for chunk in indexes.chunks(1_000) {
         let reqs = chunk
@@ -463,26 +470,13 @@ async fn a_handshake_reads_only_the_open_delegations() {
 /// their `up` tails not to run them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_welcome_over_its_bound_keeps_the_work_the_callee_accepted() {
-    use futures_util::StreamExt as _;
-    use oab_relay::store::{MemoryStore, OpenOutcome, Origin, Retention};
+    use oab_relay::store::{MemoryStore, Origin, Retention};
 
     const OPEN: usize = 40_000;
     const ACCEPTED: usize = 10;
     let env = TestEnv::new("");
     let store = Arc::new(MemoryStore::new(Retention::default()));
-    let opened: Vec<_> = futures_util::stream::iter(0..OPEN)
-        .map(|i| {
-            let store = store.clone();
-            async move { store.open(open_request(&format!("open-{i}"))).await }
-        })
-        .buffer_unordered(256)
-        .collect()
-        .await;
-    assert!(
-        opened
-            .iter()
-            .all(|o| matches!(o, Ok(OpenOutcome::Created(_))))
-    );
+    open_all(&store, "open", OPEN).await;
     // The last ones opened were accepted by the callee's instance.
     let instance = oab_wire::InstanceId::random();
     let accepted: Vec<String> = (OPEN - ACCEPTED..OPEN)
