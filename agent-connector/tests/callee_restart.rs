@@ -136,8 +136,8 @@ impl Callee {
 
 /// A delegation whose A2A message id (which picks what the sample agent
 /// does) is `message_id`.
-fn gated(message_id: &str) -> oab_connector::NewDelegation {
-    let mut d = spec("a gated task");
+fn agent_task(message_id: &str) -> oab_connector::NewDelegation {
+    let mut d = spec("a task for the sample agent");
     d.task.a2a_message = Some(json!({
         "messageId": message_id,
         "role": "ROLE_USER",
@@ -222,7 +222,7 @@ async fn start_gated(
     for i in 0..n {
         let h = a
             .caller()
-            .delegate(&env.callee.peer, gated(&format!("gated-{i}")))
+            .delegate(&env.callee.peer, agent_task(&format!("gated-{i}")))
             .await
             .unwrap();
         let s = Arc::new(Mutex::new(Seen::default()));
@@ -346,6 +346,107 @@ async fn work_the_agent_lost_too_ends_unknown_saying_so() {
             h.key
         );
     }
+}
+
+/// What the agent recorded of a `paced-` task: its progress texts in
+/// order, and its terminal once it has one.
+async fn emitted(
+    http: &reqwest::Client,
+    agent_port: u16,
+    message_id: &str,
+) -> (Vec<String>, Option<String>) {
+    let v: serde_json::Value = http
+        .get(format!(
+            "http://127.0.0.1:{agent_port}/test/emitted/{message_id}"
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let texts = v["emitted"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    (texts, v["terminal"].as_str().map(str::to_string))
+}
+
+/// Connector B is killed while its agent's tasks tick on; the short ones
+/// finish while it is down, the long ones go on after it is back. Every
+/// progress update the agent emitted, during the outage too (the driver
+/// takes them from the task's history), reaches the caller once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_agent_did_while_the_connector_was_down_reaches_the_caller() {
+    let env = Env::new("");
+    let relay = Relay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
+    let (_agent, agent_port) = sample_agent().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = callee_config(&env, dir.path(), relay.addr, agent_port);
+    let mut b = Callee::start(&config);
+    let a = Arc::new(connector(&env, &env.caller, relay.addr, None));
+    a.connected().await.unwrap();
+
+    // Ten finish while B is down (20 ticks, 25 ms apart), ten tick on
+    // (400 ticks, 25 ms apart).
+    let ids: Vec<String> = (0..20)
+        .map(|i| {
+            let ticks = if i < 10 { 20 } else { 400 };
+            format!("paced-{ticks}-25-{i}")
+        })
+        .collect();
+    let mut handles = Vec::new();
+    let mut seen = Vec::new();
+    for id in &ids {
+        let h = a
+            .caller()
+            .delegate(&env.callee.peer, agent_task(id))
+            .await
+            .unwrap();
+        let s = Arc::new(Mutex::new(Seen::default()));
+        tokio::spawn(follow(a.clone(), h.clone(), s.clone()));
+        handles.push(h);
+        seen.push(s);
+    }
+    // working, tick 1, tick 2
+    statuses_at_least(&seen, 3).await;
+    b.child.kill().await.unwrap();
+    let http = reqwest::Client::new();
+    let until = tokio::time::Instant::now() + STEP;
+    for id in ids.iter().take(10) {
+        while emitted(&http, agent_port, id).await.1.is_none() {
+            assert!(tokio::time::Instant::now() < until, "{id} never finished");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let b2 = Callee::start(&config);
+    terminals(&seen).await;
+
+    for ((h, s), id) in handles.iter().zip(&seen).zip(&ids) {
+        let s = s.lock().clone();
+        let (agent_ticks, terminal) = emitted(&http, agent_port, id).await;
+        assert_eq!(terminal.as_deref(), Some("completed"), "{id}");
+        assert_eq!(
+            s.statuses.first().map(String::as_str),
+            Some("TASK_STATE_WORKING"),
+            "{id}"
+        );
+        assert_eq!(
+            s.statuses.get(1..).unwrap_or_default(),
+            agent_ticks.as_slice(),
+            "{id}: every progress update the agent emitted, once, in order"
+        );
+        assert_eq!(s.artifacts, ["result"], "{id}");
+        let t = s.terminal.unwrap();
+        assert_eq!(t.outcome, Outcome::Completed, "{id}: {t:?}");
+        a.caller().verify(h, &t).unwrap();
+    }
+    let log = b2.log.lock().join("\n");
+    assert!(!log.contains("ending it unknown"), "{log}");
 }
 
 /// A callee connector (in this process) with a state folder whose executor

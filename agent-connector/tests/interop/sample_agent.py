@@ -31,6 +31,11 @@ What it does is chosen by the prefix of the message id:
   served at ``GET /test/emitted/<messageId>`` (``{"emitted": [...],
   "terminal": "<state>"}``), so a test can compare it with what the caller
   received;
+- ``paced-<N>-<MS>-``: working, then progress ``tick 1`` ... ``tick N``,
+  one every MS milliseconds, then an artifact ``result`` and completed
+  (canceled when asked, as ``race-``); recorded and served at
+  ``GET /test/emitted/<messageId>`` like ``race-``. Work that goes on while
+  whoever follows it restarts;
 - ``bench-stream-<N>-``: the benchmark mode (``bench.py``): N events as fast
   as it can, no sleeps, alternating a working status update (message text
   ``bench <i> <t>``) and an artifact chunk (text ``<i> <t>``, appended to the
@@ -103,11 +108,13 @@ class Race:
             self.emitted.append(text)
             return True
 
-    async def end(self, updater: TaskUpdater, state: str) -> None:
+    async def end(self, updater: TaskUpdater, state: str, artifact: str | None = None) -> None:
         async with self.lock:
             if self.terminal is not None:
                 return
             self.terminal = state
+            if artifact is not None and state != "canceled":
+                await updater.add_artifact([Part(text=artifact)], artifact_id="result", name="result", last_chunk=True)
             if state == "canceled":
                 await updater.cancel(updater.new_agent_message([Part(text="canceled as asked")]))
             else:
@@ -209,6 +216,16 @@ class SampleExecutor(AgentExecutor):
                 )
             await updater.add_artifact([Part(text="gated result")], artifact_id="result", name="result", last_chunk=True)
             await updater.complete()
+        elif mid.startswith("paced-"):
+            n, ms = (int(x) for x in mid.split("-")[1:3])
+            race = RACES.setdefault(mid, Race())
+            RACES_BY_TASK[task_id] = race
+            await updater.start_work()
+            for i in range(1, n + 1):
+                await asyncio.sleep(ms / 1000)
+                if not await race.progress(updater, f"tick {i}"):
+                    return
+            await race.end(updater, "completed", artifact=f"{n} ticks")
         elif mid.startswith("race-"):
             race = RACES.setdefault(mid, Race())
             RACES_BY_TASK[task_id] = race

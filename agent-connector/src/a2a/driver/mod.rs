@@ -18,8 +18,11 @@
 //! ends `failed` ("limit exceeded: input_timeout ...").
 //! A stream that drops mid-task is resumed with `SubscribeToTask` (and
 //! `GetTask` once the task is finished); the subscription's leading task
-//! snapshot sends up only what the caller has not seen: not the last status
-//! sent up again, nor artifacts already sent (see `UpStatus`). When
+//! snapshot sends up only what the caller has not seen: the status messages
+//! its history holds after the last one sent up, then its status unless it
+//! is the last one sent up (see `UpStatus`), and the artifacts not sent
+//! yet; the live events that repeat the snapshot are skipped (see
+//! `snapshot.rs`). When
 //! `run.cancel` fires the driver sends `CancelTask` and waits a bounded
 //! time for the server's terminal.
 //!
@@ -57,6 +60,7 @@ mod card;
 mod jsonrpc;
 mod reattach;
 mod rest;
+mod snapshot;
 mod sse;
 mod transport;
 
@@ -324,6 +328,14 @@ struct Session {
     /// repeats it is not sent again (see [`UpStatus::repeated_by`]). Replaced
     /// at every status sent up; dropped with the session.
     last_up: Option<UpStatus>,
+    /// The id of the last status message sent up: after a re-attach, the
+    /// agent's messages in the task's history after it were missed.
+    last_message: Option<String>,
+    /// A re-attach from a saved state that did not track `last_message`.
+    history_unknown: bool,
+    /// What the last resumed stream's snapshot held, until the stream
+    /// passes it.
+    overlap: Option<snapshot::Overlap>,
     cancel_sent: bool,
     /// The grace ran out before the server confirmed the cancel.
     cancel_unconfirmed: bool,
@@ -1089,8 +1101,12 @@ impl DriverInner {
     /// Maps one StreamResponse (or SendMessageResponse) onto the sink.
     /// `Some` when the turn ends with it. `resumed`: `r` leads a resumed
     /// stream (`SubscribeToTask`), so a task in it is the server's snapshot
-    /// of what the driver may have seen already: its status goes up only if
-    /// it is not the last one sent up, its artifacts only if not sent yet.
+    /// of what the driver may have seen already: the status messages in its
+    /// history after the last one sent up went by while the stream was down
+    /// and go up first, its status goes up only if it is not the last one
+    /// sent up, its artifacts only if not sent yet; and the live events
+    /// right after it that it already held are skipped
+    /// ([`snapshot::Overlap`]).
     async fn on_result(
         &self,
         s: &mut Session,
@@ -1109,6 +1125,10 @@ impl DriverInner {
             if s.over_budget.is_some() {
                 return Some(TurnEnd::OverBudget);
             }
+            if resumed {
+                self.send_missed_messages(s, task, sink).await;
+                s.overlap = Some(snapshot::Overlap::of(task));
+            }
             return self.on_status(s, task.get("status"), sink, resumed).await;
         }
         if let Some(u) = r.get("statusUpdate") {
@@ -1118,6 +1138,13 @@ impl DriverInner {
                     .get("contextId")
                     .and_then(Value::as_str)
                     .map(str::to_string);
+            }
+            if let Some(o) = &s.overlap {
+                if o.repeats_status(u.get("status")) {
+                    debug!("a status the resumed stream's snapshot held; not sent again");
+                    return None;
+                }
+                s.overlap = None;
             }
             return self.on_status(s, u.get("status"), sink, false).await;
         }
@@ -1129,6 +1156,15 @@ impl DriverInner {
             };
             let append = u.get("append").and_then(Value::as_bool).unwrap_or(false);
             let last = u.get("lastChunk").and_then(Value::as_bool).unwrap_or(false);
+            if let Some(o) = &s.overlap {
+                if u.get("artifact")
+                    .is_some_and(|a| o.repeats_artifact(a, append))
+                {
+                    debug!("an artifact the resumed stream's snapshot held; not sent again");
+                    return None;
+                }
+                s.overlap = None;
+            }
             if !take_artifact(s, &art, append) {
                 return Some(TurnEnd::OverBudget);
             }

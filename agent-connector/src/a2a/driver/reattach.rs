@@ -4,7 +4,8 @@
 //!
 //! Saved (through [`EventSink::checkpoint`], see [`crate::reattach`]): the
 //! server's task and context ids, the task's state, the ids of the
-//! artifacts sent up, the last status sent up, and how many follow-up
+//! artifacts sent up, the last status sent up and the id of the last status
+//! message sent up, and how many follow-up
 //! messages were forwarded; once the task is known and not finished, and
 //! again before each event sent up (with that event as `pending`, so a
 //! restart can tell from the relay's up log whether it was delivered) and
@@ -14,11 +15,16 @@
 //! [`REATTACH_ATTEMPTS`] tries); a server that answers `TaskNotFound` lost
 //! the task (it restarted too), and the delegation ends `unknown` saying
 //! so. Otherwise the task's artifacts make the result's list again (those
-//! not sent up yet are sent), its status goes up unless it is the last one
-//! sent, and the driver goes on as after a dropped stream: a terminal task
-//! ends the delegation, an interrupted one waits for the caller's
-//! follow-up (the ones already forwarded, delivered again by the relay, are
-//! skipped), a running one is followed with `SubscribeToTask`.
+//! not sent up yet are sent), the status messages the task went through
+//! while the connector was down go up from the task's history (as
+//! `working`: the history keeps a message, not the state it came with),
+//! its status goes up unless it is the last one sent, and the driver goes
+//! on as after a dropped stream: a terminal task ends the delegation, an
+//! interrupted one waits for the caller's follow-up (the ones already
+//! forwarded, delivered again by the relay, are skipped), a running one is
+//! followed with `SubscribeToTask`, whose leading snapshot is read the same
+//! way (what the task went through between `GetTask` and the subscription
+//! goes up from its history).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -27,7 +33,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tracing::{info, warn};
 
-use super::{DriverError, DriverInner, Session, TurnEnd, UpStatus, take_artifact};
+use super::{
+    DriverError, DriverInner, Session, TurnEnd, UpStatus, snapshot, take_artifact, upward_message,
+};
 use crate::a2a::model::{TaskState, artifact_from_a2a};
 use crate::callee::{EventSink, Execution, StopReason, TaskRun};
 
@@ -45,8 +53,13 @@ const REATTACH_PAUSE: Duration = Duration::from_millis(200);
 pub(super) enum Pending {
     /// An artifact (or a chunk of one); `new`: its id was not sent before.
     Artifact { id: String, new: bool },
-    /// A status; the one sent up before it.
-    Status { before: Option<SavedStatus> },
+    /// A status; the one sent up before it, and the id of the last status
+    /// message sent up before it.
+    Status {
+        before: Option<SavedStatus>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        message_before: Option<String>,
+    },
 }
 
 /// A status as sent up ([`UpStatus`]).
@@ -91,6 +104,14 @@ pub(super) struct Saved {
     sent: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     last_up: Option<SavedStatus>,
+    /// The id of the last status message sent up (statuses without a
+    /// message do not move it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    last_message: Option<String>,
+    /// Whether `last_message` is kept (a record written before it was
+    /// has none, and then no message is recovered from the history).
+    #[serde(default)]
+    messages_tracked: bool,
     follow_ups: u64,
     /// The event this state was saved before (the state includes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -115,13 +136,18 @@ impl Saved {
     fn session(self, output_budget: u64) -> Session {
         let mut sent: HashSet<String> = self.sent.into_iter().collect();
         let mut last_up = self.last_up.as_ref().and_then(SavedStatus::status);
+        let mut last_message = self.last_message;
         if !self.delivered {
             match self.pending {
                 Some(Pending::Artifact { id, new: true }) => {
                     sent.remove(&id);
                 }
-                Some(Pending::Status { before }) => {
+                Some(Pending::Status {
+                    before,
+                    message_before,
+                }) => {
                     last_up = before.as_ref().and_then(SavedStatus::status);
+                    last_message = message_before;
                 }
                 _ => {}
             }
@@ -132,6 +158,8 @@ impl Saved {
             state: self.state.as_deref().and_then(TaskState::parse),
             sent,
             last_up,
+            last_message,
+            history_unknown: !self.messages_tracked,
             skip_follow_ups: self.follow_ups,
             follow_ups: self.follow_ups,
             checkpointed: true,
@@ -167,6 +195,8 @@ impl DriverInner {
             state: s.state.map(|st| st.as_str().to_string()),
             sent,
             last_up: s.last_up.as_ref().map(SavedStatus::of),
+            last_message: s.last_message.clone(),
+            messages_tracked: true,
             follow_ups: s.follow_ups,
             pending,
             delivered: false,
@@ -187,14 +217,20 @@ impl DriverInner {
         message: Option<Value>,
     ) {
         let state = up.state;
+        let message_before = match &up.message_id {
+            Some(id) => s.last_message.replace(id.clone()),
+            None => s.last_message.clone(),
+        };
         let before = s.last_up.replace(up);
         let pending = Pending::Status {
             before: before.as_ref().map(SavedStatus::of),
+            message_before: message_before.clone(),
         };
         self.checkpoint(s, sink, Some(pending)).await;
         if let Err(e) = sink.status(state.as_str(), message, None).await {
             tracing::debug!(error = %e, "status not sent up");
             s.last_up = before;
+            s.last_message = message_before;
         }
     }
 
@@ -302,6 +338,60 @@ impl DriverInner {
         if s.over_budget.is_some() {
             return Some(TurnEnd::OverBudget);
         }
+        self.send_missed_messages(s, task, sink).await;
         self.on_status(s, task.get("status"), sink, true).await
+    }
+
+    /// Sends up, as `working` statuses, the status messages the server's
+    /// task went through while the driver did not follow it (see
+    /// [`snapshot::missed_messages`]).
+    pub(super) async fn send_missed_messages(
+        &self,
+        s: &mut Session,
+        task: &Value,
+        sink: &EventSink,
+    ) {
+        for message in snapshot::missed_messages(s, task) {
+            let up = UpStatus::new(TaskState::Working, Some(&message));
+            self.status_up(s, sink, up, upward_message(Some(&message)))
+                .await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_undelivered_status_leaves_its_message_unsent() {
+        let saved = Saved {
+            v: 1,
+            task_id: "t".into(),
+            context_id: None,
+            state: Some("TASK_STATE_WORKING".into()),
+            sent: Vec::new(),
+            last_up: None,
+            last_message: Some("tick 2".into()),
+            messages_tracked: true,
+            follow_ups: 0,
+            pending: Some(Pending::Status {
+                before: None,
+                message_before: Some("tick 1".into()),
+            }),
+            delivered: false,
+        };
+        let mut delivered = saved.clone();
+        delivered.delivered = true;
+        assert_eq!(saved.session(1).last_message.as_deref(), Some("tick 1"));
+        assert_eq!(delivered.session(1).last_message.as_deref(), Some("tick 2"));
+        // A record written before messages were tracked.
+        let old: Saved = serde_json::from_value(json!({
+            "v": 1, "task_id": "t", "sent": [], "follow_ups": 0
+        }))
+        .unwrap();
+        assert!(old.session(1).history_unknown);
     }
 }
