@@ -74,14 +74,21 @@ impl ConnectorProcess {
         std::fs::create_dir_all(&state_dir)
             .with_context(|| format!("creating {}", state_dir.display()))?;
         let identity_path = dir.join("identity.toml");
-        oab_connector::keyfile::save(&role.identity, &identity_path)
-            .with_context(|| format!("writing {}", identity_path.display()))?;
+        // A restart on the same folder keeps the file it wrote before.
+        if !identity_path.exists() {
+            oab_connector::keyfile::save(&role.identity, &identity_path)
+                .with_context(|| format!("writing {}", identity_path.display()))?;
+        }
         let config_path = dir.join("connector.toml");
         let text = config_text(setup, relay, role, &identity_path, &state_dir);
         oab_relay::tls::write_file(&config_path, &text, false)?;
         let log = setup.dir.path().join(format!("{}.log", role.name));
-        let stderr =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        // Appended to: a restarted connector's log follows its predecessor's.
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
         let child = tokio::process::Command::new(bin)
             .arg("run")
             .arg("--config")
@@ -128,6 +135,13 @@ impl ConnectorProcess {
         let text = std::fs::read(&self.log).unwrap_or_default();
         let start = text.len().saturating_sub(2048);
         String::from_utf8_lossy(text.get(start..).unwrap_or_default()).into_owned()
+    }
+
+    /// Stops it with SIGTERM (it drains: open streams end, queued events
+    /// and state are written) and waits for its exit, at most `timeout`
+    /// (then SIGKILL). `true`: it exited with status 0 in time.
+    pub async fn terminate(mut self, timeout: std::time::Duration) -> bool {
+        crate::relay::terminate(&mut self.child, self.pid, timeout).await
     }
 
     /// Stops it: SIGKILL, then waits for it (bounded).

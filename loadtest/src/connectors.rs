@@ -139,6 +139,26 @@ pub fn start_caller_with_state(
     )
 }
 
+/// Starts a caller-only connector for `id` dialing `relay` that keeps its
+/// delegations in the state folder `state` (see
+/// [`start_caller_with_state`]).
+pub fn start_caller_as_with_state(
+    setup: &Setup,
+    id: &Identity,
+    relay: SocketAddr,
+    state: &std::path::Path,
+) -> anyhow::Result<Connector> {
+    let state = oab_connector::state::FileState::open(state)
+        .with_context(|| format!("opening the caller's state folder {}", state.display()))?;
+    start(
+        setup,
+        link_settings(setup, id, relay),
+        None,
+        None,
+        Some(state),
+    )
+}
+
 /// Starts a connector for the run's callee dialing `relay`, serving
 /// delegations with `executor` and auditing into `audit`.
 pub fn start_callee(

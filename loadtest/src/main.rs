@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use oab_loadtest::connector_process::find_connector_bin;
 use oab_loadtest::relay::{
-    RedisPersistence, RelayMode, SharedStoreKind, StoreKind, find_relay_bin,
+    ProcessStop, RedisPersistence, RelayMode, SharedStoreKind, StoreKind, find_relay_bin,
 };
 use oab_loadtest::report::Report;
 use oab_loadtest::scenario::a2a_sdk::A2aSdkOptions;
@@ -23,6 +23,7 @@ use oab_loadtest::scenario::sessions::SessionsOptions;
 use oab_loadtest::scenario::slow_consumer::SlowConsumerOptions;
 use oab_loadtest::scenario::soak::SoakOptions;
 use oab_loadtest::scenario::throughput::ThroughputOptions;
+use oab_loadtest::scenario::upgrade_drill::{UpgradeDrillOptions, find_haproxy};
 use oab_loadtest::scenario::{self, Common};
 use oab_loadtest::setup::Tuning;
 
@@ -100,6 +101,11 @@ Scenarios:
               agent, direct and through facade -> relay (Redis) -> driver
               (each its own process): delegations/s, CPU per delegation
               of every process, Redis commands per delegation
+  upgrade-drill
+              a rolling upgrade under load: two relays (Redis, AOF) behind
+              HAProxy, both connectors and the library caller, Redis, each
+              restarted in turn (SIGKILL or SIGTERM); every delegation
+              against what the official-SDK agent emitted
   chart       an SVG of throughput.json and latency.json (no scenario)
 
 Short correctness smoke runs (each well under 20 s in a debug build):
@@ -115,6 +121,10 @@ Short correctness smoke runs (each well under 20 s in a debug build):
 The short soak (about 90 s in a debug build; needs oab-connector built):
   oab-loadtest --check soak --delegations 10000 --finished-ttl-ms 3000 --probe 500 \
       --in-flight 8 --facade-in-flight 64
+
+The short upgrade drill (about 15 s in a debug build; needs oab-connector,
+haproxy and scripts/python-env):
+  oab-loadtest --check upgrade-drill --delegations 20 --ticks 40 --tick-ms 250 --stop term
 
 Exit status: 0 done; 1 a correctness invariant failed and --check was given
 (frames lost, duplicated, reordered or corrupt; sessions lost; a delegation
@@ -383,6 +393,57 @@ enum Command {
     /// per delegation. Needs the virtualenv of scripts/python-env. --check
     /// fails on a failed call.
     A2aSdk(A2aSdkArgs),
+    /// A rolling upgrade while delegations run: every process restarted in
+    /// turn.
+    ///
+    /// Two relay instances (one fleet on one redis-server with an AOF)
+    /// behind HAProxy, connector A (facade) and connector B (driver in
+    /// front of the official-SDK sample agent) as `oab-connector run`
+    /// processes with state folders, and a library caller in this process.
+    /// --delegations run, half through each caller path, each --ticks
+    /// progress updates --tick-ms apart. Then relay-1, relay-2, connector
+    /// B, connector A, the library caller and Redis are restarted one at a
+    /// time (--stop kill: SIGKILL; term: SIGTERM), each once every running
+    /// delegation carries traffic again after the one before. --check
+    /// fails when a delegation's progress updates differ from what the
+    /// agent emitted (lost, duplicated, reordered), its outcome differs
+    /// from the agent's (unknown included), its result does not verify, or
+    /// traffic does not resume within --step-timeout-seconds. Needs
+    /// haproxy and the virtualenv of scripts/python-env.
+    UpgradeDrill(UpgradeDrillArgs),
+}
+
+#[derive(Debug, Args)]
+struct UpgradeDrillArgs {
+    /// Delegations running through the restarts, both paths together.
+    #[arg(long, default_value_t = 500)]
+    delegations: u32,
+    /// Progress updates per delegation.
+    #[arg(long, default_value_t = 120)]
+    ticks: u32,
+    /// Milliseconds between two progress updates.
+    #[arg(long, default_value_t = 1000)]
+    tick_ms: u64,
+    /// How each process is stopped before it is started again.
+    #[arg(long, value_enum, default_value = "kill")]
+    stop: ProcessStop,
+    /// How long traffic may take to resume after each restart.
+    #[arg(long, default_value_t = 60.0)]
+    step_timeout_seconds: f64,
+    /// The oab-connector binary [default: next to this executable].
+    #[arg(long, value_name = "PATH")]
+    connector_bin: Option<PathBuf>,
+    /// The Python with the official a2a-sdk [default: .venv/bin/python of
+    /// the source tree, made by scripts/python-env].
+    #[arg(long, value_name = "PATH")]
+    python: Option<PathBuf>,
+    /// The folder with sample_agent.py [default:
+    /// agent-connector/tests/interop of the source tree].
+    #[arg(long, value_name = "DIR")]
+    interop_dir: Option<PathBuf>,
+    /// The haproxy binary [default: haproxy on PATH, else /usr/sbin/haproxy].
+    #[arg(long, value_name = "PATH")]
+    haproxy: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -1082,6 +1143,33 @@ async fn run(cli: &Cli, common: &Common) -> anyhow::Result<Report> {
                     .unwrap_or_else(|| tree.join("agent-connector/tests/interop")),
             };
             scenario::a2a_sdk::run(&opts, common).await
+        }
+        Command::UpgradeDrill(a) => {
+            positive("--step-timeout-seconds", a.step_timeout_seconds)
+                .map_err(anyhow::Error::msg)?;
+            let connector_bin = find_connector_bin(a.connector_bin.as_deref()).context(
+                "the oab-connector binary is not next to this executable: build it \
+                 (cargo build --release -p oab-connector) or pass --connector-bin",
+            )?;
+            let tree = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let opts = UpgradeDrillOptions {
+                delegations: a.delegations.max(2),
+                ticks: a.ticks.max(1),
+                tick_ms: a.tick_ms.max(1),
+                stop: a.stop,
+                step_timeout: Duration::from_secs_f64(a.step_timeout_seconds),
+                connector_bin,
+                python: a
+                    .python
+                    .clone()
+                    .unwrap_or_else(|| tree.join(".venv/bin/python")),
+                interop_dir: a
+                    .interop_dir
+                    .clone()
+                    .unwrap_or_else(|| tree.join("agent-connector/tests/interop")),
+                haproxy: find_haproxy(a.haproxy.as_deref()),
+            };
+            scenario::upgrade_drill::run(&opts, common).await
         }
         Command::Chart(_) => anyhow::bail!("chart runs no scenario"),
     }

@@ -285,11 +285,34 @@ impl RelayUnderTest {
         setup: &Setup,
         mode: &RelayMode,
     ) -> anyhow::Result<()> {
+        self.restart(setup, mode, ProcessStop::Kill)
+            .await
+            .map(|_| ())
+    }
+
+    /// Stops the relay as `stop` says and starts it again on the same
+    /// address, admin address and store. Returns how the old process
+    /// ended: with SIGTERM, whether it exited cleanly within
+    /// [`TERM_TIMEOUT`] (it drains its sessions first), and how long that
+    /// took.
+    pub async fn restart(
+        &mut self,
+        setup: &Setup,
+        mode: &RelayMode,
+        stop: ProcessStop,
+    ) -> anyhow::Result<Stopped> {
+        let began = tokio::time::Instant::now();
+        let mut clean = false;
         match &mut self.running {
-            Running::Process { child, .. } => {
-                let _ = child.start_kill();
-                let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
-            }
+            Running::Process { child, pid, .. } => match stop {
+                ProcessStop::Kill => {
+                    let _ = child.start_kill();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+                }
+                ProcessStop::Term => {
+                    clean = terminate(child, *pid, TERM_TIMEOUT).await;
+                }
+            },
             Running::InProcess { stop, done } => {
                 stop.cancel();
                 if let Some(done) = done.take() {
@@ -343,7 +366,10 @@ impl RelayUnderTest {
         }
         self.admin = started.admin;
         self.running = started.running;
-        Ok(())
+        Ok(Stopped {
+            clean,
+            took: began.elapsed(),
+        })
     }
 
     /// Stops the relay and waits for it (bounded), then its redis-server.
@@ -515,6 +541,55 @@ enum SharedStore {
 enum StoreNode {
     Unix(PathBuf),
     Tcp(SocketAddr),
+}
+
+/// How a process of the run is stopped before it is started again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProcessStop {
+    /// SIGKILL: a crash (no drain, nothing flushed).
+    Kill,
+    /// SIGTERM: the clean stop of a service manager or a rolling upgrade.
+    Term,
+}
+
+impl ProcessStop {
+    /// Stable name for tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProcessStop::Kill => "kill",
+            ProcessStop::Term => "term",
+        }
+    }
+}
+
+/// How a restarted process's predecessor ended.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped {
+    /// It exited with status 0 after SIGTERM (always `false` for SIGKILL).
+    pub clean: bool,
+    /// From the signal to the new process being ready.
+    pub took: Duration,
+}
+
+/// How long a process may take to exit after SIGTERM (a relay drains its
+/// sessions first, 10 s by default) before it is killed.
+pub const TERM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Sends SIGTERM to a child and waits for its exit, at most `timeout`
+/// (then SIGKILL). `true`: it exited with status 0 in time.
+pub async fn terminate(child: &mut tokio::process::Child, pid: u32, timeout: Duration) -> bool {
+    let signalled = tokio::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await
+        .is_ok_and(|s| s.success());
+    if signalled && let Ok(Ok(exit)) = tokio::time::timeout(timeout, child.wait()).await {
+        return exit.success();
+    }
+    let _ = child.start_kill();
+    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+    false
 }
 
 /// Several relay instances over one store started for the run: each a fleet
@@ -724,6 +799,52 @@ impl RelayFleet {
         }
     }
 
+    /// Stops instance `i` as `stop` says and starts it again on the same
+    /// addresses (see [`RelayUnderTest::restart`]).
+    pub async fn restart_instance(
+        &mut self,
+        i: usize,
+        setup: &Setup,
+        mode: &RelayMode,
+        stop: ProcessStop,
+    ) -> anyhow::Result<Stopped> {
+        let relay = self
+            .instances
+            .get_mut(i)
+            .with_context(|| format!("no fleet instance {i}"))?;
+        relay.restart(setup, mode, stop).await
+    }
+
+    /// Stops the store's `redis-server` as `stop` says (SIGTERM: it syncs
+    /// its AOF and exits; SIGKILL: a crash) and starts it again on the same
+    /// directory, which reloads the AOF. A single `redis-server` only.
+    pub async fn restart_store(&mut self, stop: ProcessStop) -> anyhow::Result<Stopped> {
+        let SharedStore::Redis(server) = &mut self.store else {
+            bail!("restarting the store is done for a single redis-server only");
+        };
+        let began = std::time::Instant::now();
+        // The harness waits with blocking sleeps: off this worker's tasks.
+        let mut bounce = || -> anyhow::Result<bool> {
+            let clean = match stop {
+                ProcessStop::Kill => {
+                    server.kill().context("killing redis-server")?;
+                    false
+                }
+                ProcessStop::Term => server.stop(TERM_TIMEOUT).context("stopping redis-server")?,
+            };
+            server.restart().context("starting redis-server again")?;
+            Ok(clean)
+        };
+        let clean = match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => bounce()?,
+            _ => tokio::task::block_in_place(bounce)?,
+        };
+        Ok(Stopped {
+            clean,
+            took: began.elapsed(),
+        })
+    }
+
     /// Stops every instance (last started first), then the store.
     pub async fn stop(mut self) {
         while let Some(r) = self.instances.pop() {
@@ -922,8 +1043,12 @@ async fn start_process(
         .dir
         .path()
         .join(format!("{log_name}-{}.log", std::process::id()));
-    let stderr = std::fs::File::create(&stderr_log)
-        .with_context(|| format!("creating {}", stderr_log.display()))?;
+    // Appended to: a restarted relay's log follows its predecessor's.
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&stderr_log)
+        .with_context(|| format!("opening {}", stderr_log.display()))?;
     let mut child = tokio::process::Command::new(bin)
         .arg("--config")
         .arg(&setup.config_path)

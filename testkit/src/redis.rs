@@ -25,7 +25,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often readiness is probed while `redis-server` starts.
 const READY_POLL_INTERVAL: Duration = Duration::from_millis(5);
@@ -197,6 +197,37 @@ impl RedisServer {
             child.wait()?;
         }
         Ok(())
+    }
+
+    /// Stops the process with SIGTERM, as an operator's service manager
+    /// does: Redis finishes the command it runs, writes and syncs its AOF,
+    /// and exits. Waits for the exit (bounded by `timeout`; SIGKILL after
+    /// it) and returns whether it exited cleanly in time. Does nothing if it
+    /// is not running.
+    pub fn stop(&mut self, timeout: Duration) -> io::Result<bool> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(true);
+        };
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            let _ = child.kill();
+            child.wait()?;
+            return Ok(false);
+        }
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(exit) = child.try_wait()? {
+                return Ok(exit.success());
+            }
+            if Instant::now() >= until {
+                let _ = child.kill();
+                child.wait()?;
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Starts the server again on the same directory and socket (killing it

@@ -96,15 +96,25 @@ impl Procs<'_> {
 }
 
 async fn start_agent(opts: &A2aSdkOptions) -> anyhow::Result<(tokio::process::Child, u16)> {
-    let mut child = tokio::process::Command::new(&opts.python)
-        .arg(opts.interop_dir.join("sample_agent.py"))
+    start_sample_agent(&opts.python, &opts.interop_dir).await
+}
+
+/// Starts the official-SDK sample agent (`sample_agent.py` in
+/// `interop_dir`, run by `python`) on a free loopback port; returns the
+/// child and its port once it serves.
+pub(crate) async fn start_sample_agent(
+    python: &std::path::Path,
+    interop_dir: &std::path::Path,
+) -> anyhow::Result<(tokio::process::Child, u16)> {
+    let mut child = tokio::process::Command::new(python)
+        .arg(interop_dir.join("sample_agent.py"))
         .arg("--port=0")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .spawn()
-        .with_context(|| format!("starting {} sample_agent.py", opts.python.display()))?;
+        .with_context(|| format!("starting {} sample_agent.py", python.display()))?;
     let stdout = child.stdout.take().context("the agent's stdout")?;
     let mut lines = tokio::io::BufReader::new(stdout).lines();
     let line = tokio::time::timeout(AGENT_START_TIMEOUT, lines.next_line())

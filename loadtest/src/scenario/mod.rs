@@ -14,6 +14,7 @@
 //! | [`reconnect_storm`] | link cuts, resets, stalls and away faults on both links, relay kills, Redis kills, caller restarts, library or A2A path: every delegation ends once at the caller, nothing lost, repeated or rerun |
 //! | [`cross_instance`] | two relay instances over one Redis: cross-instance throughput and latency against one instance, ratios |
 //! | [`a2a_sdk`] | blocking A2A calls, official Python SDK client and agent, direct and through facade, relay and driver processes: delegations/s, CPU per delegation per process |
+//! | [`upgrade_drill`] | two relays behind HAProxy, both connectors, the library caller and Redis restarted in turn under load: every delegation's events and outcome against the agent's |
 //! | [`soak`] | hundreds of thousands of delegations through the relay (Redis) and two connector processes, library and A2A paths: RSS, `state_dir` and Redis at checkpoints, growth per delegation, the idle plateau |
 
 pub mod a2a_sdk;
@@ -27,6 +28,7 @@ pub mod sessions;
 pub mod slow_consumer;
 pub mod soak;
 pub mod throughput;
+pub mod upgrade_drill;
 
 use std::time::Duration;
 
