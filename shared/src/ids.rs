@@ -272,6 +272,37 @@ impl DelegationKey {
     pub fn new(caller: PeerId, request_id: RequestId) -> Self {
         DelegationKey { caller, request_id }
     }
+
+    /// The id a connector's A2A facade gives the delegation's task until
+    /// the callee's own task id is known: `task-` and 32 hex digits of the
+    /// SHA-256 of the key's text form. Derived, so a restarted connector
+    /// answers to the ids its clients hold, and the relay can find a
+    /// delegation by it.
+    pub fn a2a_task_id(&self) -> String {
+        let d = crate::Digest::of(self.to_string().as_bytes());
+        let hex = crate::digest::hex(&d.0);
+        format!("task-{}", hex.get(..32).unwrap_or(&hex))
+    }
+}
+
+impl std::str::FromStr for DelegationKey {
+    type Err = IdError;
+
+    /// The text form `Display` writes: `<caller peer id>#<request id>`
+    /// (neither may contain `#`).
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        let Some((caller, request_id)) = s.split_once('#') else {
+            return Err(IdError::new(
+                "delegation key",
+                s.as_bytes(),
+                "must be <caller peer id>#<request id>",
+            ));
+        };
+        Ok(DelegationKey {
+            caller: PeerId::new(caller)?,
+            request_id: RequestId::new(request_id)?,
+        })
+    }
 }
 
 impl fmt::Display for DelegationKey {
@@ -289,6 +320,30 @@ impl fmt::Debug for DelegationKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_delegation_key_reads_back_its_text_form() {
+        let key = DelegationKey::new(
+            PeerId::new("acme/build-bot").unwrap(),
+            RequestId::new("req-1").unwrap(),
+        );
+        let text = key.to_string();
+        assert_eq!(text, "acme/build-bot#req-1");
+        assert_eq!(text.parse::<DelegationKey>().unwrap(), key);
+        for (bad, why) in [
+            ("acme/build-bot", "#"),
+            ("acme#req-1", "namespace/name"),
+            ("acme/build-bot#", "request id"),
+            ("acme/build-bot#a#b", "allowed"),
+        ] {
+            let err = bad.parse::<DelegationKey>().unwrap_err();
+            assert!(err.to_string().contains(why), "{bad}: {err}");
+        }
+        let task = key.a2a_task_id();
+        assert!(task.starts_with("task-") && task.len() == 37, "{task}");
+        let other = DelegationKey::new(key.caller, RequestId::new("req-2").unwrap());
+        assert_ne!(task, other.a2a_task_id(), "one id per delegation");
+    }
 
     #[test]
     fn peer_ids() {

@@ -740,8 +740,7 @@ pub(crate) struct NewTask {
 /// is known. Derived from the delegation key, so a restarted connector
 /// answers to the ids its clients already hold.
 pub(crate) fn minted_task_id(key: &DelegationKey) -> String {
-    let d = oab_wire::Digest::of(key.to_string().as_bytes());
-    format!("task-{}", &oab_wire::digest::hex(&d.0)[..32])
+    key.a2a_task_id()
 }
 
 /// The tasks by id and by delegation, in creation order. An entry is added
