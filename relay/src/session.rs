@@ -1141,7 +1141,7 @@ impl<S: EventStore> Session<S> {
 
     /// Refuses the frame at `seq` of `key`'s `dir` log with an `Error` frame.
     fn refuse(&self, refusal: Refusal, key: Option<&DelegationKey>, dir: Direction, seq: u64) {
-        self.hub.refuse(&self.me.outbox, refusal, key, dir, seq);
+        self.hub.refuse(&self.me, refusal, key, dir, seq);
     }
 
     async fn handle(&mut self, (raw, frame): (Bytes, Frame)) {

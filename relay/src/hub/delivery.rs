@@ -389,7 +389,7 @@ impl<S: EventStore> Hub<S> {
     /// (its code and text come from [`Refusal`] only).
     pub fn refuse(
         &self,
-        outbox: &Outbox,
+        to: &SessionRef,
         refusal: Refusal,
         key: Option<&DelegationKey>,
         dir: Direction,
@@ -397,12 +397,23 @@ impl<S: EventStore> Hub<S> {
     ) {
         let code = refusal.code();
         self.metrics.errors.with_label_values(&[code.name()]).inc();
+        let message = refusal.message().into_owned();
+        self.refusals.record(super::RefusalRecord {
+            at_ms: oab_wire::identity::now_ms(),
+            peer: to.peer.to_string(),
+            code: code.name().to_string(),
+            message: message.clone(),
+            key: key.map(ToString::to_string),
+            dir: dir.name().to_string(),
+            seq,
+        });
+        let outbox = &to.outbox;
         let frame = Frame::Error(oab_wire::ErrorFrame {
             code: code.as_u16(),
             key: key.cloned(),
             direction: dir,
             seq,
-            message: refusal.message().into_owned(),
+            message,
         });
         if let Ok(bytes) = encode(&frame) {
             outbox.push(bytes);

@@ -155,6 +155,50 @@ impl StoreHealth {
     }
 }
 
+/// How many refusals [`RecentRefusals`] keeps: the latest, for `/status`.
+pub const RECENT_REFUSALS: usize = 32;
+
+/// The latest refusals sent to peers here (`/status` and its page): a ring
+/// of [`RECENT_REFUSALS`], oldest dropped first.
+#[derive(Debug, Default)]
+pub struct RecentRefusals {
+    ring: Mutex<std::collections::VecDeque<RefusalRecord>>,
+}
+
+/// One refusal sent to a peer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RefusalRecord {
+    /// When (ms since the Unix epoch).
+    pub at_ms: u64,
+    /// The peer refused.
+    pub peer: String,
+    /// The error code's name (`no_route`, `rate_limited`, ...).
+    pub code: String,
+    /// The text sent with it.
+    pub message: String,
+    /// The delegation it was about (`caller#request_id`), if any.
+    pub key: Option<String>,
+    /// The log (`down`, `up`) and sequence it was about.
+    pub dir: String,
+    /// The sequence.
+    pub seq: u64,
+}
+
+impl RecentRefusals {
+    fn record(&self, r: RefusalRecord) {
+        let mut ring = self.ring.lock();
+        if ring.len() == RECENT_REFUSALS {
+            ring.pop_front();
+        }
+        ring.push_back(r);
+    }
+
+    /// The refusals kept, newest first.
+    pub fn latest(&self) -> Vec<RefusalRecord> {
+        self.ring.lock().iter().rev().cloned().collect()
+    }
+}
+
 /// The shared relay state.
 #[derive(Debug)]
 pub struct Hub<S> {
@@ -178,6 +222,8 @@ pub struct Hub<S> {
     pub fleet: Arc<Fleet>,
     /// The store's last failure (`/status`).
     pub store_health: StoreHealth,
+    /// The latest refusals sent here (`/status`).
+    pub refusals: RecentRefusals,
     /// The session of each peer online here (at most one per configured
     /// peer); an entry is removed when that session unregisters.
     sessions: Mutex<HashMap<PeerId, SessionRef>>,
@@ -280,6 +326,7 @@ impl<S: EventStore> Hub<S> {
             peers_pushes: Mutex::new(HashMap::new()),
             fleet,
             store_health: StoreHealth::default(),
+            refusals: RecentRefusals::default(),
             store,
             config,
             live: ArcSwap::from_pointee(live),

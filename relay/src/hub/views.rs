@@ -135,6 +135,20 @@ impl<S: EventStore> Hub<S> {
         Ok(Some(live))
     }
 
+    /// What this instance delivered of each log of a delegation (down, up)
+    /// to a receiver session it holds, from the cached view; `None` for a
+    /// log with no subscription here (or no cached view). Never loads.
+    pub fn delivered_here(&self, key: &DelegationKey) -> [Option<u64>; 2] {
+        let Some(live) = self.views.lock().get(key).cloned() else {
+            return [None, None];
+        };
+        let l = live.lock();
+        [
+            l.subs[0].as_ref().map(|s| s.delivered),
+            l.subs[1].as_ref().map(|s| s.delivered),
+        ]
+    }
+
     pub(super) fn view_from_meta(&self, meta: &DelegationMeta) -> DelegationView {
         let max_payload = self
             .live()

@@ -392,6 +392,15 @@ impl EventStore for MemoryStore {
         Ok(inner.metas_in(inner.by_peer.get(peer)))
     }
 
+    async fn delegation_keys_of(&self, peer: &PeerId) -> Result<Vec<DelegationKey>, StoreError> {
+        Ok(self
+            .lock()
+            .by_peer
+            .get(peer)
+            .map(|keys| keys.iter().cloned().collect())
+            .unwrap_or_default())
+    }
+
     async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         let inner = self.lock();
         Ok(inner.metas_in(inner.open_by_peer.get(peer)))

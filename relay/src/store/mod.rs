@@ -423,6 +423,27 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
         }
     }
 
+    /// The keys of the delegations where `peer` is caller or callee that
+    /// may still exist (open, or finished within retention), without their
+    /// records: what `oab-relay inspect` scans to find a delegation by an id
+    /// derived from its key. The Redis store reads the peer's index in steps
+    /// (`SSCAN`), so a long index never blocks the server; an entry may name
+    /// a delegation that has just expired. The default reads
+    /// [`Self::delegations_of`].
+    fn delegation_keys_of(
+        &self,
+        peer: &PeerId,
+    ) -> impl Future<Output = Result<Vec<DelegationKey>, StoreError>> + Send {
+        async move {
+            Ok(self
+                .delegations_of(peer)
+                .await?
+                .into_iter()
+                .map(|m| m.key)
+                .collect())
+        }
+    }
+
     /// Compacts finished delegations whose caller has processed their
     /// terminal (the caller's release, [`Release`]): both logs are dropped
     /// and the meta record stays, with the outcome and the tails, until its
@@ -476,6 +497,14 @@ pub trait EventStore: FleetStore + Send + Sync + 'static {
     /// `memory`, `redis`, `redis cluster`.
     fn kind(&self) -> &'static str {
         "other"
+    }
+
+    /// Where the delegation lives in the backend, for operators (`oab-relay
+    /// inspect`): the Redis store's key names (which may exist or not);
+    /// none for a backend without named keys.
+    fn keys_of(&self, key: &DelegationKey) -> Vec<String> {
+        let _ = key;
+        Vec::new()
     }
 
     /// Registers the backend's own metrics in the relay's registry (the

@@ -899,6 +899,11 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 impl EventStore for RedisStore {
+    fn keys_of(&self, key: &DelegationKey) -> Vec<String> {
+        let k = keys::DelegationKeys::new(key);
+        vec![k.meta, k.down, k.up, k.down_sizes, k.up_sizes]
+    }
+
     fn kind(&self) -> &'static str {
         if self.is_cluster() {
             "redis cluster"
@@ -1250,6 +1255,33 @@ impl EventStore for RedisStore {
 
     async fn delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
         self.delegations_in(&peer_set_key(peer), peer, false).await
+    }
+
+    async fn delegation_keys_of(&self, peer: &PeerId) -> Result<Vec<DelegationKey>, StoreError> {
+        let set = peer_set_key(peer);
+        let mut keys = Vec::new();
+        let mut cursor = "0".to_string();
+        loop {
+            let mut cmd = redis::cmd("SSCAN");
+            cmd.arg(&set).arg(&cursor).arg("COUNT").arg(1000);
+            let reply = self.query(&cmd, true, "SSCAN").await?;
+            let Value::Array(parts) = reply else {
+                return Err(corrupt(format!(
+                    "SSCAN: unexpected reply {}",
+                    excerpt(&reply)
+                )));
+            };
+            let (Some(next), Some(Value::Array(members) | Value::Set(members))) =
+                (parts.first().and_then(str_of), parts.get(1))
+            else {
+                return Err(corrupt("SSCAN: unexpected reply shape"));
+            };
+            keys.extend(members.iter().filter_map(|m| str_of(m).and_then(parse_key)));
+            if next == "0" {
+                return Ok(keys);
+            }
+            cursor = next.to_string();
+        }
     }
 
     async fn open_delegations_of(&self, peer: &PeerId) -> Result<Vec<DelegationMeta>, StoreError> {
