@@ -207,6 +207,41 @@ impl RequestId {
     /// Longest request id in bytes.
     pub const MAX_LEN: usize = 128;
 }
+impl RequestId {
+    /// The request id prefix of the delegations a connector's OpenAB CP
+    /// endpoint sends for the CP delegation id `delegation_id`: `cp-<id>-`
+    /// for an id of at most 96 bytes of `A-Z a-z 0-9 . _ : -`, else
+    /// `cp-h<16 hex of its SHA-256>-`. The endpoint appends 16 random hex
+    /// digits ([`RequestId::for_cp_delegation`]), so the relay can find a
+    /// delegation by the id its OpenAB runtime knows (`oab-relay inspect`).
+    pub fn cp_prefix(delegation_id: &str) -> String {
+        let plain = !delegation_id.is_empty()
+            && delegation_id.len() <= 96
+            && delegation_id.bytes().all(is_token_byte);
+        if plain {
+            format!("cp-{delegation_id}-")
+        } else {
+            let d = crate::Digest::of(delegation_id.as_bytes());
+            let hex = crate::digest::hex(&d.0);
+            format!("cp-h{}-", hex.get(..16).unwrap_or(&hex))
+        }
+    }
+
+    /// A fresh request id for the CP delegation id `delegation_id`:
+    /// [`RequestId::cp_prefix`] and 16 random hex digits (at most 116
+    /// bytes, so always valid).
+    pub fn for_cp_delegation(delegation_id: &str) -> RequestId {
+        let mut b = [0u8; 8];
+        rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut b);
+        let text = format!(
+            "{}{}",
+            Self::cp_prefix(delegation_id),
+            crate::digest::hex(&b)
+        );
+        RequestId(Bytes::from(text))
+    }
+}
+
 impl RelayId {
     /// Longest relay id in bytes.
     pub const MAX_LEN: usize = 128;
@@ -373,6 +408,21 @@ mod tests {
     #[test]
     fn tokens() {
         assert!(RequestId::new("req-1:2026.11_30").is_ok());
+        // CP delegation ids: plain ones readable, others hashed; always valid.
+        for (cp, prefix) in [
+            ("deleg-7", "cp-deleg-7-".to_string()),
+            ("a b/c", RequestId::cp_prefix("a b/c")),
+            (&*"x".repeat(97), RequestId::cp_prefix(&"x".repeat(97))),
+            ("", RequestId::cp_prefix("")),
+        ] {
+            let r = RequestId::for_cp_delegation(cp);
+            assert!(RequestId::new(r.as_str()).is_ok(), "{r}");
+            assert!(r.as_str().starts_with(&prefix), "{r}");
+            assert_eq!(r.as_str().len(), prefix.len() + 16);
+            assert_ne!(r, RequestId::for_cp_delegation(cp));
+        }
+        assert!(RequestId::cp_prefix("a b/c").starts_with("cp-h"));
+        assert_eq!(RequestId::cp_prefix("a b/c").len(), "cp-h".len() + 17);
         assert!(RequestId::new(&"r".repeat(128)).is_ok());
         assert!(RequestId::new(&"r".repeat(129)).is_err());
         assert!(RequestId::new("").is_err());

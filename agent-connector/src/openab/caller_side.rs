@@ -209,8 +209,11 @@ pub(crate) fn delegate(
         );
     }
     let defaults = DelegationDefaults::default();
+    // A request id the relay can find the delegation by (`oab-relay inspect
+    // <delegation id>`).
+    let request_id = oab_wire::RequestId::for_cp_delegation(&p.delegation_id);
     let spec = NewDelegation {
-        request_id: None,
+        request_id: Some(request_id),
         task: Task {
             text: p.prompt,
             context: openab_context(
@@ -405,6 +408,9 @@ impl Flight {
                 return;
             }
         };
+        // The CP delegation id beside the relay's key (the span carries the
+        // former): what `oab-relay inspect` takes.
+        tracing::info!(key = %handle.key, callee = %handle.callee, "delegation sent");
         let (end, acked) = self.follow(&caller, &handle).await;
         let result = match end {
             End::Cancelled(reason) => {
