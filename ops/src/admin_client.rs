@@ -106,14 +106,7 @@ pub fn url_of_listen(addr: std::net::SocketAddr) -> String {
 /// the body of a 200 answer; otherwise a message that names the URL, with
 /// `hint` (where to look) after a failure to get any answer.
 pub fn fetch_status(admin: &str, hint: &str) -> Result<(String, Vec<u8>), String> {
-    let url = join(admin, "/status");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("starting the async runtime: {e}"))?;
-    let resp = runtime
-        .block_on(get(&url, Duration::from_secs(10)))
-        .map_err(|e| format!("{e} ({hint})"))?;
+    let (url, resp) = fetch(admin, "/status", hint)?;
     if resp.status != 200 {
         return Err(format!(
             "{url}: HTTP {}: {}",
@@ -122,6 +115,35 @@ pub fn fetch_status(admin: &str, hint: &str) -> Result<(String, Vec<u8>), String
         ));
     }
     Ok((url, resp.body))
+}
+
+/// `GET <admin><path>` on a runtime of its own, within 10 s: the URL and the
+/// answer, whatever its status; a message that names the URL, with `hint`
+/// (where to look), when no answer came.
+pub fn fetch(admin: &str, path: &str, hint: &str) -> Result<(String, Response), String> {
+    let url = join(admin, path);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the async runtime: {e}"))?;
+    let resp = runtime
+        .block_on(get(&url, Duration::from_secs(10)))
+        .map_err(|e| format!("{e} ({hint})"))?;
+    Ok((url, resp))
+}
+
+/// `text` percent-encoded for a URL query value: every byte but
+/// `A-Z a-z 0-9 - . _ ~` as `%XX`.
+pub fn query_value(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Sends `GET url` and reads the whole answer within `timeout`.
@@ -222,6 +244,15 @@ fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_query_value_keeps_unreserved_bytes_and_encodes_the_rest() {
+        assert_eq!(
+            query_value("acme/bot#req-1.a_b~"),
+            "acme%2Fbot%23req-1.a_b~"
+        );
+        assert_eq!(query_value("a b&c=é"), "a%20b%26c%3D%C3%A9");
+    }
 
     #[test]
     fn urls_split_into_address_and_path() {

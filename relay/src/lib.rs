@@ -23,6 +23,7 @@
 //! | [`store`] | the durable log interface and its memory and Redis backends |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`status`] | `/status` on the admin port, its page, and `oab-relay status`'s tables |
+//! | [`inspect`] | where one delegation is (`/delegation`, `oab-relay inspect`), the oldest open ones |
 //! | [`client_log`] | the Redis client's log records, rate-limited into `tracing` |
 //! | [`dev`] | the quick start: development certificate, identities, config |
 //!
@@ -37,6 +38,7 @@ pub mod config;
 pub mod dev;
 pub mod fleet;
 pub mod hub;
+pub mod inspect;
 pub mod live;
 pub mod lockout;
 pub mod metrics;

@@ -71,12 +71,31 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show where one delegation is, from a running relay's admin port
+    /// (`/delegation`): its parties and the instance serving each, its state
+    /// and times, the last sequence stored, acknowledged and delivered in
+    /// each direction, follow-ups and cancels, its store keys and what it
+    /// waits for. The relay is found as for `status`. Exit code 1 when no
+    /// delegation has the id.
+    Inspect {
+        /// The delegation: its key (`<caller peer>#<request id>`), the A2A
+        /// task id the facade gave it (`task-<32 hex>`), or the delegation
+        /// id an OpenAB runtime gave it at a connector's CP endpoint.
+        id: String,
+        /// The relay's admin address (`relay.admin_listen`): `host:port` or
+        /// `http://host:port`.
+        #[arg(long, env = "OAB_RELAY_ADMIN_URL")]
+        admin: Option<String>,
+        /// Print the JSON as served instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Configuration file (TOML). Without it, a development relay runs.
-    /// With `status`: the relay whose `relay.admin_listen` to ask.
+    /// With `status` and `inspect`: the relay whose `relay.admin_listen` to ask.
     #[arg(long, short, env = "OAB_RELAY_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// Folder for the development setup (used without --config).
@@ -198,6 +217,35 @@ fn print_status(admin: Option<&str>, run: &RunArgs, json: bool) -> anyhow::Resul
     Ok(())
 }
 
+/// `oab-relay inspect`: fetches `/delegation?id=` and prints it.
+#[allow(clippy::print_stdout)]
+fn print_inspection(
+    id: &str,
+    admin: Option<&str>,
+    run: &RunArgs,
+    json: bool,
+) -> anyhow::Result<()> {
+    let (admin, hint) = status_target(admin, run)?;
+    let path = format!("/delegation?id={}", oab_ops::admin_client::query_value(id));
+    let (url, resp) =
+        oab_ops::admin_client::fetch(&admin, &path, &hint).map_err(anyhow::Error::msg)?;
+    if resp.status != 200 {
+        let error = serde_json::from_slice::<serde_json::Value>(&resp.body)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or_else(|| String::from_utf8_lossy(&resp.body).into_owned());
+        anyhow::bail!("{error} (HTTP {} from {url})", resp.status);
+    }
+    if json {
+        println!("{}", String::from_utf8_lossy(&resp.body));
+        return Ok(());
+    }
+    let inspection: oab_relay::inspect::Inspection = serde_json::from_slice(&resp.body)
+        .with_context(|| format!("{url}: not the /delegation of this relay version"))?;
+    print!("{}", inspection.render());
+    Ok(())
+}
+
 /// Runs the command; an error is printed once, as one line of causes
 /// (`oab_ops::logging::error_line`, never a backtrace, whatever `RUST_BACKTRACE` says), with exit
 /// code 2 when the configuration was refused (unreadable or invalid) and 1
@@ -223,6 +271,13 @@ fn run_command() -> anyhow::Result<()> {
     if let Some(Command::Status { admin, json }) = &cli.command {
         if let Err(e) = print_status(admin.as_deref(), &cli.run, *json) {
             eprintln!("oab-relay status: {e:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
+    if let Some(Command::Inspect { id, admin, json }) = &cli.command {
+        if let Err(e) = print_inspection(id, admin.as_deref(), &cli.run, *json) {
+            eprintln!("oab-relay inspect: {e:#}");
             std::process::exit(1);
         }
         return Ok(());

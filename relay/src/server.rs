@@ -589,6 +589,8 @@ fn admin_router<S: EventStore>(hub: Arc<Hub<S>>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler::<S>))
         .route("/status", get(status_handler::<S>))
+        .route("/delegation", get(delegation_handler::<S>))
+        .route("/delegations", get(delegations_handler::<S>))
         .route("/status.html", get(status_page))
         .route("/", get(status_page))
         .with_state(hub)
@@ -598,6 +600,63 @@ async fn status_handler<S: EventStore>(
     State(hub): State<Arc<Hub<S>>>,
 ) -> axum::Json<crate::status::RelayStatus> {
     axum::Json(crate::status::status(&hub).await)
+}
+
+/// `GET /delegation?id=<key | A2A task id | CP delegation id>`: where one
+/// delegation is (`oab-relay inspect`). 200 with the inspection; 400 for an
+/// id of no known form; 404 when no delegation has it; 409 when a CP
+/// delegation id names several; 503 when the store does not answer. Errors
+/// are JSON `{"error": "..."}`.
+async fn delegation_handler<S: EventStore>(
+    State(hub): State<Arc<Hub<S>>>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> axum::response::Response {
+    use crate::inspect::InspectError;
+    use axum::response::IntoResponse as _;
+    let Some(id) = q.get("id") else {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            "missing query parameter id (a delegation key, A2A task id or CP delegation id)",
+        );
+    };
+    match crate::inspect::inspect(&hub, id).await {
+        Ok(i) => axum::Json(i).into_response(),
+        Err(e) => {
+            let status = match &e {
+                InspectError::BadId(_) => StatusCode::BAD_REQUEST,
+                InspectError::NotFound(_) => StatusCode::NOT_FOUND,
+                InspectError::Ambiguous { .. } => StatusCode::CONFLICT,
+                InspectError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            json_error(status, &e.to_string())
+        }
+    }
+}
+
+/// `GET /delegations?limit=N`: the configured callers' open delegations,
+/// oldest first (at most `inspect::MAX_OLDEST`; default 10). One store read
+/// per open delegation. 503 when the store does not answer.
+async fn delegations_handler<S: EventStore>(
+    State(hub): State<Arc<Hub<S>>>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let limit = match q.get("limit").map(|l| l.parse::<usize>()) {
+        None => 10,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return json_error(StatusCode::BAD_REQUEST, "limit must be a whole number");
+        }
+    };
+    match crate::inspect::oldest_open(&hub, limit).await {
+        Ok(o) => axum::Json(o).into_response(),
+        Err(e) => json_error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+fn json_error(status: StatusCode, error: &str) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    (status, axum::Json(serde_json::json!({ "error": error }))).into_response()
 }
 
 async fn status_page() -> impl axum::response::IntoResponse {

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hub::Hub;
+use oab_wire::PeerId;
+
+use crate::hub::{Hub, RefusalRecord};
 use crate::store::EventStore;
 
 /// How long `/status` waits for each store read (the ping, the presence
@@ -39,6 +41,10 @@ pub struct RelayStatus {
     pub fleet: Option<FleetStatus>,
     /// The store.
     pub store: StoreStatus,
+    /// The latest refusals this instance sent to peers (error frames), newest
+    /// first; at most [`crate::hub::RECENT_REFUSALS`].
+    #[serde(default)]
+    pub recent_refusals: Vec<RefusalRecord>,
 }
 
 /// This relay process.
@@ -162,50 +168,9 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
             false
         }
     };
-    let here: std::collections::HashMap<_, _> = hub
-        .sessions_here()
-        .into_iter()
-        .map(|s| (s.peer.clone(), s))
-        .collect();
     // The configuration in force (a reload may have changed peers and routes).
     let live = hub.live();
-    let peers = &live.directory.peers;
-    // Sessions on other instances: their presence records (fleet only).
-    let elsewhere = if hub.fleet.enabled && reachable {
-        match tokio::time::timeout(STORE_DEADLINE, hub.store.presence(peers)).await {
-            Ok(Ok(p)) => p,
-            _ => vec![None; peers.len()],
-        }
-    } else {
-        vec![None; peers.len()]
-    };
-    let peers = peers
-        .iter()
-        .zip(elsewhere)
-        .map(|(peer, presence)| match here.get(peer) {
-            Some(s) => PeerStatus {
-                peer: peer.to_string(),
-                online: true,
-                served_by: Some(hub.fleet.node.clone()),
-                session: Some(s.id.to_string()),
-                instance: Some(s.instance.to_string()),
-                since_ms: Some(s.since_ms),
-            },
-            None => {
-                let live = presence.filter(|p| {
-                    p.node != hub.fleet.node && hub.fleet.node_alive(&p.node, &p.incarnation)
-                });
-                PeerStatus {
-                    peer: peer.to_string(),
-                    online: live.is_some(),
-                    served_by: live.as_ref().map(|p| p.node.clone()),
-                    session: live.map(|p| p.session),
-                    instance: None,
-                    since_ms: None,
-                }
-            }
-        })
-        .collect();
+    let peers = peer_statuses(hub, &live.directory.peers, reachable).await;
     let open: std::collections::HashMap<_, _> = hub.open_per_route().into_iter().collect();
     let routes = live
         .config
@@ -250,6 +215,7 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
         peers,
         routes,
         fleet,
+        recent_refusals: hub.refusals.latest(),
         store: StoreStatus {
             kind: hub.store.kind().to_string(),
             reachable,
@@ -260,6 +226,57 @@ pub async fn status<S: EventStore>(hub: &Hub<S>) -> RelayStatus {
             }),
         },
     }
+}
+
+/// Where each of `peers` holds a session: here, on another live instance
+/// of the fleet (its presence record, read with [`STORE_DEADLINE`] when the
+/// store is `reachable`), or nowhere.
+pub async fn peer_statuses<S: EventStore>(
+    hub: &Hub<S>,
+    peers: &[PeerId],
+    reachable: bool,
+) -> Vec<PeerStatus> {
+    let here: std::collections::HashMap<_, _> = hub
+        .sessions_here()
+        .into_iter()
+        .map(|s| (s.peer.clone(), s))
+        .collect();
+    // Sessions on other instances: their presence records (fleet only).
+    let elsewhere = if hub.fleet.enabled && reachable {
+        match tokio::time::timeout(STORE_DEADLINE, hub.store.presence(peers)).await {
+            Ok(Ok(p)) => p,
+            _ => vec![None; peers.len()],
+        }
+    } else {
+        vec![None; peers.len()]
+    };
+    peers
+        .iter()
+        .zip(elsewhere)
+        .map(|(peer, presence)| match here.get(peer) {
+            Some(s) => PeerStatus {
+                peer: peer.to_string(),
+                online: true,
+                served_by: Some(hub.fleet.node.clone()),
+                session: Some(s.id.to_string()),
+                instance: Some(s.instance.to_string()),
+                since_ms: Some(s.since_ms),
+            },
+            None => {
+                let live = presence.filter(|p| {
+                    p.node != hub.fleet.node && hub.fleet.node_alive(&p.node, &p.incarnation)
+                });
+                PeerStatus {
+                    peer: peer.to_string(),
+                    online: live.is_some(),
+                    served_by: live.as_ref().map(|p| p.node.clone()),
+                    session: live.map(|p| p.session),
+                    instance: None,
+                    since_ms: None,
+                }
+            }
+        })
+        .collect()
 }
 
 impl RelayStatus {
@@ -366,6 +383,28 @@ impl RelayStatus {
             .collect();
         out.push_str("\nopen delegations per route (as this instance counts them)\n");
         out.push_str(&render(&["ROUTE", "OPEN", "MAX OPEN"], &rows));
+        if self.recent_refusals.is_empty() {
+            out.push_str("\nlatest refusals: none since this instance started\n");
+        } else {
+            let rows: Vec<Vec<String>> = self
+                .recent_refusals
+                .iter()
+                .map(|r| {
+                    vec![
+                        format!("{} ago", ago(r.at_ms)),
+                        r.peer.clone(),
+                        r.code.clone(),
+                        r.key.clone().unwrap_or_else(dash),
+                        r.message.clone(),
+                    ]
+                })
+                .collect();
+            out.push_str("\nlatest refusals (newest first; `oab-relay inspect <delegation>`)\n");
+            out.push_str(&render(
+                &["WHEN", "PEER", "CODE", "DELEGATION", "MESSAGE"],
+                &rows,
+            ));
+        }
         out
     }
 }
