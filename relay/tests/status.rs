@@ -255,39 +255,24 @@ async fn the_status_page_shows_the_peers_online_in_headless_chromium() {
     let relay = TestRelay::start(&env, Arc::new(MemoryStore::new(Retention::default()))).await;
     let caller_instance = InstanceId::random();
     let _b = relay.client_as(&env.callee, InstanceId::random()).await;
-    let _a = relay.client_as(&env.caller, caller_instance).await;
+    let mut a = relay.client_as(&env.caller, caller_instance).await;
     status_until(relay.admin, "both online", |s| {
         s.peers[0].online && s.peers[1].online
     })
     .await;
 
-    let profile = tempfile::tempdir().unwrap();
-    let mut cmd = tokio::process::Command::new(&browser);
-    cmd.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--virtual-time-budget=5000",
-    ])
-    .arg(format!("--user-data-dir={}", profile.path().display()))
-    .arg("--dump-dom")
-    .arg(format!("http://{}/status.html", relay.admin))
-    .kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
+    // An open delegation the callee has not accepted, and a refusal.
+    a.send(&open_frame("page-1", b"{}")).await.unwrap();
+    await_ack(&mut a, "page-1", Direction::Down, 1).await;
+    a.send(&data("ghost-1", Direction::Down, 2, None, payload(2)))
         .await
-        .expect("chromium did not finish within 90 s")
         .unwrap();
-    let dom = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "chromium failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    recv_until(&mut a, |f| {
+        matches!(f, oab_wire::Frame::Error(_)).then_some(())
+    })
+    .await;
+
+    let dom = render_page(&browser, &format!("http://{}/status.html", relay.admin)).await;
     // The rows the script built from /status (not the page's source: the
     // peer names exist only in the JSON).
     let row = |peer: &str| {
@@ -308,5 +293,80 @@ async fn the_status_page_shows_the_peers_online_in_headless_chromium() {
         dom.contains(&format!("<td>{CALLER}</td><td>{CALLEE}</td>")),
         "{dom}"
     );
+    // The open delegation and the refusal, each linking to its inspect view.
+    let page_key = key("page-1").to_string();
+    let link = |k: &str| {
+        format!(
+            "<a class=\"delegation\" href=\"#inspect={}\">{k}</a>",
+            oab_ops::admin_client::query_value(k)
+        )
+    };
+    let oldest = dom
+        .split("<tr>")
+        .find(|r| r.contains(&link(&page_key)))
+        .unwrap_or_else(|| panic!("no open-longest row for {page_key}:\n{dom}"));
+    assert!(oldest.contains("not yet"), "{oldest}");
+    let ghost = key("ghost-1").to_string();
+    let refusal = dom
+        .split("<tr>")
+        .find(|r| r.contains(&link(&ghost)))
+        .unwrap_or_else(|| panic!("no refusal row for {ghost}:\n{dom}"));
+    assert!(refusal.contains("<td>unknown_delegation</td>"), "{refusal}");
+
+    // The inspect view of the open delegation.
+    let dom = render_page(
+        &browser,
+        &format!(
+            "http://{}/status.html#inspect={}",
+            relay.admin,
+            oab_ops::admin_client::query_value(&page_key)
+        ),
+    )
+    .await;
+    assert!(
+        dom.contains(&format!("<code id=\"inspect-key\">{page_key}</code>")),
+        "{dom}"
+    );
+    assert!(dom.contains("<dd>open</dd>"), "{dom}");
+    let waits = dom
+        .split("<ul class=\"waiting-for\">")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no waiting-for list:\n{dom}"));
+    assert!(
+        waits.contains(&format!("the callee {CALLEE} (online on "))
+            && waits.contains("to accept it"),
+        "{waits}"
+    );
     relay.stop().await;
+}
+
+/// The DOM of `url` after its scripts ran in headless Chromium.
+async fn render_page(browser: &std::path::Path, url: &str) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let mut cmd = tokio::process::Command::new(browser);
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--virtual-time-budget=5000",
+    ])
+    .arg(format!("--user-data-dir={}", profile.path().display()))
+    .arg("--dump-dom")
+    .arg(url)
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
+        .await
+        .expect("chromium did not finish within 90 s")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
