@@ -11,7 +11,9 @@
 //!
 //! Header fields are big-endian integers, fixed-size byte arrays, and strings
 //! with a length prefix (`str8`: u8 length, `str16`: u16 length). A header
-//! must be consumed exactly: trailing bytes are malformed.
+//! must be consumed exactly: trailing bytes are malformed. (`Open`'s
+//! `trace`, added in protocol version 2, is its one optional last field:
+//! present or absent, nothing else after it.)
 //!
 //! **Decoder contract** (tested below and fuzzed in `shared/fuzz`):
 //! - fewer bytes than a whole frame is not an error: [`check`] answers
@@ -36,6 +38,7 @@ use crate::ids::{
     DelegationKey, IdError, InstanceId, KeyId, PeerId, RelayId, RequestId, SessionId,
 };
 use crate::limits::{Limits, PREFIX_LEN};
+use crate::trace::TraceId;
 
 /// Every way a frame can be wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -269,6 +272,10 @@ struct Reader {
 }
 
 impl Reader {
+    fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
     fn take(&mut self, n: usize, field: &'static str) -> Result<Bytes, FrameError> {
         if self.buf.len() < n {
             return Err(FrameError::Truncated(field));
@@ -435,6 +442,16 @@ fn decode_parts(ty: FrameType, header: Bytes, payload: Bytes) -> Result<Frame, F
             let digest = Digest(r.array("digest")?);
             let raw = r.str16("ceiling")?;
             let ceiling = r.utf8(&raw, "ceiling")?;
+            // Version 2's one optional field: a trace id, or nothing.
+            let trace = if r.is_empty() {
+                None
+            } else {
+                let bytes = r.array("trace")?;
+                Some(
+                    TraceId::from_bytes(bytes)
+                        .ok_or_else(|| invalid("trace", "all zeros".into()))?,
+                )
+            };
             Frame::Open(Open {
                 key,
                 target,
@@ -442,6 +459,7 @@ fn decode_parts(ty: FrameType, header: Bytes, payload: Bytes) -> Result<Frame, F
                 depth,
                 digest,
                 ceiling,
+                trace,
                 payload,
             })
         }
@@ -629,6 +647,9 @@ fn write_header(frame: &Frame, buf: &mut BytesMut) -> Result<(), FrameError> {
             w.buf.put_u8(o.depth);
             w.buf.put_slice(&o.digest.0);
             w.str16(o.ceiling.as_bytes(), "ceiling")?;
+            if let Some(t) = o.trace {
+                w.buf.put_slice(&t.to_bytes());
+            }
         }
         Frame::Data(d) => {
             w.key(&d.key)?;
@@ -804,6 +825,55 @@ mod tests {
         assert_eq!(
             FrameError::UnsupportedVersion { got: 9 }.close_code(),
             CloseCode::UnsupportedVersion
+        );
+    }
+
+    #[test]
+    fn an_open_carries_its_trace_id_or_none_and_nothing_else() {
+        let limits = Limits::default();
+        let payload = Bytes::from_static(b"{}");
+        let mut open = Open {
+            key: DelegationKey::new(
+                PeerId::new("acme/a").unwrap(),
+                RequestId::new("r-1").unwrap(),
+            ),
+            target: PeerId::new("acme/b").unwrap(),
+            deadline_ms: 1,
+            depth: 1,
+            digest: Digest::of(&payload),
+            ceiling: String::new(),
+            trace: None,
+            payload,
+        };
+        let without = encode(&Frame::Open(open.clone())).unwrap();
+        assert_eq!(
+            decode_message(without.clone(), &limits).unwrap(),
+            Frame::Open(open.clone())
+        );
+        open.trace = TraceId::from_bytes([0xab; 16]);
+        let with = encode(&Frame::Open(open.clone())).unwrap();
+        assert_eq!(with.len(), without.len() + 16, "the trace is 16 bytes");
+        assert_eq!(decode_message(with, &limits).unwrap(), Frame::Open(open));
+        // Rewrites the header to end with `tail` instead of the trace.
+        let with_tail = |tail: &[u8]| {
+            let mut m = without.to_vec();
+            let h = u16::from_be_bytes([m[2], m[3]]) + u16::try_from(tail.len()).unwrap();
+            m[2..4].copy_from_slice(&h.to_be_bytes());
+            let at = without.len() - 2; // before the payload `{}`
+            m.splice(at..at, tail.iter().copied());
+            Bytes::from(m)
+        };
+        assert_eq!(
+            decode_message(with_tail(&[0xab; 5]), &limits),
+            Err(FrameError::Truncated("trace"))
+        );
+        assert!(matches!(
+            decode_message(with_tail(&[0; 16]), &limits),
+            Err(FrameError::Invalid { field: "trace", .. })
+        ));
+        assert_eq!(
+            decode_message(with_tail(&[0xab; 17]), &limits),
+            Err(FrameError::TrailingBytes(1))
         );
     }
 

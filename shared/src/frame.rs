@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::ids::{DelegationKey, InstanceId, KeyId, PeerId, RelayId, SessionId};
+use crate::trace::TraceId;
 
 /// The protocol version this crate speaks, in the frame prefix and the handshake.
 pub const PROTOCOL_VERSION: u8 = 1;
@@ -365,6 +366,11 @@ pub struct Open {
     /// names, empty when the route sets none). Senders leave it empty; the
     /// relay replaces it.
     pub ceiling: String,
+    /// The caller's trace id (protocol version 2), so the relay can log it
+    /// without reading the payload. Only a caller sends it, and only on a
+    /// session of version 2; the relay keeps it and forwards, stores and
+    /// replays the `Open` without it (the callee reads the signed one).
+    pub trace: Option<TraceId>,
     /// The signed delegation request (opaque to the relay).
     pub payload: Bytes,
 }

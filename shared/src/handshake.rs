@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use bytes::{BufMut, BytesMut};
 
 use crate::code::CloseCode;
-use crate::frame::{Binding, Challenge, Hello, PROTOCOL_VERSION};
+use crate::frame::{Binding, Challenge, Hello};
 use crate::identity::{Identity, KeyWindow, PublicKey, TrustStore};
 use crate::ids::{InstanceId, KeyId, PeerId, RelayId};
 
@@ -38,9 +38,15 @@ pub const TRANSCRIPT_CONTEXT: &[u8] = b"oab-relay/v1 session-handshake\0";
 pub const TLS_EXPORTER_LABEL: &[u8] = b"EXPORTER-Channel-Binding";
 
 /// Lowest protocol version this crate accepts.
-pub const MIN_VERSION: u8 = PROTOCOL_VERSION;
-/// Highest protocol version this crate accepts.
-pub const MAX_VERSION: u8 = PROTOCOL_VERSION;
+pub const MIN_VERSION: u8 = 1;
+/// Highest protocol version this crate accepts. Version 2 is version 1
+/// with one optional field: a caller's `Open` may end with its trace id.
+/// Every frame's prefix carries the frame layout byte
+/// [`crate::frame::PROTOCOL_VERSION`] (1) in both.
+pub const MAX_VERSION: u8 = 2;
+
+/// The first version whose `Open` may carry a trace id.
+pub const TRACE_VERSION: u8 = 2;
 
 /// Why a handshake was refused. Each variant is distinct so operators can
 /// tell what to fix; [`HandshakeError::close_code`] and
@@ -497,9 +503,11 @@ pub fn answer_challenge(
     now_ms: u64,
     binding: &ChannelBinding,
 ) -> Result<Hello, HandshakeError> {
-    if !(challenge.min_version..=challenge.max_version).contains(&PROTOCOL_VERSION) {
+    // The highest version both sides speak.
+    let version = challenge.max_version.min(MAX_VERSION);
+    if version < challenge.min_version.max(MIN_VERSION) {
         return Err(HandshakeError::UnsupportedVersion {
-            offered: PROTOCOL_VERSION,
+            offered: MAX_VERSION,
             min: challenge.min_version,
             max: challenge.max_version,
         });
@@ -513,7 +521,7 @@ pub fn answer_challenge(
         });
     }
     let message = transcript(&TranscriptFields {
-        version: PROTOCOL_VERSION,
+        version,
         nonce: &challenge.nonce,
         relay_id: &challenge.relay_id,
         peer: &identity.peer,
@@ -523,7 +531,7 @@ pub fn answer_challenge(
         binding,
     });
     Ok(Hello {
-        version: PROTOCOL_VERSION,
+        version,
         peer: identity.peer.clone(),
         key_id: identity.key_id.clone(),
         instance,
@@ -601,6 +609,52 @@ mod tests {
             .unwrap_err();
         let took = started.elapsed().as_nanos();
         (err, VERIFICATIONS.with(std::cell::Cell::get) - before, took)
+    }
+
+    #[test]
+    fn the_connector_answers_with_the_highest_version_both_speak() {
+        let me = id("acme/known", 1);
+        let relay = RelayId::new("relay.example").unwrap();
+        let binding = ChannelBinding::TlsExporter([9; 32]);
+        let offer = |min_version, max_version| Challenge {
+            nonce: [1; 32],
+            relay_id: relay.clone(),
+            server_time_ms: NOW,
+            min_version,
+            max_version,
+        };
+        let answer =
+            |c: &Challenge| answer_challenge(&me, c, None, InstanceId::random(), NOW, &binding);
+        // A relay of this build: version 2, so an `Open` may carry its trace.
+        assert_eq!(answer(&offer(MIN_VERSION, MAX_VERSION)).unwrap().version, 2);
+        // A relay that speaks only version 1 (an older build): version 1.
+        assert_eq!(answer(&offer(1, 1)).unwrap().version, 1);
+        // A relay from the future that still speaks 2.
+        assert_eq!(answer(&offer(1, 9)).unwrap().version, 2);
+        assert!(matches!(
+            answer(&offer(3, 9)),
+            Err(HandshakeError::UnsupportedVersion { min: 3, max: 9, .. })
+        ));
+        // The relay accepts either version, and a version-1 hello verifies.
+        let mut ledger = NonceLedger::new(4, 10_000);
+        for want in [1, 2] {
+            let (hs, mut challenge) =
+                ServerHandshake::start(relay.clone(), NOW, &mut ledger).unwrap();
+            challenge.max_version = want;
+            let hello = answer(&challenge).unwrap();
+            let trust = trust();
+            let done = hs
+                .verify(
+                    &hello,
+                    &trust,
+                    &mut ledger,
+                    &HandshakePolicy::default(),
+                    NOW,
+                    &binding,
+                )
+                .unwrap();
+            assert_eq!(done.version, want);
+        }
     }
 
     #[test]

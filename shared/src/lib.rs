@@ -16,6 +16,7 @@
 //! | [`identity`] | ed25519 identities, the identity file format, public keys, key windows |
 //! | [`handshake`] | the session handshake transcript and state machine |
 //! | [`envelope`] | signed envelopes (DSSE-style) for requests and results |
+//! | [`trace`] | W3C trace ids, carried from a caller's request to the callee's agent |
 //!
 //! The protocol itself is specified in `docs/protocol.md`.
 //!
@@ -35,6 +36,7 @@ pub mod handshake;
 pub mod identity;
 pub mod ids;
 pub mod limits;
+pub mod trace;
 
 pub use code::{CloseCode, ErrorCode};
 pub use codec::{FrameDecoder, FrameError, decode_message, encode};
@@ -42,3 +44,4 @@ pub use digest::Digest;
 pub use frame::*;
 pub use ids::{DelegationKey, InstanceId, KeyId, PeerId, RelayId, RequestId, SessionId};
 pub use limits::Limits;
+pub use trace::TraceId;

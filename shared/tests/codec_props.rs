@@ -163,10 +163,11 @@ fn open() -> impl Strategy<Value = Frame> {
         // At most 63 chars of up to 4 bytes: an `Open` with maximal ids and
         // this ceiling still fits the default 1 KiB header limit.
         prop_oneof![Just(String::new()), "[a-z_,]{0,63}", "\\PC{0,63}"],
+        prop::option::of(any::<[u8; 16]>().prop_filter_map("not all zero", TraceId::from_bytes)),
         payload(),
     )
         .prop_map(
-            |(key, target, deadline_ms, depth, digest, ceiling, payload)| {
+            |(key, target, deadline_ms, depth, digest, ceiling, trace, payload)| {
                 Frame::Open(Open {
                     key,
                     target,
@@ -174,6 +175,7 @@ fn open() -> impl Strategy<Value = Frame> {
                     depth,
                     digest: Digest(digest),
                     ceiling,
+                    trace,
                     payload,
                 })
             },
@@ -659,6 +661,7 @@ fn maximal_open_fits_the_default_header_limit() {
         depth: u8::MAX,
         digest: Digest([0xff; 32]),
         ceiling: "\u{10FFFF}".repeat(63),
+        trace: Some(TraceId::random()),
         payload: Bytes::from(vec![0u8; MAX_TEST_PAYLOAD]),
     });
     let bytes = codec::encode_checked(&f, &Limits::default()).unwrap();

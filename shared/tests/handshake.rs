@@ -141,7 +141,7 @@ fn expected_auth() -> Authenticated {
         peer: peer(),
         key_id: key_id(),
         instance: instance(),
-        version: 1,
+        version: MAX_VERSION,
     }
 }
 
@@ -569,7 +569,7 @@ fn hello_after_the_deadline_is_refused_and_frees_its_nonce() {
 #[test]
 fn server_refuses_an_unsupported_hello_version() {
     let mut r = Relay::new();
-    for version in [0u8, 2, u8::MAX] {
+    for version in [0u8, 3, u8::MAX] {
         let err = run(&mut r, &identity(), &EXPORTER_A, &EXPORTER_A, |h| {
             h.version = version;
         })
@@ -579,7 +579,7 @@ fn server_refuses_an_unsupported_hello_version() {
             HandshakeError::UnsupportedVersion {
                 offered: version,
                 min: 1,
-                max: 1
+                max: 2
             }
         );
         assert_eq!(err.close_code(), CloseCode::UnsupportedVersion);
@@ -588,10 +588,10 @@ fn server_refuses_an_unsupported_hello_version() {
 }
 
 #[test]
-fn connector_refuses_a_challenge_without_version_1() {
+fn connector_refuses_a_challenge_without_a_version_it_speaks() {
     let mut r = Relay::new();
     let (_hs, challenge) = r.start();
-    for (min, max) in [(2u8, 3u8), (0, 0), (2, 1)] {
+    for (min, max) in [(3u8, 4u8), (0, 0), (2, 1)] {
         let c = Challenge {
             min_version: min,
             max_version: max,
@@ -602,21 +602,24 @@ fn connector_refuses_a_challenge_without_version_1() {
         assert_eq!(
             err,
             HandshakeError::UnsupportedVersion {
-                offered: 1,
+                offered: 2,
                 min,
                 max
             }
         );
         assert_eq!(err.close_code(), CloseCode::UnsupportedVersion);
     }
-    // A range that includes 1 is answered with version 1.
-    let c = Challenge {
-        min_version: 0,
-        max_version: 9,
-        ..challenge
-    };
-    let hello = answer_challenge(&identity(), &c, None, instance(), NOW, &EXPORTER_A).unwrap();
-    assert_eq!(hello.version, 1);
+    // A range that includes 2 is answered with version 2, one that stops
+    // at 1 with version 1.
+    for (max, want) in [(9u8, 2u8), (1, 1)] {
+        let c = Challenge {
+            min_version: 0,
+            max_version: max,
+            ..challenge.clone()
+        };
+        let hello = answer_challenge(&identity(), &c, None, instance(), NOW, &EXPORTER_A).unwrap();
+        assert_eq!(hello.version, want);
+    }
 }
 
 #[test]
@@ -771,7 +774,7 @@ fn all_refusals() -> Vec<(&'static str, HandshakeError)> {
     out.push((
         "version",
         run(&mut Relay::new(), &id, &EXPORTER_A, &EXPORTER_A, |h| {
-            h.version = 2;
+            h.version = 3;
         })
         .unwrap_err(),
     ));

@@ -166,6 +166,7 @@ pub fn seed_frames() -> Vec<Frame> {
             depth: 1,
             digest: Digest::of(&payload),
             ceiling: "read,write".into(),
+            trace: oab_wire::TraceId::from_bytes([7; 16]),
             payload: payload.clone(),
         }),
         Frame::Data(Data {
