@@ -37,6 +37,10 @@ pub struct Inspection {
     pub key: String,
     /// The task id the A2A facade gives it.
     pub a2a_task_id: String,
+    /// The caller's W3C trace id, when its connector sent one (protocol
+    /// version 2): the `trace_id` of every process's log lines for it.
+    #[serde(default)]
+    pub trace_id: Option<String>,
     /// `open` or `finished`.
     pub state: String,
     /// The terminal outcome (`completed`, `failed`, `cancelled`, `expired`,
@@ -194,6 +198,7 @@ pub async fn inspect<S: EventStore>(hub: &Hub<S>, id: &str) -> Result<Inspection
         }
         .into(),
         outcome: meta.terminal.map(|o| o.to_string()),
+        trace_id: meta.trace.map(|t| t.to_hex()),
         caller,
         callee,
         created_ms: meta.created_ms,
@@ -473,6 +478,9 @@ impl Inspection {
         let mut o = String::new();
         let _ = writeln!(o, "delegation {}", self.key);
         let _ = writeln!(o, "  a2a task id  {}", self.a2a_task_id);
+        if let Some(trace) = &self.trace_id {
+            let _ = writeln!(o, "  trace id     {trace}");
+        }
         let state = match &self.outcome {
             Some(outcome) => format!("finished: {outcome}"),
             None => "open".to_string(),

@@ -511,7 +511,7 @@ enum Checked {
     /// idempotent retry, answered from the store).
     Unless(Refusal),
     /// To be opened in the store.
-    Passed(OpenRequest),
+    Passed(Box<OpenRequest>),
 }
 
 /// One open of a run, once its store call came back.
@@ -1386,6 +1386,16 @@ impl<S: EventStore> Session<S> {
             match outcome {
                 AppendOutcome::Appended { seq } => {
                     let woke = req.wake.is_some();
+                    if let Some(outcome) = req.terminal {
+                        let trace = view.lock().trace;
+                        info!(
+                            key = %req.key,
+                            trace_id = trace.map(tracing::field::display),
+                            outcome = outcome.name(),
+                            seq,
+                            "delegation finished"
+                        );
+                    }
                     self.hub
                         .appended(&view, &req.key, req.dir, seq, req.frame, req.terminal, woke);
                     self.hub
@@ -1519,7 +1529,7 @@ impl<S: EventStore> Session<S> {
                         let frame = req.frame.clone();
                         let woke = req.wake.is_some();
                         let started = Instant::now();
-                        let res = hub.store.open(req).await;
+                        let res = hub.store.open(*req).await;
                         OpenStep::Stored {
                             frame,
                             started,
@@ -1586,11 +1596,16 @@ impl<S: EventStore> Session<S> {
         if !hub.may_open_beside(&self.me.peer, &open.target, route.max_open, beside) {
             return unless(Refusal::TooManyDelegations);
         }
-        let frame = if open.ceiling == ceiling {
+        // Stored, forwarded and replayed with the route's ceiling and
+        // without the caller's trace id (kept in the delegation's record):
+        // the callee reads the signed one, and a callee of protocol
+        // version 1 decodes it.
+        let frame = if open.ceiling == ceiling && open.trace.is_none() {
             raw
         } else {
             let stamped = Frame::Open(oab_wire::Open {
                 ceiling,
+                trace: None,
                 ..open.clone()
             });
             match encode(&stamped) {
@@ -1598,15 +1613,16 @@ impl<S: EventStore> Session<S> {
                 Err(_) => return unless(Refusal::CeilingNotStamped),
             }
         };
-        Checked::Passed(OpenRequest {
+        Checked::Passed(Box::new(OpenRequest {
             key: open.key.clone(),
             callee: open.target.clone(),
             deadline_ms: open.deadline_ms,
             digest: open.digest,
+            trace: open.trace,
             frame,
             now_ms: now,
             wake: hub.open_wake(&open.target),
-        })
+        }))
     }
 
     /// Answers one open of a run, once its store call came back.
@@ -1635,6 +1651,13 @@ impl<S: EventStore> Session<S> {
                 hub.observe_store("open", started, &res);
                 match res {
                     Ok(OpenOutcome::Created(meta)) => {
+                        info!(
+                            key = %meta.key,
+                            trace_id = meta.trace.map(tracing::field::display),
+                            callee = %meta.callee,
+                            deadline_ms = meta.deadline_ms,
+                            "delegation opened"
+                        );
                         hub.created(&meta, &self.me, frame.clone());
                         if !woke {
                             hub.wake_if_gone(&meta.callee, frame);

@@ -175,6 +175,7 @@ async fn sweeper_instance_killed(url: &str) {
         depth: 1,
         digest: Digest::of(&payload),
         ceiling: String::new(),
+        trace: None,
         payload,
     }))
     .await
@@ -703,6 +704,7 @@ async fn a_resync_does_not_read_what_retention_keeps() {
                     callee: peer(CALLEE),
                     deadline_ms: now + 3_600_000,
                     digest: Digest::of(b"{}"),
+                    trace: None,
                     frame: Bytes::from_static(b"open"),
                     now_ms: now,
                     wake: None,

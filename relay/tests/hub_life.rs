@@ -331,6 +331,7 @@ fn open_request(request: &str) -> oab_relay::store::OpenRequest {
         callee: open.target.clone(),
         deadline_ms: open.deadline_ms,
         digest: open.digest,
+        trace: None,
         frame: oab_wire::encode(&Frame::Open(open)).unwrap(),
         now_ms: oab_wire::identity::now_ms(),
         wake: None,

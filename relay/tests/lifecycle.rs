@@ -291,6 +291,7 @@ async fn cancel_race<S: EventStore>(store: Arc<S>) {
             depth: 1,
             digest: oab_wire::Digest::of(&body),
             ceiling: String::new(),
+            trace: None,
             payload: body,
         }))
         .await

@@ -23,6 +23,51 @@ use oab_wire::{DelegationKey, Direction, ErrorCode, Frame};
 both_stores! {
     opens_sent_at_once_each_get_their_own_reply_in_order => many_opens;
     opens_sent_at_once_stay_within_the_open_delegation_cap => capped_opens;
+    an_opens_trace_id_is_kept_by_the_relay_and_not_forwarded => traced_open;
+}
+
+/// An `Open` with a trace id (protocol version 2): acknowledged, its trace
+/// kept in the delegation's record (and so in `inspect`), and forwarded to
+/// the callee without it (the callee reads the signed one; a callee of
+/// version 1 could not decode it). A resend without the trace is the same
+/// delegation.
+async fn traced_open<S: EventStore>(store: Arc<S>) {
+    let env = TestEnv::new("");
+    let relay = TestRelay::start(&env, store.clone()).await;
+    let mut b = relay.client(&env.callee).await;
+    let mut a = relay.client(&env.caller).await;
+    let trace = oab_wire::TraceId::random();
+    let mut open = open_frame("traced", b"{\"t\":1}");
+    if let Frame::Open(o) = &mut open {
+        o.trace = Some(trace);
+    }
+    a.send(&open).await.unwrap();
+    await_ack(&mut a, "traced", Direction::Down, 1).await;
+    let forwarded = recv_until(&mut b, |f| match f {
+        Frame::Open(o) => Some(o.clone()),
+        _ => None,
+    })
+    .await;
+    let Frame::Open(sent) = open else {
+        unreachable!()
+    };
+    assert_eq!(forwarded.trace, None, "forwarded without the trace");
+    assert_eq!(forwarded.payload, sent.payload);
+    assert_eq!(forwarded.digest, sent.digest);
+    let meta = store.meta(&key("traced")).await.unwrap().unwrap();
+    assert_eq!(meta.trace, Some(trace), "the record keeps the trace");
+    // Resent without it (a relay of version 1 in between, or a restart):
+    // the same delegation, acknowledged again, its trace unchanged.
+    a.send(&open_frame("traced", b"{\"t\":1}")).await.unwrap();
+    await_ack(&mut a, "traced", Direction::Down, 1).await;
+    let meta = store.meta(&key("traced")).await.unwrap().unwrap();
+    assert_eq!(meta.trace, Some(trace));
+    // An open without a trace keeps none.
+    a.send(&open_frame("plain", b"{}")).await.unwrap();
+    await_ack(&mut a, "plain", Direction::Down, 1).await;
+    let meta = store.meta(&key("plain")).await.unwrap().unwrap();
+    assert_eq!(meta.trace, None);
+    relay.stop().await;
 }
 
 /// What the relay answered an open with.

@@ -95,6 +95,7 @@ fn open_to(request: &str, target: &str) -> Frame {
         depth: 1,
         digest: Digest::of(payload),
         ceiling: String::new(),
+        trace: None,
         payload: bytes::Bytes::from_static(payload),
     })
 }

@@ -64,6 +64,7 @@ fn open_req(key: &DelegationKey, callee: &str, deadline_ms: u64, now_ms: u64) ->
         callee: peer(callee),
         deadline_ms,
         digest: Digest::of(b"payload"),
+        trace: None,
         frame: Bytes::from(format!("open {key}")),
         now_ms,
         wake: None,
@@ -2860,6 +2861,7 @@ impl Model {
             terminal: None,
             terminal_ms: None,
             accepted_by: None,
+            trace: req.trace,
         };
         self.delegations.insert(
             req.key.clone(),
@@ -3218,6 +3220,7 @@ mod props {
                         callee: peer(PEERS[*callee]),
                         deadline_ms: *deadline,
                         digest: Digest::of(&[*digest]),
+                        trace: None,
                         frame: Bytes::from(format!("open #{i}")),
                         now_ms: *now,
                         wake: None,

@@ -79,6 +79,7 @@ fn open_req(key: &DelegationKey, now_ms: u64) -> OpenRequest {
         callee: peer("acme/callee"),
         deadline_ms: now_ms + 3_600_000,
         digest: Digest::of(b"payload"),
+        trace: None,
         frame: Bytes::from(format!("open {key}")),
         now_ms,
         wake: None,

@@ -189,12 +189,12 @@ impl<S: EventStore> Hub<S> {
             let Ok(Some(live)) = self.view(key).await else {
                 return false;
             };
-            let (seq, wake) = {
+            let (seq, wake, trace) = {
                 let mut l = live.lock();
                 if outcome.is_some() && l.terminal.is_some() {
                     return false;
                 }
-                (*l.tail_mut(dir) + 1, self.wake_for(&l, dir))
+                (*l.tail_mut(dir) + 1, self.wake_for(&l, dir), l.trace)
             };
             let payload = Bytes::from(
                 serde_json::json!({
@@ -238,7 +238,7 @@ impl<S: EventStore> Hub<S> {
             self.observe_store("append", started, &res);
             match res.ok().and_then(|v| v.into_iter().next()) {
                 Some(AppendOutcome::Appended { seq }) => {
-                    info!(%key, dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
+                    info!(%key, trace_id = trace.map(tracing::field::display), dir = dir.name(), seq, outcome = outcome.map(Outcome::name), reason, "relay appended");
                     self.appended(&live, key, dir, seq, bytes, outcome, wake.is_some());
                     return true;
                 }

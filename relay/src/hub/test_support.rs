@@ -102,6 +102,7 @@ pub(super) async fn open_in_store(hub: &Hub<RedisStore>, request: &str) -> (Dele
         depth: 1,
         digest: Digest::of(&payload),
         ceiling: String::new(),
+        trace: None,
         payload,
     };
     let frame = encode(&Frame::Open(open.clone())).unwrap();
@@ -112,6 +113,7 @@ pub(super) async fn open_in_store(hub: &Hub<RedisStore>, request: &str) -> (Dele
             callee: open.target.clone(),
             deadline_ms: open.deadline_ms,
             digest: open.digest,
+            trace: None,
             frame: frame.clone(),
             now_ms: oab_wire::identity::now_ms(),
             wake: None,

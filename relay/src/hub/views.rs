@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use oab_wire::{DelegationKey, Direction, Outcome, PeerId, SessionId};
+use oab_wire::{DelegationKey, Direction, Outcome, PeerId, SessionId, TraceId};
 
 use super::{Hub, SessionRef};
 use crate::outbox::Outbox;
@@ -61,6 +61,8 @@ pub struct DelegationView {
     pub callee: PeerId,
     /// Largest payload the route allows.
     pub max_payload: u32,
+    /// The caller's trace id, for log lines about this delegation.
+    pub trace: Option<TraceId>,
     pub(super) tails: [u64; 2],
     pub(super) terminal: Option<Outcome>,
     pub(super) subs: [Option<Subscription>; 2],
@@ -160,6 +162,7 @@ impl<S: EventStore> Hub<S> {
             caller: meta.key.caller.clone(),
             callee: meta.callee.clone(),
             max_payload,
+            trace: meta.trace,
             tails: [meta.down_tail, meta.up_tail],
             terminal: meta.terminal,
             subs: [None, None],

@@ -47,7 +47,7 @@ pub mod redis;
 use std::future::Future;
 
 use bytes::Bytes;
-use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId};
+use oab_wire::{DelegationKey, Digest, Direction, InstanceId, Outcome, PeerId, TraceId};
 use serde::{Deserialize, Serialize};
 
 pub use self::fleet::{Connection, FleetStore, Liveness, Presence, peer_of_channel, wake_channel};
@@ -154,6 +154,9 @@ pub struct DelegationMeta {
     pub terminal_ms: Option<u64>,
     /// The callee instance that appended the first up entry.
     pub accepted_by: Option<InstanceId>,
+    /// The caller's trace id, when its `Open` carried one (protocol
+    /// version 2); for logs and `inspect`, never for routing.
+    pub trace: Option<TraceId>,
 }
 
 impl DelegationMeta {
@@ -173,6 +176,7 @@ impl DelegationMeta {
             terminal: None,
             terminal_ms: None,
             accepted_by: None,
+            trace: req.trace,
         }
     }
 
@@ -201,6 +205,8 @@ pub struct OpenRequest {
     pub deadline_ms: u64,
     /// Digest of the open payload.
     pub digest: Digest,
+    /// The caller's trace id from its `Open`, if it sent one.
+    pub trace: Option<TraceId>,
     /// The `Open` frame as stored and forwarded (down entry 1).
     pub frame: Bytes,
     /// Now, ms since the epoch.

@@ -201,6 +201,7 @@ pub fn open_frame(request: &str, payload: &'static [u8]) -> Frame {
         depth: 1,
         digest: Digest::of(payload),
         ceiling: String::new(),
+        trace: None,
         payload: Bytes::from_static(payload),
     })
 }

@@ -12,7 +12,7 @@
 //!
 //! | key | type | content |
 //! |---|---|---|
-//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest (`sha256:<hex>`; bare hex once compacted), `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` the down / up log's tail when its size list was last in step with it |
+//! | `oab:d:{<caller>#<rid>}:meta` | hash | `callee`, `dl` deadline, `dg` digest (`sha256:<hex>`; bare hex once compacted), `ct` created, `dt`/`ds` down tail / down sender tail, `ut`/`us` the same for up, `term` outcome name or `""`, `tms` terminal ms or `""`, `acc` accepting instance (hex) or `""`, `tr` the caller's trace id (hex; only when its `Open` carried one, gone once compacted), `db`/`ub` bytes the down / up log holds (for `max_delegation_bytes`), `dz`/`uz` the down / up log's tail when its size list was last in step with it |
 //! | `oab:d:{<caller>#<rid>}:down` | stream | entry id `<seq>-0`, one field `f` = the exact frame bytes |
 //! | `oab:d:{<caller>#<rid>}:up` | stream | same for the up log |
 //! | `oab:d:{<caller>#<rid>}:down:sizes`, `…:up:sizes` | list | from the log's first append batch at `max_log_entries` on, the byte length of each of its newest entries, oldest first: what a trim gives back to the budgets, read without reading the frames; the entries older than the list are read from the log. Used only while meta `dz`/`uz` (the log's tail when the list was last in step) is the log's tail; TTL: the delegation's, or while it is open its deadline plus `finished_ttl_ms` |
@@ -72,6 +72,9 @@ pub(super) mod meta_field {
     pub(in crate::store::redis) const TERMINAL: &str = "term";
     pub(in crate::store::redis) const TERMINAL_MS: &str = "tms";
     pub(in crate::store::redis) const ACCEPTED_BY: &str = "acc";
+    /// The caller's trace id (hex); absent when its `Open` carried none,
+    /// and once the delegation is compacted.
+    pub(in crate::store::redis) const TRACE: &str = "tr";
 }
 
 /// The keys of one delegation.

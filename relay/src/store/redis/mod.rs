@@ -940,7 +940,8 @@ impl EventStore for RedisStore {
             .arg(req.now_ms)
             .arg(req.frame.as_ref())
             .arg(self.maxlen)
-            .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default());
+            .arg(req.wake.as_ref().map(wake_channel).unwrap_or_default())
+            .arg(req.trace.map(|t| t.to_hex()).unwrap_or_default());
         if in_script {
             cmd.arg(req.key.to_string())
                 .arg(deadline_member(req.deadline_ms, &req.key));

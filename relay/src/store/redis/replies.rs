@@ -152,6 +152,11 @@ pub(super) fn parse_meta(
         terminal,
         terminal_ms,
         accepted_by,
+        // Optional: written only for an `Open` that carried one.
+        trace: fields
+            .get(meta_field::TRACE)
+            .and_then(str_of)
+            .and_then(oab_wire::TraceId::parse),
     })
 }
 

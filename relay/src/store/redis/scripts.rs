@@ -21,8 +21,8 @@ use crate::store::StoreError;
 /// keys are in other hash slots) also the caller's and the callee's
 /// delegation sets, their sets of open delegations and `oab:deadlines`;
 /// ARGV callee, deadline, digest, now, frame, maxlen, wake channel (or
-/// empty), and with the index keys the index member (`<caller>#<rid>`) and
-/// the deadline member. Returns `{'N'}` when it created the delegation (and
+/// empty), the caller's trace id (hex, or empty for none), and with the
+/// index keys the index member (`<caller>#<rid>`) and the deadline member. Returns `{'N'}` when it created the delegation (and
 /// published `W<frame>` on the wake channel, and, given the index keys,
 /// indexed it: one round trip for the whole open), or `{'E', <HGETALL>}`.
 const OPEN_LUA: &str = include_str!("lua/open.lua");
@@ -285,7 +285,7 @@ mod tests {
     #[test]
     fn scripts_keep_their_sha1_names() {
         for (name, text, sha1) in [
-            ("open", OPEN_LUA, "c3be4a732a20b615afb4ca43d95f3f7119712ce6"),
+            ("open", OPEN_LUA, "03cf49f77bbacefde5a6c6b2b7aa0beac2c05ff5"),
             (
                 "append",
                 APPEND_LUA,

@@ -9,12 +9,13 @@ redis.call('HSET', KEYS[1], 'callee', ARGV[1], 'dl', ARGV[2], 'dg', ARGV[3], 'ct
   'dt', '1', 'ds', '1', 'ut', '0', 'us', '0', 'term', '', 'tms', '', 'acc', '',
   'db', string.format('%.0f', #ARGV[5]), 'ub', '0')
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[6], '1-0', 'f', ARGV[5])
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'tr', ARGV[8]) end
 if ARGV[7] ~= '' then redis.call('PUBLISH', ARGV[7], 'W' .. ARGV[5]) end
 if #KEYS == 8 then
-  redis.call('SADD', KEYS[4], ARGV[8])
-  redis.call('SADD', KEYS[5], ARGV[8])
-  redis.call('SADD', KEYS[6], ARGV[8])
-  redis.call('SADD', KEYS[7], ARGV[8])
-  redis.call('ZADD', KEYS[8], 0, ARGV[9])
+  redis.call('SADD', KEYS[4], ARGV[9])
+  redis.call('SADD', KEYS[5], ARGV[9])
+  redis.call('SADD', KEYS[6], ARGV[9])
+  redis.call('SADD', KEYS[7], ARGV[9])
+  redis.call('ZADD', KEYS[8], 0, ARGV[10])
 end
 return {'N'}
