@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use oab_wire::identity::{Identity, now_ms};
-use oab_wire::{DelegationKey, Digest, ErrorCode, Open, Outcome, PeerId};
+use oab_wire::{DelegationKey, Digest, ErrorCode, Open, Outcome, PeerId, TraceId};
 use serde_json::Value;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -299,6 +299,14 @@ pub struct TaskRun {
     pub messages: mpsc::Receiver<Value>,
     /// The serving context (depth one).
     pub context: DelegationContext,
+}
+
+/// Puts the trace id of a verified request on the current span (the
+/// delegation's), so every line logged for it carries the same id as the
+/// caller's and the relay's lines.
+fn record_trace(request: &DelegationRequest) {
+    let trace = TraceId::of_text(&request.parent.trace_id);
+    tracing::Span::current().record("trace_id", tracing::field::display(trace));
 }
 
 /// Runs delegated tasks: OAB's prompt runner, or the A2A driver.
@@ -561,7 +569,7 @@ impl CalleeRuntime {
                         continue;
                     };
                     let rt = self.clone();
-                    let span = tracing::info_span!("delegation", key = %open.key);
+                    let span = tracing::info_span!("delegation", key = %open.key, trace_id = tracing::field::Empty);
                     tokio::spawn(async move { rt.serve(open, registered).await }.instrument(span));
                 }
                 Incoming::Reopened { open, up } => {
@@ -569,7 +577,7 @@ impl CalleeRuntime {
                         continue;
                     };
                     let rt = self.clone();
-                    let span = tracing::info_span!("delegation", key = %open.key);
+                    let span = tracing::info_span!("delegation", key = %open.key, trace_id = tracing::field::Empty);
                     tokio::spawn(
                         async move { rt.reattach(open, up, registered).await }.instrument(span),
                     );
@@ -679,6 +687,9 @@ impl CalleeRuntime {
                 if refusal.code == "redelivery" {
                     return;
                 }
+                if let Some(r) = &request {
+                    record_trace(r);
+                }
                 warn!(code = refusal.code, message = %refusal.message, "delegation refused");
                 self.audit.record(
                     &AuditRecord::refused(now_ms(), Side::Callee, &key, refusal.code)
@@ -698,6 +709,7 @@ impl CalleeRuntime {
             }
         };
         let digest = verified.request_digest;
+        record_trace(&verified.request);
         self.audit.record(
             &self
                 .audit(&key, AuditEvent::Reserved)
@@ -739,6 +751,7 @@ impl CalleeRuntime {
             }
             Err(_) => return,
         }
+        info!(caller = %key.caller, %task_id, "delegation accepted");
         self.audit.record(
             &self
                 .audit(&key, AuditEvent::Accepted)
@@ -839,6 +852,7 @@ impl CalleeRuntime {
                 return;
             }
         };
+        record_trace(&verified.request);
         info!(up, task_id = %record.task_id, "re-attaching after a restart");
         self.audit.record(
             &self

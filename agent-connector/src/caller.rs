@@ -26,7 +26,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use oab_wire::envelope::Envelope;
 use oab_wire::identity::{Identity, now_ms};
-use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestId};
+use oab_wire::{DelegationKey, Digest, Open, Outcome, PeerEntry, PeerId, RequestId, TraceId};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -259,15 +259,27 @@ impl CallerRecord {
         if &self.callee != callee {
             return false;
         }
+        // The trace id is not part of the request's identity: a retry in
+        // another trace is the same delegation, which keeps its first trace.
+        let same_parent = |p: &ParentContext| {
+            p.agent == spec.parent.agent && p.execution_id == spec.parent.execution_id
+        };
         match &self.spec {
-            Some(s) => s == spec,
+            Some(s) => {
+                s.task == spec.task
+                    && s.capabilities == spec.capabilities
+                    && s.read_only == spec.read_only
+                    && s.deadline == spec.deadline
+                    && s.budgets == spec.budgets
+                    && same_parent(&s.parent)
+            }
             None => {
                 let r = &self.request;
                 r.task == spec.task
                     && r.capabilities == spec.capabilities
                     && r.read_only == spec.read_only
                     && r.budgets == spec.budgets
-                    && r.parent == spec.parent
+                    && same_parent(&r.parent)
             }
         }
     }
@@ -631,6 +643,7 @@ impl Caller {
             depth: s.request.depth,
             digest: Digest::of(&payload),
             ceiling: String::new(),
+            trace: Some(TraceId::of_text(&s.request.parent.trace_id)),
             payload,
         };
         let cursor = if s.finished { 0 } else { s.cursor };
@@ -823,6 +836,7 @@ impl Caller {
             }
             .into());
         }
+        let trace = TraceId::of_text(&request.parent.trace_id);
         let open = Open {
             key: key.clone(),
             target: peer.clone(),
@@ -830,6 +844,7 @@ impl Caller {
             depth,
             digest: Digest::of(&payload),
             ceiling: String::new(),
+            trace: Some(trace),
             payload,
         };
         // The record claims the request id (a concurrent call with the same
@@ -897,6 +912,7 @@ impl Caller {
                 reply,
             })
             .await?;
+        tracing::info!(%key, trace_id = %trace, callee = %peer, "delegation sent");
         Ok(DelegationHandle {
             key,
             callee: peer.clone(),

@@ -1546,6 +1546,7 @@ pub(crate) mod tests {
             depth: req.depth,
             digest: Digest::of(&payload),
             ceiling: String::new(),
+            trace: None,
             payload,
         }
     }

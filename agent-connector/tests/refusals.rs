@@ -215,6 +215,7 @@ fn open_with(env: &Env, request_id: &str, payload: Bytes, deadline_ms: u64) -> F
         depth: 1,
         digest: Digest::of(&payload),
         ceiling: String::new(),
+        trace: None,
         payload,
     })
 }
@@ -341,6 +342,12 @@ async fn one_request_id_runs_once_and_a_different_body_is_a_mismatch() {
     other.task.text = "something else".into();
     let e = a.caller().delegate(&peer(CALLEE), other).await.unwrap_err();
     assert!(matches!(e, CallerError::IdempotencyMismatch(_)));
+    // A retry in another trace is the same delegation (the trace id is not
+    // part of the request's identity), which keeps its first trace.
+    let mut retried = s.clone();
+    retried.parent.trace_id = "another-trace".into();
+    let h4 = a.caller().delegate(&peer(CALLEE), retried).await.unwrap();
+    assert!(h4 == h1);
     assert_eq!(exec.runs.load(Ordering::SeqCst), 1);
     let mut events = a.caller().events(&h1, 0).await.unwrap();
     use futures_util::StreamExt as _;

@@ -295,6 +295,7 @@ impl Link {
             }
             other => Exit::Fatal(other.to_string()),
         })?;
+        let version = hello.version;
         let bytes = encode(&Frame::Hello(hello)).map_err(|e| Exit::Fatal(e.to_string()))?;
         ws.send(Message::Binary(bytes))
             .await
@@ -311,6 +312,7 @@ impl Link {
         let list: Vec<DelegationCursor> =
             serde_json::from_slice(&welcome.payload).unwrap_or_default();
         self.max_in_flight = welcome.max_in_flight.max(1);
+        self.session_version = version;
         self.heartbeat = Duration::from_millis(u64::from(welcome.heartbeat_ms.max(100)));
         self.limits = Limits {
             max_header: welcome.max_header,

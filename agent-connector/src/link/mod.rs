@@ -668,6 +668,7 @@ pub fn spawn(
         peer_waiters: Vec::new(),
         epoch: None,
         max_in_flight: 1024,
+        session_version: oab_wire::handshake::MIN_VERSION,
         limits: connection::ceiling(),
         drain_hint: None,
         control_frames: Vec::new(),
@@ -706,6 +707,10 @@ struct Link {
     peer_waiters: Vec<oneshot::Sender<Vec<PeerEntry>>>,
     epoch: Option<u64>,
     max_in_flight: u32,
+    /// The protocol version of the current session (of the last one while
+    /// offline): below `handshake::TRACE_VERSION` an `Open` is sent
+    /// without its trace id, which that relay would not decode.
+    session_version: u8,
     /// What the relay takes, from its last `Welcome` (the protocol's
     /// ceilings before the first one): a frame over them is never sent.
     limits: Limits,

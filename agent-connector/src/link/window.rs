@@ -10,7 +10,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use bytes::Bytes;
-use oab_wire::{DelegationKey, Direction};
+use oab_wire::handshake::TRACE_VERSION;
+use oab_wire::{DelegationKey, Direction, Frame, Open};
 use tokio::sync::oneshot;
 
 use tracing::warn;
@@ -114,7 +115,13 @@ impl Link {
                     unsendable.push((key.clone(), *seq, e));
                     break;
                 }
-                out.push(bytes.clone());
+                if *seq == 1 && d.is_caller && self.session_version < TRACE_VERSION {
+                    // A relay of protocol version 1 does not decode the
+                    // trace id: the open goes without it.
+                    out.push(without_trace(bytes));
+                } else {
+                    out.push(bytes.clone());
+                }
                 d.send_log.sent = *seq;
             }
         }
@@ -200,5 +207,62 @@ impl Link {
                 queue_resume(key, d.recv_dir(), d.cursor, out);
             }
         }
+    }
+}
+
+/// An encoded `Open` without its trace id (any other frame as it is).
+fn without_trace(bytes: &Bytes) -> Bytes {
+    match oab_wire::decode_message(bytes.clone(), &super::connection::ceiling()) {
+        Ok(Frame::Open(open)) if open.trace.is_some() => {
+            let open = Frame::Open(Open {
+                trace: None,
+                ..open
+            });
+            oab_wire::encode(&open).unwrap_or_else(|_| bytes.clone())
+        }
+        _ => bytes.clone(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use oab_wire::{Digest, Limits, PeerId, RequestId, TraceId};
+
+    #[test]
+    fn an_open_for_a_version_1_relay_loses_only_its_trace() {
+        let payload = Bytes::from_static(b"{\"signed\":true}");
+        let open = Open {
+            key: DelegationKey::new(
+                PeerId::new("acme/a").unwrap(),
+                RequestId::new("r-1").unwrap(),
+            ),
+            target: PeerId::new("acme/b").unwrap(),
+            deadline_ms: 42,
+            depth: 1,
+            digest: Digest::of(&payload),
+            ceiling: String::new(),
+            trace: Some(TraceId::random()),
+            payload,
+        };
+        let with = oab_wire::encode(&Frame::Open(open.clone())).unwrap();
+        let without = without_trace(&with);
+        let Frame::Open(back) =
+            oab_wire::decode_message(without.clone(), &Limits::default()).unwrap()
+        else {
+            panic!("not an open");
+        };
+        assert_eq!(
+            back,
+            Open {
+                trace: None,
+                ..open
+            }
+        );
+        // Already without: the same bytes; any other frame: untouched.
+        assert_eq!(without_trace(&without), without);
+        let ping = oab_wire::encode(&Frame::Ping(oab_wire::Ping { token: 7 })).unwrap();
+        assert_eq!(without_trace(&ping), ping);
     }
 }

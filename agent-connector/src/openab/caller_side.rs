@@ -408,9 +408,9 @@ impl Flight {
                 return;
             }
         };
-        // The CP delegation id beside the relay's key (the span carries the
-        // former): what `oab-relay inspect` takes.
-        tracing::info!(key = %handle.key, callee = %handle.callee, "delegation sent");
+        // The caller logs "delegation sent" with the key and the trace id,
+        // inside this span, which carries the CP delegation id beside them:
+        // `oab-relay inspect` takes either.
         let (end, acked) = self.follow(&caller, &handle).await;
         let result = match end {
             End::Cancelled(reason) => {

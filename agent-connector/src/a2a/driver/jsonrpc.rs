@@ -9,6 +9,7 @@ use serde_json::{Map, Value, json};
 use super::DriverError;
 use super::call::Call;
 use super::sse::SseEvent;
+use super::transport::traced;
 use crate::a2a::PROTOCOL_VERSION;
 use crate::a2a::model::fresh_id;
 
@@ -59,8 +60,7 @@ impl JsonRpc {
         call: Call<'_>,
         timeout: Duration,
     ) -> reqwest::Result<reqwest::Response> {
-        let req = http
-            .post(&self.url)
+        let req = traced(http.post(&self.url))
             .header("A2A-Version", PROTOCOL_VERSION)
             .json(&self.body(call));
         let req = if call.streams() {

@@ -46,6 +46,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
+use oab_wire::TraceId;
 use serde_json::{Map, Value, json};
 use tracing::{debug, warn};
 
@@ -284,7 +285,8 @@ pub async fn publish_card(connector: &crate::Connector, driver: &A2aDriver) {
 impl TaskExecutor for A2aDriver {
     fn execute(&self, run: TaskRun) -> Pin<Box<dyn Future<Output = Execution> + Send + 'static>> {
         let inner = self.inner.clone();
-        Box::pin(async move { inner.run(run).await })
+        let trace = TraceId::of_text(&run.request.parent.trace_id);
+        Box::pin(transport::TRACE.scope(trace, async move { inner.run(run).await }))
     }
 
     fn reattach(
@@ -294,7 +296,10 @@ impl TaskExecutor for A2aDriver {
     ) -> Option<Pin<Box<dyn Future<Output = Execution> + Send + 'static>>> {
         let saved = reattach::Saved::from_checkpoint(checkpoint)?;
         let inner = self.inner.clone();
-        Some(Box::pin(async move { inner.resume(run, saved).await }))
+        let trace = TraceId::of_text(&run.request.parent.trace_id);
+        Some(Box::pin(
+            transport::TRACE.scope(trace, async move { inner.resume(run, saved).await }),
+        ))
     }
 }
 

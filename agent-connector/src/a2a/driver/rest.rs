@@ -29,6 +29,7 @@ use tracing::debug;
 use super::DriverError;
 use super::call::Call;
 use super::sse::SseEvent;
+use super::transport::traced;
 use crate::a2a::PROTOCOL_VERSION;
 
 /// The media type of HTTP+JSON bodies (SPEC §11, v1.0.1).
@@ -112,8 +113,7 @@ impl Rest {
         } else {
             ACCEPT_JSON
         };
-        let mut req = http
-            .request(method, url.clone())
+        let mut req = traced(http.request(method, url.clone()))
             .header("A2A-Version", PROTOCOL_VERSION)
             .header(ACCEPT, accept);
         if let Some(body) = &body {
@@ -129,8 +129,7 @@ impl Rest {
             && resp.status() == StatusCode::METHOD_NOT_ALLOWED
         {
             debug!("the local A2A server refused POST :subscribe (405); subscribing with GET");
-            return http
-                .get(url)
+            return traced(http.get(url))
                 .header("A2A-Version", PROTOCOL_VERSION)
                 .header(ACCEPT, accept)
                 .send()

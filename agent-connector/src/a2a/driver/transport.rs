@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use oab_wire::TraceId;
 use serde_json::Value;
 
 use super::DriverError;
@@ -12,6 +13,22 @@ use super::jsonrpc::JsonRpc;
 use super::rest::Rest;
 use super::sse::SseEvent;
 use crate::a2a::AgentBinding;
+
+tokio::task_local! {
+    /// The trace of the delegation whose turn is running: each request the
+    /// driver sends for it carries a W3C `traceparent` header with this
+    /// trace id (a fresh span id per request), so the agent sees the trace
+    /// the caller started.
+    pub(super) static TRACE: TraceId;
+}
+
+/// `req` with the running delegation's `traceparent` header, if any.
+pub(super) fn traced(req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+    match TRACE.try_with(|t| t.traceparent()) {
+        Ok(header) => req.header("traceparent", header),
+        Err(_) => req,
+    }
+}
 
 /// How the driver talks to the local A2A server.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use oab_wire::RequestId;
+use oab_wire::{RequestId, TraceId};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -168,12 +168,22 @@ impl RpcCall {
                 .map_or(defaults.budgets, |b| b.over(&defaults.budgets)),
             parent: ParentContext {
                 agent: parent.agent.unwrap_or_else(|| defaults.agent.clone()),
+                // The profile's trace id, else the trace of a W3C
+                // `traceparent` header, else one derived from the message.
                 trace_id: parent
                     .trace_id
+                    .or_else(|| {
+                        self.headers
+                            .get("traceparent")
+                            .and_then(|v| v.to_str().ok())
+                            .and_then(TraceId::from_traceparent)
+                            .map(TraceId::to_hex)
+                    })
                     .unwrap_or_else(|| message_id.chars().take(128).collect()),
                 execution_id: parent.execution_id,
             },
         };
+        let trace = TraceId::of_text(&spec.parent.trace_id);
         let deadline_ms =
             now_ms().saturating_add(u64::try_from(spec.deadline.as_millis()).unwrap_or(u64::MAX));
         let handle = inner
@@ -204,7 +214,7 @@ impl RpcCall {
             _ => Ok(false),
         };
         if fresh {
-            let span = tracing::info_span!("a2a_task", key = %cell.handle.key);
+            let span = tracing::info_span!("a2a_task", key = %cell.handle.key, trace_id = %trace);
             tokio::spawn(track_delegation(self.ctx.inner.clone(), cell.clone()).instrument(span));
         }
         match registered {
