@@ -62,7 +62,7 @@ pub struct ConnectorProcess {
 impl ConnectorProcess {
     /// Writes `role`'s identity file and configuration under `setup`'s
     /// folder and starts `bin` on it, dialing the relay at `relay`. Its log
-    /// (stderr, `OAB_LOG=warn`) goes to `<name>.log` there.
+    /// (stderr, at `setup.child_log`) goes to `<name>.log` there.
     pub fn start(
         setup: &Setup,
         bin: &Path,
@@ -93,7 +93,8 @@ impl ConnectorProcess {
             .arg("run")
             .arg("--config")
             .arg(&config_path)
-            .env("OAB_LOG", "warn")
+            .env("OAB_LOG", &setup.child_log)
+            .env("OAB_LOG_FORMAT", &setup.child_log_format)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(stderr))
@@ -128,6 +129,11 @@ impl ConnectorProcess {
     /// Whether it still runs (an exit is reaped here).
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Its log file (stderr).
+    pub fn log_path(&self) -> &Path {
+        &self.log
     }
 
     /// The tail of its log, for error messages.

@@ -156,6 +156,7 @@ pub fn open_frame(key: &DelegationKey, target: &oab_wire::PeerId) -> Frame {
         depth: 1,
         digest: Digest::of(&payload),
         ceiling: String::new(),
+        trace: None,
         payload,
     })
 }

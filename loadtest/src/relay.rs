@@ -486,6 +486,14 @@ impl RelayUnderTest {
             .collect())
     }
 
+    /// The child's log file (stderr); `None` for a relay in this process.
+    pub fn log_path(&self) -> Option<&Path> {
+        match &self.running {
+            Running::Process { stderr_log, .. } => Some(stderr_log),
+            Running::InProcess { .. } => None,
+        }
+    }
+
     /// The tail of the child's log (stderr), for error messages.
     pub fn log_tail(&self) -> String {
         match &self.running {
@@ -1062,7 +1070,8 @@ async fn start_process(
             sets.iter()
                 .flat_map(|(k, v)| ["--set".to_string(), format!("{k}={v}")]),
         )
-        .env("OAB_LOG", "warn")
+        .env("OAB_LOG", &setup.child_log)
+        .env("OAB_LOG_FORMAT", &setup.child_log_format)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr))

@@ -107,6 +107,13 @@ pub struct Setup {
     pub extra_callers: Vec<Identity>,
     /// The settings changed from the relay's defaults.
     pub tuning: Tuning,
+    /// The log filter (`OAB_LOG`) of the relay and connector processes
+    /// started on this setup: `warn` (a benchmark measures, it does not
+    /// log); a test that reads their logs sets more.
+    pub child_log: String,
+    /// The log format (`OAB_LOG_FORMAT`, `text` or `json`) of those
+    /// processes.
+    pub child_log_format: String,
 }
 
 impl std::fmt::Debug for Setup {
@@ -299,6 +306,8 @@ impl Setup {
             pairs,
             extra_callers,
             tuning,
+            child_log: "warn".into(),
+            child_log_format: "text".into(),
         })
     }
 }

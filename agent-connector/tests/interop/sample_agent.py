@@ -47,6 +47,11 @@ What it does is chosen by the prefix of the message id:
   one ``lastChunk``), then completed; canceled between two chunks when
   asked (an output larger than the delegation's budget);
 - anything else: completed, echoing the text.
+
+Every request's ``traceparent`` header (W3C Trace Context), when it has
+one, is recorded with the request's method and path and served at
+``GET /test/traceparents`` (``[{"traceparent": ..., "method": ...,
+"path": ...}]``), so a test can see what trace reached the agent.
 """
 
 import argparse
@@ -86,6 +91,23 @@ from a2a.types import (
 logger = logging.getLogger("sample_agent")
 
 GATES: dict[str, asyncio.Event] = {}
+TRACEPARENTS: list[dict[str, str]] = []
+
+
+class RecordTraceparent:
+    """ASGI middleware: records each request's ``traceparent`` header."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope.get("headers", []):
+                if name == b"traceparent":
+                    TRACEPARENTS.append(
+                        {"traceparent": value.decode("latin-1"), "method": scope["method"], "path": scope["path"]}
+                    )
+        await self.app(scope, receive, send)
 
 
 class Race:
@@ -297,6 +319,10 @@ async def emitted(request: Request) -> JSONResponse:
         return JSONResponse({"emitted": race.emitted, "terminal": race.terminal})
 
 
+async def traceparents(request: Request) -> JSONResponse:
+    return JSONResponse(TRACEPARENTS)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -330,12 +356,13 @@ async def main() -> None:
         *create_agent_card_routes(agent_card=card),
         Route("/test/gates/{name}", open_gate, methods=["POST"]),
         Route("/test/emitted/{name}", emitted, methods=["GET"]),
+        Route("/test/traceparents", traceparents, methods=["GET"]),
     ]
     if args.binding in ("jsonrpc", "both"):
         routes += create_jsonrpc_routes(request_handler=handler, rpc_url="/a2a/jsonrpc")
     if args.binding in ("rest", "both"):
         routes += create_rest_routes(request_handler=handler, path_prefix="/a2a/rest")
-    app = Starlette(routes=routes)
+    app = RecordTraceparent(Starlette(routes=routes))
     config = uvicorn.Config(app, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

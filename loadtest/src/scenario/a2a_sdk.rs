@@ -102,7 +102,7 @@ async fn start_agent(opts: &A2aSdkOptions) -> anyhow::Result<(tokio::process::Ch
 /// Starts the official-SDK sample agent (`sample_agent.py` in
 /// `interop_dir`, run by `python`) on a free loopback port; returns the
 /// child and its port once it serves.
-pub(crate) async fn start_sample_agent(
+pub async fn start_sample_agent(
     python: &std::path::Path,
     interop_dir: &std::path::Path,
 ) -> anyhow::Result<(tokio::process::Child, u16)> {

@@ -483,7 +483,7 @@ async fn batch(
 
 /// Binds and releases a loopback port for the facade (the connector binds
 /// it again a moment later).
-pub(crate) fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
+pub fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?)
 }
@@ -491,7 +491,7 @@ pub(crate) fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
 /// Waits until connector A's facade answers and lists the callee online
 /// (both connectors are then up and connected), bounded by
 /// [`READY_TIMEOUT`]; fails at once when a connector process exits.
-pub(crate) async fn wait_ready(
+pub async fn wait_ready(
     http: &reqwest::Client,
     facade: SocketAddr,
     a: &mut ConnectorProcess,
