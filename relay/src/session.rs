@@ -59,6 +59,11 @@ use tokio_util::sync::CancellationToken;
 
 /// Frames read from the socket before a batch is processed.
 const MAX_BATCH: usize = 256;
+
+/// The log target of the one line per delegation opened and per delegation
+/// finished (`OAB_LOG=info,oab_relay::delegation=warn` leaves them out).
+const DELEGATION_LOG: &str = "oab_relay::delegation";
+
 /// Largest welcome payload (JSON list of open delegations), bytes. The
 /// session's write buffer cap is sized to hold it.
 pub const MAX_WELCOME_BYTES: usize = 4 * 1024 * 1024;
@@ -1389,6 +1394,7 @@ impl<S: EventStore> Session<S> {
                     if let Some(outcome) = req.terminal {
                         let trace = view.lock().trace;
                         info!(
+                            target: DELEGATION_LOG,
                             key = %req.key,
                             trace_id = trace.map(tracing::field::display),
                             outcome = outcome.name(),
@@ -1652,6 +1658,7 @@ impl<S: EventStore> Session<S> {
                 match res {
                     Ok(OpenOutcome::Created(meta)) => {
                         info!(
+                            target: DELEGATION_LOG,
                             key = %meta.key,
                             trace_id = meta.trace.map(tracing::field::display),
                             callee = %meta.callee,
