@@ -14,6 +14,14 @@
 //!   built binary with the same arguments, plus the flags the README names
 //!   for ports that are taken; `scripts/test` is skipped (this test runs
 //!   inside it).
+//! - `docs/openab.md`, "Switching an OAB host over": the trial's CA,
+//!   identities, Redis and relay (whose route is the one the section asks
+//!   for), the bearer key made as the section makes it, each host's
+//!   connector with the section's `[openab]` block as written, then OAB's
+//!   runtimes as its `[control_plane]` block names them (a worker
+//!   `prod/reviewer` on host B, a primary `prod/koudu` on host A, at the
+//!   block's URL) and one `cp/delegate` from the primary that completes
+//!   with the worker's answer.
 //!
 //! Needs the `oab-relay` and `oab-connector` binaries of the same build
 //! profile (`cargo test --workspace` builds them), `bash`, `openssl`,
@@ -103,10 +111,20 @@ impl Drop for Leftovers {
     }
 }
 
-/// Runs `script` with `bash` in `dir`, with the binaries first on `PATH`
-/// and none of the variables a developer's shell might carry that change
-/// what the binaries read; returns (exit success, stdout, stderr).
-async fn run(script: &str, dir: &Path, pid_file: &str) -> (bool, String, String) {
+/// What a script printed, and what it left running (stopped when this is
+/// dropped).
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+    _leftovers: Leftovers,
+}
+
+/// Runs `script` with `bash` in `dir`, with the binaries first on `PATH`,
+/// `env` set, and none of the variables a developer's shell might carry
+/// that change what the binaries read. What it starts in the background
+/// (with its output redirected) keeps running until the result is dropped.
+async fn run_with(script: &str, dir: &Path, pid_file: &str, env: &[(&str, &str)]) -> Ran {
     let path = format!(
         "{}:{}",
         bin_dir().display(),
@@ -127,8 +145,9 @@ async fn run(script: &str, dir: &Path, pid_file: &str) -> (bool, String, String)
             cmd.env_remove(var);
         }
     }
+    cmd.envs(env.iter().copied());
     let child = cmd.spawn().unwrap();
-    let _leftovers = Leftovers {
+    let leftovers = Leftovers {
         group: child.id().and_then(|id| i32::try_from(id).ok()),
         pid_file: dir.join(pid_file),
     };
@@ -136,11 +155,19 @@ async fn run(script: &str, dir: &Path, pid_file: &str) -> (bool, String, String)
         .await
         .expect("the walkthrough finishes in 3 minutes")
         .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    Ran {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        _leftovers: leftovers,
+    }
+}
+
+/// [`run_with`] without extra variables, to the end of everything it
+/// started: (exit success, stdout, stderr).
+async fn run(script: &str, dir: &Path, pid_file: &str) -> (bool, String, String) {
+    let ran = run_with(script, dir, pid_file, &[]).await;
+    (ran.ok, ran.stdout, ran.stderr)
 }
 
 /// The tail of each log file the script wrote in `dir`, for a failure
@@ -337,4 +364,186 @@ wait_for() {
             "the README's promise this test checks: {promise}"
         );
     }
+}
+
+/// The deploy guide's trial heading, whose first steps (CA, identities,
+/// Redis, relay) the OpenAB walkthrough builds on.
+const TRIAL: &str = "Trial: two hosts through a relay on Redis, with a private CA, on one machine";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openab_switch_over_runs_as_written() {
+    use oab_loadtest::cp;
+
+    let root = repo();
+    let guide = std::fs::read_to_string(root.join("deploy/README.md")).unwrap();
+    let trial = shell_blocks(&guide, TRIAL).unwrap();
+    let openab = std::fs::read_to_string(root.join("docs/openab.md")).unwrap();
+    let blocks = oab_testkit::docs::blocks_under(&openab, "Switching an OAB host over").unwrap();
+    let find = |what: &str, f: &dyn Fn(&oab_testkit::docs::Block) -> bool| {
+        blocks
+            .iter()
+            .find(|b| f(b))
+            .unwrap_or_else(|| panic!("docs/openab.md no longer has {what}: {blocks:#?}"))
+            .text
+            .clone()
+    };
+    let runtime = find("OAB's [control_plane] block", &|b| {
+        b.info == "toml" && b.text.contains("[control_plane]")
+    });
+    let host_a = find("host A's [openab] block", &|b| {
+        b.info == "toml" && b.text.starts_with("[openab]") && b.text.contains("type = \"primary\"")
+    });
+    let host_b = find("host B's [openab] block", &|b| {
+        b.info == "toml" && b.text.starts_with("[openab]") && b.text.contains("type = \"worker\"")
+    });
+    let make_key = find("the key-making block", &|b| {
+        b.is_shell() && b.text.contains("openssl rand")
+    });
+    let route = find("the relay's route", &|b| b.text.contains("[[routes]]"));
+    // The route the OpenAB section asks for is the trial relay's own.
+    let trial_relay = &trial[3];
+    for line in route.lines().filter(|l| !l.starts_with('#')) {
+        assert!(
+            trial_relay.contains(line),
+            "the trial's relay lacks the OpenAB route line {line:?}"
+        );
+    }
+    // The runtime's CP URL, and the endpoint it names, per host.
+    let url = runtime
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("url = \""))
+        .and_then(|l| l.split('"').next())
+        .unwrap()
+        .to_string();
+    assert_eq!(url, "ws://127.0.0.1:9800/cp", "OAB's URL in the docs");
+    let scratch = tempfile::tempdir().unwrap();
+    let keys = scratch.path().join("keys");
+    std::fs::create_dir(&keys).unwrap();
+    let keys = keys.display().to_string();
+    let (port_a, port_b) = (free_port(), free_port());
+    let host_a = host_a
+        .replace("127.0.0.1:9800", &format!("127.0.0.1:{port_a}"))
+        .replace("/etc/oab-connector", &keys);
+    let host_b = host_b.replace("127.0.0.1:9800", &format!("127.0.0.1:{port_b}"));
+    // Steps 1-4 of the trial; the key as the OpenAB section makes it;
+    // each host's connector: its relay, its peer and its grant, then the
+    // section's `[openab]` block as written.
+    let mut script = String::from("set -eo pipefail\n");
+    for step in &trial[..4] {
+        script.push_str(step);
+    }
+    script.push_str(&make_key.replace("/etc/oab-connector", &keys));
+    script.push_str(&format!(
+        r#"for host in a b; do
+  if [ $host = a ]; then me=build-host; other=acme/review-host; key=$RH; else me=review-host; other=acme/build-host; key=$BH; fi
+  cat > host-$host.toml <<EOT
+[connector]
+relay_url = "wss://localhost:17443/"
+relay_id = "localhost"
+identity = "$PWD/$me.identity.toml"
+relay_ca = "$PWD/relay-ca.pem"
+
+[[peers]]
+id = "$other"
+keys = [{{ key_id = "2026-11", public_key = "$key" }}]
+
+[policy]
+allowed_capabilities = ["read:*"]
+
+EOT
+done
+cat >> host-a.toml <<'EOT'
+{host_a}EOT
+cat >> host-b.toml <<'EOT'
+{host_b}EOT
+oab-connector check-config host-a.toml
+oab-connector check-config host-b.toml
+oab-connector run --config host-b.toml > host-b.log 2>&1 &
+oab-connector run --config host-a.toml > host-a.log 2>&1 &
+for i in $(seq 100); do
+  grep -q "connected to the relay" host-a.log && grep -q "connected to the relay" host-b.log && break
+  sleep 0.2
+done
+grep -h "connected to the relay" host-a.log host-b.log
+echo "OPENAB_CP_KEY=$OPENAB_CP_KEY"
+"#
+    ));
+    let script = on_free_ports(script, &["16379", "17443", "19443"])
+        .replace("/path/to/oab-relay", &root.display().to_string());
+    let worker_key = oab_wire::digest::hex(&oab_wire::Digest::of(b"walkthrough").0);
+    let ran = run_with(
+        &script,
+        scratch.path(),
+        "redis.pid",
+        &[("OAB_CP_KEY_REVIEWER", worker_key.as_str())],
+    )
+    .await;
+    let context = format!(
+        "stdout:\n{}\nstderr:\n{}\n{}",
+        ran.stdout,
+        ran.stderr,
+        logs(scratch.path())
+    );
+    assert!(ran.ok, "the setup failed\n{context}");
+    assert_eq!(
+        ran.stdout.matches("connected to the relay").count(),
+        2,
+        "both hosts in session\n{context}"
+    );
+    // The key the section exported for the runtime (`auth_key =
+    // "${OPENAB_CP_KEY}"`), and the file it wrote for the endpoint.
+    let primary_key = ran
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("OPENAB_CP_KEY="))
+        .unwrap()
+        .to_string();
+    assert_eq!(primary_key.len(), 64, "openssl rand -hex 32\n{context}");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(format!("{keys}/cp-koudu.key"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "umask 077: the key file is 0600");
+    // OAB's runtimes, as its config names them: the worker `prod/reviewer`
+    // on host B, the primary `prod/koudu` on host A, each at the URL of its
+    // own host's endpoint.
+    let url_b = url.replace("9800", &port_b.to_string());
+    let mut worker = None;
+    for _ in 0..100 {
+        match cp::connect_url(&url_b, &worker_key, false).await {
+            Ok(ws) => {
+                worker = Some(ws);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let mut worker =
+        worker.unwrap_or_else(|| panic!("host B's endpoint never answered\n{context}"));
+    let beat = cp::register(&mut worker, "prod", "reviewer", "worker", "w-1", 4)
+        .await
+        .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let serving = tokio::spawn(cp::run_worker(worker, beat, stop.clone(), false));
+    let url_a = url.replace("9800", &port_a.to_string());
+    let mut primary = cp::Primary::connect_url(&url_a, &primary_key, "reviewer", false)
+        .await
+        .unwrap();
+    // One delegation, from the primary on host A to the worker on host B,
+    // through both connectors and the relay.
+    let run = primary
+        .run("walkthrough", 1, 0.0, 1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(
+        run.completed,
+        1,
+        "{:?}\n{}",
+        run.errors,
+        logs(scratch.path())
+    );
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    stop.cancel();
+    let _ = serving.await;
 }
