@@ -301,14 +301,6 @@ pub struct TaskRun {
     pub context: DelegationContext,
 }
 
-/// Puts the trace id of a verified request on the current span (the
-/// delegation's), so every line logged for it carries the same id as the
-/// caller's and the relay's lines.
-fn record_trace(request: &DelegationRequest) {
-    let trace = TraceId::of_text(&request.parent.trace_id);
-    tracing::Span::current().record("trace_id", tracing::field::display(trace));
-}
-
 /// Runs delegated tasks: OAB's prompt runner, or the A2A driver.
 ///
 /// An executor keeps nothing per delegation after `execute` returns (or
@@ -419,6 +411,9 @@ impl std::fmt::Debug for CalleeOptions {
 pub const MAX_PENDING_MESSAGES: usize = 64;
 
 struct Running {
+    /// The delegation's span (its key, and its trace id once the request
+    /// verified): the lines about it logged outside its task use it too.
+    span: tracing::Span,
     cancel: CancellationToken,
     messages: mpsc::Sender<Value>,
     /// Set when a follow-up found `messages` full (the run is cancelled).
@@ -564,20 +559,18 @@ impl CalleeRuntime {
         while let Some(item) = incoming.recv().await {
             match item {
                 Incoming::Open(open) => {
-                    let Some(registered) = self.register(&open.key) else {
+                    let Some((registered, span)) = self.register(&open.key) else {
                         // Redelivered while it is being served: nothing to do.
                         continue;
                     };
                     let rt = self.clone();
-                    let span = tracing::info_span!("delegation", key = %open.key, trace_id = tracing::field::Empty);
                     tokio::spawn(async move { rt.serve(open, registered).await }.instrument(span));
                 }
                 Incoming::Reopened { open, up } => {
-                    let Some(registered) = self.register(&open.key) else {
+                    let Some((registered, span)) = self.register(&open.key) else {
                         continue;
                     };
                     let rt = self.clone();
-                    let span = tracing::info_span!("delegation", key = %open.key, trace_id = tracing::field::Empty);
                     tokio::spawn(
                         async move { rt.reattach(open, up, registered).await }.instrument(span),
                     );
@@ -586,7 +579,7 @@ impl CalleeRuntime {
                     key, relay_origin, ..
                 } => {
                     if let Some(r) = self.running.lock().get(&key) {
-                        info!(%key, relay_origin, "cancel requested");
+                        info!(parent: &r.span, relay_origin, "cancel requested");
                         self.audit.record(&AuditRecord::new(
                             now_ms(),
                             Side::Callee,
@@ -609,13 +602,13 @@ impl CalleeRuntime {
                     if let Err(mpsc::error::TrySendError::Full(_)) = r.messages.try_send(message)
                         && !r.overflowed.swap(true, std::sync::atomic::Ordering::SeqCst)
                     {
-                        warn!(%key, limit = MAX_PENDING_MESSAGES, "follow-up messages overflow; stopping the delegation");
+                        warn!(parent: &r.span, limit = MAX_PENDING_MESSAGES, "follow-up messages overflow; stopping the delegation");
                         r.cancel.cancel();
                     }
                 }
                 Incoming::Ended { key, terminal } => {
                     if let Some(r) = self.running.lock().get(&key) {
-                        warn!(%key, ?terminal, "delegation ended at the relay; stopping");
+                        warn!(parent: &r.span, ?terminal, "delegation ended at the relay; stopping");
                         r.cancel.cancel();
                     }
                     if let Some(o) = &self.options {
@@ -627,12 +620,14 @@ impl CalleeRuntime {
     }
 
     /// Registers a delegation whose `Open` arrived, before anything awaits;
-    /// `None` when it is already being served.
-    fn register(self: &Arc<Self>, key: &DelegationKey) -> Option<Registered> {
+    /// `None` when it is already being served. With it, the delegation's
+    /// span, which its serving task runs in.
+    fn register(self: &Arc<Self>, key: &DelegationKey) -> Option<(Registered, tracing::Span)> {
         let mut running = self.running.lock();
         if running.contains_key(key) {
             return None;
         }
+        let span = tracing::info_span!("delegation", %key, trace_id = tracing::field::Empty);
         let cancel = CancellationToken::new();
         // Bounded (MAX_PENDING_MESSAGES, overflow fails the delegation);
         // emptied by the executor.
@@ -641,12 +636,13 @@ impl CalleeRuntime {
         running.insert(
             key.clone(),
             Running {
+                span: span.clone(),
                 cancel: cancel.clone(),
                 messages: tx,
                 overflowed: overflowed.clone(),
             },
         );
-        Some(Registered {
+        let registered = Registered {
             cancel,
             messages: rx,
             overflowed,
@@ -654,7 +650,8 @@ impl CalleeRuntime {
                 rt: self.clone(),
                 key: key.clone(),
             },
-        })
+        };
+        Some((registered, span))
     }
 
     /// What the runtime holds now (expired replay-cache entries are
@@ -669,6 +666,15 @@ impl CalleeRuntime {
             running: self.running.lock().len(),
             nonces,
         }
+    }
+
+    /// Puts the trace id of a verified request on the current span (the
+    /// delegation's) and on the link's record of it, so every line logged
+    /// for it carries the same id as the caller's and the relay's lines.
+    async fn record_trace(&self, key: &DelegationKey, request: &DelegationRequest) {
+        let trace = TraceId::of_text(&request.parent.trace_id);
+        tracing::Span::current().record("trace_id", tracing::field::display(trace));
+        self.link.note_trace(key, trace).await;
     }
 
     fn audit(&self, key: &DelegationKey, event: AuditEvent) -> AuditRecord {
@@ -688,7 +694,7 @@ impl CalleeRuntime {
                     return;
                 }
                 if let Some(r) = &request {
-                    record_trace(r);
+                    self.record_trace(&key, r).await;
                 }
                 warn!(code = refusal.code, message = %refusal.message, "delegation refused");
                 self.audit.record(
@@ -709,7 +715,7 @@ impl CalleeRuntime {
             }
         };
         let digest = verified.request_digest;
-        record_trace(&verified.request);
+        self.record_trace(&key, &verified.request).await;
         self.audit.record(
             &self
                 .audit(&key, AuditEvent::Reserved)
@@ -852,7 +858,7 @@ impl CalleeRuntime {
                 return;
             }
         };
-        record_trace(&verified.request);
+        self.record_trace(&key, &verified.request).await;
         info!(up, task_id = %record.task_id, "re-attaching after a restart");
         self.audit.record(
             &self

@@ -61,6 +61,7 @@ impl Link {
                 }
                 let key = open.key.clone();
                 let target = open.target.clone();
+                let trace = open.trace;
                 let bytes = match encode(&Frame::Open(open)) {
                     Ok(b) => b,
                     Err(e) => {
@@ -69,12 +70,13 @@ impl Link {
                     }
                 };
                 if let Err(e) = self.within_limits(&bytes) {
-                    warn!(%key, error = %e, "open not sent: over the relay's limits");
+                    warn!(%key, trace_id = trace.map(display), error = %e, "open not sent: over the relay's limits");
                     self.remember_refusal(&key, &e);
                     let _ = reply.send(Err(e));
                     return;
                 }
                 let mut d = Delegation::new(true, target);
+                d.trace = trace;
                 d.cursor = cursor;
                 d.resume_after_open = existing;
                 d.send_log.next = 2;
@@ -157,7 +159,7 @@ impl Link {
                         }
                     }
                     Err(e) => {
-                        warn!(%key, seq, error = %e, "frame not sent");
+                        warn!(%key, trace_id = d.trace.map(display), seq, error = %e, "frame not sent");
                         if let Some(a) = acked {
                             let _ = a.send(Err(e));
                         }
@@ -245,6 +247,11 @@ impl Link {
                     })
                     .collect();
                 let _ = reply.send((list, total));
+            }
+            Command::Trace { key, trace } => {
+                if let Some(d) = self.delegations.get_mut(&key) {
+                    d.trace = Some(trace);
+                }
             }
             Command::Release { key, after } => {
                 // Only for a delegation this caller holds and saw end there.

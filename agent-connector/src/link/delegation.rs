@@ -25,6 +25,9 @@ use super::{EventError, Link, LinkError, UpEvent};
 /// (`Link::record_finished`).
 pub(super) struct Delegation {
     pub(super) is_caller: bool,
+    /// Its trace id, for log lines: the caller's from its `Open`, the
+    /// callee's once its request verified ([`super::LinkHandle::note_trace`]).
+    pub(super) trace: Option<oab_wire::TraceId>,
     pub(super) counterpart: PeerId,
     pub(super) send_log: SendLog,
     /// Last sequence received on our receiving log.
@@ -51,6 +54,7 @@ impl Delegation {
     pub(super) fn new(is_caller: bool, counterpart: PeerId) -> Self {
         Delegation {
             is_caller,
+            trace: None,
             counterpart,
             send_log: SendLog::default(),
             cursor: 0,

@@ -95,7 +95,7 @@ impl Link {
                     return;
                 };
                 d.resuming = false;
-                warn!(key = %g.key, reason = g.reason.name(), after = g.after, "relay reports a gap");
+                warn!(key = %g.key, trace_id = d.trace.map(display), reason = g.reason.name(), after = g.after, "relay reports a gap");
                 if d.is_caller {
                     d.notify_subscribers(&Err(EventError::Gap {
                         after: g.after,
@@ -167,7 +167,8 @@ impl Link {
         match self.incoming.try_send(item) {
             Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
-                debug!(%key, seq, "callee side busy; the relay resends this frame later");
+                let trace = self.delegations.get(key).and_then(|d| d.trace);
+                debug!(%key, trace_id = trace.map(display), seq, "callee side busy; the relay resends this frame later");
                 if let Some(d) = self.delegations.get_mut(key) {
                     d.cursor = seq.saturating_sub(1);
                     // No resume for the holes that follow until the pause ends.
@@ -252,13 +253,13 @@ impl Link {
         let Some(d) = self.delegations.get_mut(&key) else {
             return;
         };
-        debug!(%key, code = %name, seq = e.seq, message = %e.message, "relay refused a frame");
+        debug!(%key, trace_id = d.trace.map(display), code = %name, seq = e.seq, message = %e.message, "relay refused a frame");
         match code {
             Some(ErrorCode::SequenceGap) if e.seq < d.send_log.acked => {
                 // The relay acknowledged more than its store now holds:
                 // resending cannot repair that, and would be refused
                 // forever. The receiver is told with a gap by the relay.
-                warn!(%key, held = e.seq, acked = d.send_log.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
+                warn!(%key, trace_id = d.trace.map(display), held = e.seq, acked = d.send_log.acked, "the relay's store lost acknowledged events of this delegation; nothing more is sent on it");
                 let lost = LinkError::StoreLost {
                     acked: d.send_log.acked,
                     held: e.seq,

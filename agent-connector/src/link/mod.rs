@@ -387,6 +387,10 @@ pub(crate) enum Command {
         key: DelegationKey,
         after: u64,
     },
+    Trace {
+        key: DelegationKey,
+        trace: oab_wire::TraceId,
+    },
     OpenList {
         max: usize,
         reply: oneshot::Sender<(Vec<OpenDelegation>, usize)>,
@@ -611,6 +615,17 @@ impl LinkHandle {
             after,
         })
         .await
+    }
+
+    /// Names the trace of a delegation this connector serves (known once
+    /// its request verified), so the link's own lines about it carry it.
+    pub async fn note_trace(&self, key: &DelegationKey, trace: oab_wire::TraceId) {
+        let _ = self
+            .command(Command::Trace {
+                key: key.clone(),
+                trace,
+            })
+            .await;
     }
 
     /// A snapshot of a delegation.

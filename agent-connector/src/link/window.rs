@@ -147,7 +147,7 @@ impl Link {
         if seq <= d.send_log.acked || seq >= d.send_log.next {
             return;
         }
-        warn!(%key, seq, error = %e, "frame dropped: the relay cannot take it; the delegation goes on without it");
+        warn!(%key, trace_id = d.trace.map(display), seq, error = %e, "frame dropped: the relay cannot take it; the delegation goes on without it");
         let before = d.send_log.unacked.len();
         d.send_log.unacked.retain(|(s, _)| *s < seq);
         self.buffered = self
