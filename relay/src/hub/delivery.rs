@@ -101,12 +101,12 @@ impl<S: EventStore> Hub<S> {
         tail: u64,
     ) {
         *l.tail_mut(dir) = tail;
-        let terminal = l.terminal;
+        let (terminal, trace) = (l.terminal, l.trace);
         let slot = l.sub_mut(dir);
         let Some(sub) = slot.as_ref().filter(|s| s.delivered > tail) else {
             return;
         };
-        warn!(%key, dir = dir.name(), tail, delivered = sub.delivered, "the store lost acknowledged entries; the receiver is told with a gap");
+        warn!(%key, trace_id = trace.map(tracing::field::display), dir = dir.name(), tail, delivered = sub.delivered, "the store lost acknowledged entries; the receiver is told with a gap");
         let (outbox, after, session) = (sub.outbox.clone(), sub.delivered, sub.session);
         *slot = None;
         self.forget_subscription(session, key, dir);
