@@ -49,7 +49,9 @@ Ctrl-C.
 The relay runs as a child process (the oab-relay binary next to this one, or
 --relay-bin): its memory and CPU are its own, and its pid is logged so that
 `perf record -g -p <pid>` can profile it during a run. --relay in-process runs
-it inside this process instead.
+it inside this process instead. The relay and connector processes log at
+OAB_LOG=warn, or at the filter in OAB_LOADTEST_CHILD_LOG (to measure what
+logging costs: `OAB_LOADTEST_CHILD_LOG=info` is a relay's default).
 
 The generated relay config differs from the defaults only where a load test
 would otherwise measure a limiter: peer frame rate and connection rate limits

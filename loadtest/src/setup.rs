@@ -80,6 +80,10 @@ impl Default for Tuning {
     }
 }
 
+/// The variable that sets the log filter of the processes a run starts
+/// ([`Setup::child_log`]).
+pub const CHILD_LOG_ENV: &str = "OAB_LOADTEST_CHILD_LOG";
+
 /// A generated certificate, identities and relay config.
 pub struct Setup {
     /// Holds every file; removed on drop.
@@ -108,8 +112,9 @@ pub struct Setup {
     /// The settings changed from the relay's defaults.
     pub tuning: Tuning,
     /// The log filter (`OAB_LOG`) of the relay and connector processes
-    /// started on this setup: `warn` (a benchmark measures, it does not
-    /// log); a test that reads their logs sets more.
+    /// started on this setup: `$OAB_LOADTEST_CHILD_LOG`, else `warn` (a
+    /// benchmark measures, it does not log; the variable measures what
+    /// logging costs); a test that reads their logs sets more.
     pub child_log: String,
     /// The log format (`OAB_LOG_FORMAT`, `text` or `json`) of those
     /// processes.
@@ -306,7 +311,7 @@ impl Setup {
             pairs,
             extra_callers,
             tuning,
-            child_log: "warn".into(),
+            child_log: std::env::var(CHILD_LOG_ENV).unwrap_or_else(|_| "warn".into()),
             child_log_format: "text".into(),
         })
     }
