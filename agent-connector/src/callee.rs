@@ -671,10 +671,10 @@ impl CalleeRuntime {
     /// Puts the trace id of a verified request on the current span (the
     /// delegation's) and on the link's record of it, so every line logged
     /// for it carries the same id as the caller's and the relay's lines.
-    async fn record_trace(&self, key: &DelegationKey, request: &DelegationRequest) {
+    fn record_trace(&self, key: &DelegationKey, request: &DelegationRequest) {
         let trace = TraceId::of_text(&request.parent.trace_id);
         tracing::Span::current().record("trace_id", tracing::field::display(trace));
-        self.link.note_trace(key, trace).await;
+        self.link.note_trace(key, trace);
     }
 
     fn audit(&self, key: &DelegationKey, event: AuditEvent) -> AuditRecord {
@@ -694,7 +694,7 @@ impl CalleeRuntime {
                     return;
                 }
                 if let Some(r) = &request {
-                    self.record_trace(&key, r).await;
+                    self.record_trace(&key, r);
                 }
                 warn!(code = refusal.code, message = %refusal.message, "delegation refused");
                 self.audit.record(
@@ -715,7 +715,7 @@ impl CalleeRuntime {
             }
         };
         let digest = verified.request_digest;
-        self.record_trace(&key, &verified.request).await;
+        self.record_trace(&key, &verified.request);
         self.audit.record(
             &self
                 .audit(&key, AuditEvent::Reserved)
@@ -858,7 +858,7 @@ impl CalleeRuntime {
                 return;
             }
         };
-        self.record_trace(&key, &verified.request).await;
+        self.record_trace(&key, &verified.request);
         info!(up, task_id = %record.task_id, "re-attaching after a restart");
         self.audit.record(
             &self

@@ -1392,11 +1392,11 @@ impl<S: EventStore> Session<S> {
                 AppendOutcome::Appended { seq } => {
                     let woke = req.wake.is_some();
                     if let Some(outcome) = req.terminal {
-                        let trace = view.lock().trace;
+                        // The view's lock is taken only when the line is on.
                         info!(
                             target: DELEGATION_LOG,
                             key = %req.key,
-                            trace_id = trace.map(tracing::field::display),
+                            trace_id = view.lock().trace.map(tracing::field::display),
                             outcome = outcome.name(),
                             seq,
                             "delegation finished"

@@ -619,13 +619,12 @@ impl LinkHandle {
 
     /// Names the trace of a delegation this connector serves (known once
     /// its request verified), so the link's own lines about it carry it.
-    pub async fn note_trace(&self, key: &DelegationKey, trace: oab_wire::TraceId) {
-        let _ = self
-            .command(Command::Trace {
-                key: key.clone(),
-                trace,
-            })
-            .await;
+    /// Never waits: with the link's queue full, its lines go without it.
+    pub fn note_trace(&self, key: &DelegationKey, trace: oab_wire::TraceId) {
+        let _ = self.tx.try_send(Command::Trace {
+            key: key.clone(),
+            trace,
+        });
     }
 
     /// A snapshot of a delegation.

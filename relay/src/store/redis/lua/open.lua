@@ -5,11 +5,15 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return out
 end
 redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('HSET', KEYS[1], 'callee', ARGV[1], 'dl', ARGV[2], 'dg', ARGV[3], 'ct', ARGV[4],
+local meta = {'callee', ARGV[1], 'dl', ARGV[2], 'dg', ARGV[3], 'ct', ARGV[4],
   'dt', '1', 'ds', '1', 'ut', '0', 'us', '0', 'term', '', 'tms', '', 'acc', '',
-  'db', string.format('%.0f', #ARGV[5]), 'ub', '0')
+  'db', string.format('%.0f', #ARGV[5]), 'ub', '0'}
+if ARGV[8] ~= '' then
+  meta[#meta + 1] = 'tr'
+  meta[#meta + 1] = ARGV[8]
+end
+redis.call('HSET', KEYS[1], unpack(meta))
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[6], '1-0', 'f', ARGV[5])
-if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'tr', ARGV[8]) end
 if ARGV[7] ~= '' then redis.call('PUBLISH', ARGV[7], 'W' .. ARGV[5]) end
 if #KEYS == 8 then
   redis.call('SADD', KEYS[4], ARGV[9])
